@@ -1,0 +1,130 @@
+"""optimize(): trace -> pass pipeline -> a drop-in replacement for the model."""
+from __future__ import annotations
+
+import numbers
+import os
+import time
+
+import torch
+import torch.fx
+
+from . import passes as passes_pkg
+from .dump import Dumper
+from .errors import OptionError, UsageError
+from .guards import install_mode_guard, install_shape_guard
+from .passes.base import Pass, PassContext
+from .passes.manager import PassManager
+from .report import Report
+from .trace import FRONTENDS, check_inputs, trace
+
+# Passes run when the caller gives no pipeline: cleanups that every later pass benefits from.
+DEFAULT_PASSES = ("normalize", "cse", "dce")
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def _check_number(name: str, value, kind, positive=True):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise OptionError(f"{name} must be a {'positive ' if positive else ''}number, got {value!r}.")
+    if positive and value <= 0:
+        raise OptionError(f"{name} must be positive, got {value!r}.")
+
+
+def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None) -> list[Pass]:
+    """The pass list for optimize(): the given (or default) passes plus those the arguments ask for."""
+    _check_number("budget_gb", budget_gb, numbers.Real)
+    _check_number("stages", stages, numbers.Integral)
+    if precision is not None and precision not in PRECISIONS:
+        raise OptionError(f"precision must be one of {', '.join(PRECISIONS)} (or None), got {precision!r}.")
+    pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
+    wanted = [
+        ("precision", "precision", {"dtype": precision}),
+        ("budget_gb", "recompute", {"budget_gb": budget_gb}),
+        ("stages", "pipeline", {"stages": stages}),
+    ]
+    names = {p.name for p in pipeline}
+    for arg, pass_name, options in wanted:
+        if next(iter(options.values())) is None or (arg == "precision" and precision == "fp32"):
+            continue
+        if pass_name not in passes_pkg.available():
+            raise OptionError(
+                f"{arg}= needs the {pass_name!r} pass, which this version of graphopt does not implement "
+                f"yet (available passes: {', '.join(sorted(passes_pkg.available()))}); leave {arg} out."
+            )
+        if pass_name in names:
+            raise OptionError(f"give {arg} either as optimize({arg}=...) or in the {pass_name!r} pass of the pipeline, not both.")
+        pipeline.append(passes_pkg.get(pass_name)(**options))
+    return pipeline
+
+
+def optimize(
+    model: torch.nn.Module,
+    example_inputs=None,
+    *,
+    example_kwargs: dict | None = None,
+    budget_gb: float | None = None,
+    passes=None,
+    precision: str | None = None,
+    stages: int | None = None,
+    train: bool | None = None,
+    frontend: str = "auto",
+    dump_dir: str | os.PathLike | None = None,
+    verify: bool = False,
+):
+    """Rewrite `model` through a pass pipeline and return a drop-in replacement.
+
+    With example inputs: a torch.fx.GraphModule, traced and optimized now. Without: an
+    nn.Module that does so on its first call, and again for each new input signature or
+    train/eval mode. Either shares the model's Parameters and buffers and takes the same
+    arguments; `.graphopt_report` holds the per-pass summary.
+
+    budget_gb: peak memory of one training step, in GB of 10**9 bytes (recompute pass).
+    precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass).
+    train: build for a training step (True) or inference (False); default model.training.
+      The model is put in that mode, and the result refuses to run in the other.
+    dump_dir: write pass-by-pass dumps there (default: $GRAPHOPT_DUMP, else none).
+    verify: after each pass, compare outputs and gradients with the eager model and raise
+      VerifyError naming the first pass that changed them beyond the dtype's tolerance.
+    """
+    if not isinstance(model, torch.nn.Module):
+        check_inputs(model, example_inputs, example_kwargs)  # raises the UsageError
+    if frontend not in FRONTENDS:
+        raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
+    if train is not None and not isinstance(train, bool):
+        raise OptionError(f"train must be True, False or None, got {train!r}.")
+    pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages)
+    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify,
+                    dump_dir=dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP"))
+    if train is not None:
+        model.train(train)
+    if example_inputs is None and example_kwargs is None:
+        from .lazy import LazyOptimized
+
+        return LazyOptimized(model, settings)
+    return optimize_now(model, example_inputs, example_kwargs, **settings)
+
+
+def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir):
+    """Trace `model` in its current mode and run `pipeline` over it."""
+    args, kwargs = check_inputs(model, example_inputs, example_kwargs)
+    start = time.perf_counter()
+    gm = trace(model, args, kwargs, frontend=frontend)
+    report = Report(
+        model=type(model).__name__, frontend=gm.meta["graphopt_frontend"],
+        trace_ms=(time.perf_counter() - start) * 1e3, nodes=len(gm.graph.nodes),
+        dump_dir=str(dump_dir) if dump_dir else None,
+    )
+    ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model)
+    dumper = Dumper(dump_dir) if dump_dir else None
+    gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
+    if dumper:
+        dumper.svg(gm)
+    install_mode_guard(gm, model.training)
+    if ctx.facts.get("shape_specialized"):
+        install_shape_guard(gm, args, kwargs, ctx.facts["shape_specialized"])
+    gm.graphopt_report = report
+    return gm
+
+

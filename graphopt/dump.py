@@ -1,0 +1,123 @@
+"""Pass-by-pass debugging dumps.
+
+    dump_dir/
+      00-trace.py  00-trace.txt      the traced graph (the base of the first diff)
+      kk-name.py                     code of the GraphModule after pass kk, with source locations
+      kk-name.txt                    node table: shape, dtype, bytes and every pass's annotations
+      kk-name.diff                   unified diff of kk-name.py against the previous dump
+      summary.md                     a row per pass (also for passes that changed nothing)
+      kernels/                       generated kernel sources
+      final.svg                      the final graph, when pydot and Graphviz are installed
+
+Passes write their per-node decisions with `note(node, key, value)`; the node table shows them.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch.fx.node import _get_qualified_name
+
+from .meta import TensorInfo, tensor_info
+from .report import Report
+
+NOTES = "graphopt"
+
+
+def note(node: torch.fx.Node, key: str, value) -> None:
+    """Record a pass's decision about a node (kept/recomputed, fused group, stage, dtype, ...)."""
+    node.meta.setdefault(NOTES, {})[key] = value
+
+
+def notes(node: torch.fx.Node) -> dict:
+    return node.meta.get(NOTES, {})
+
+
+def graph_code(gm: torch.fx.GraphModule) -> str:
+    """Readable code of gm and its submodules, each line commented with its source where known."""
+    return gm.print_readable(print_output=False)
+
+
+def node_table(gm: torch.fx.GraphModule) -> str:
+    head = ("name", "op", "target", "shape", "dtype", "bytes", "notes")
+    rows = [head]
+    for node in gm.graph.nodes:
+        info = tensor_info(node)
+        if isinstance(info, TensorInfo):
+            shape, dtype, nbytes = str(list(info.shape)), str(info.dtype).replace("torch.", ""), str(info.nbytes)
+        elif isinstance(info, tuple):
+            parts = [i for i in info if i is not None]
+            shape = " ".join(str(list(i.shape)) for i in parts)
+            dtype = " ".join(sorted({str(i.dtype).replace("torch.", "") for i in parts}))
+            nbytes = str(sum(i.nbytes for i in parts))
+        else:
+            shape = dtype = nbytes = ""
+        marks = " ".join(f"{k}={v}" for k, v in notes(node).items())
+        rows.append((node.name, node.op, _target(node), shape, dtype, nbytes, marks))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _target(node: torch.fx.Node) -> str:
+    if isinstance(node.target, str):
+        return node.target
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
+    try:
+        return _get_qualified_name(node.target)
+    except Exception:  # objects fx cannot name (lambdas, partials) still get a label
+        return repr(node.target)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+class Dumper:
+    """Writes the dumps of one optimize() run into a directory it owns."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        if self.dir.exists():
+            # Stale dumps from an earlier run would mix into this run's diffs.
+            for old in self.dir.glob("[0-9][0-9]-*"):
+                old.unlink()
+            shutil.rmtree(self.dir / "kernels", ignore_errors=True)
+        self.kernels = self.dir / "kernels"
+        self.kernels.mkdir(parents=True, exist_ok=True)
+        self._previous = ""
+
+    def graph(self, index: int, name: str, gm: torch.fx.GraphModule) -> None:
+        stem = self.dir / f"{index:02d}-{_slug(name)}"
+        code = graph_code(gm)
+        stem.with_suffix(".py").write_text(code)
+        stem.with_suffix(".txt").write_text(node_table(gm))
+        if index > 0:
+            diff = difflib.unified_diff(
+                self._previous.splitlines(keepends=True), code.splitlines(keepends=True),
+                fromfile="before", tofile=f"after {name}",
+            )
+            stem.with_suffix(".diff").write_text("".join(diff))
+        self._previous = code
+
+    def summary(self, report: Report) -> None:
+        (self.dir / "summary.md").write_text(report.to_markdown())
+
+    def svg(self, gm: torch.fx.GraphModule) -> bool:
+        """Draw the final graph; False when pydot or Graphviz is missing."""
+        if shutil.which("dot") is None:
+            return False
+        try:
+            from torch.fx.passes.graph_drawer import FxGraphDrawer
+
+            drawer = FxGraphDrawer(gm, "graphopt")
+            (self.dir / "final.svg").write_bytes(drawer.get_dot_graph().create_svg())
+            return True
+        except ImportError:
+            return False

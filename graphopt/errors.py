@@ -1,0 +1,46 @@
+"""The errors graphopt raises: each one sentence that says what was wrong and what to do."""
+
+
+class GraphoptError(Exception):
+    """Base class of every error graphopt raises on purpose."""
+
+
+class TraceError(GraphoptError):
+    """No frontend could capture the model as a graph."""
+
+    def __init__(self, message: str, reasons: dict[str, str] | None = None):
+        self.reasons = dict(reasons or {})
+        if self.reasons:
+            details = "\n".join(f"  - {name}: {why}" for name, why in self.reasons.items())
+            message = f"{message}\n{details}"
+        super().__init__(message)
+
+
+class VerifyError(GraphoptError):
+    """A pass changed the numbers beyond the tolerance for their dtype."""
+
+    def __init__(self, message: str, pass_name: str, errors: dict | None = None):
+        self.pass_name = pass_name
+        self.errors = dict(errors or {})
+        super().__init__(message)
+
+
+class BudgetError(GraphoptError):
+    """No plan fits the memory budget; carries the smallest budget that would."""
+
+    def __init__(self, message: str, min_budget_gb: float | None = None, breakdown: dict | None = None):
+        self.min_budget_gb = min_budget_gb
+        self.breakdown = dict(breakdown or {})
+        super().__init__(message)
+
+
+class OptionError(GraphoptError, ValueError):
+    """An unknown pass, an unknown option, or an option value out of range."""
+
+
+class UsageError(GraphoptError, TypeError):
+    """An argument of the wrong kind: not a module, inputs that are not tensors, ..."""
+
+
+class ModeError(GraphoptError, RuntimeError):
+    """The optimized graph was built for training (or inference) and is used in the other mode."""

@@ -1,0 +1,75 @@
+"""What tracing records on every node: shape, dtype, device, stride and bytes of each tensor it makes.
+
+Passes and analyses read `tensor_info(node)` instead of poking at FakeTensors, so the
+answer is the same whichever frontend captured the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+KEY = "tensor_info"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    stride: tuple[int, ...]
+    nbytes: int
+    requires_grad: bool = False
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorInfo":
+        shape = tuple(int(s) for s in t.shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        return cls(
+            shape=shape,
+            dtype=t.dtype,
+            device=t.device,
+            stride=tuple(int(s) for s in t.stride()) if t.layout == torch.strided else (),
+            nbytes=numel * t.element_size(),
+            requires_grad=bool(t.requires_grad),
+        )
+
+    def short(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{dt}[{','.join(map(str, self.shape))}]"
+
+
+def describe(value):
+    """TensorInfo for a tensor, a tuple of them for a tuple/list output, None otherwise."""
+    if isinstance(value, torch.Tensor):
+        return TensorInfo.of(value)
+    if isinstance(value, (tuple, list)):
+        infos = tuple(describe(v) for v in value)
+        return infos if any(i is not None for i in infos) else None
+    return None
+
+
+def record(node: torch.fx.Node, value) -> None:
+    info = describe(value)
+    if info is None:
+        node.meta.pop(KEY, None)
+    else:
+        node.meta[KEY] = info
+
+
+def tensor_info(node: torch.fx.Node):
+    """The node's TensorInfo (or tuple of them); None for nodes that make no tensor."""
+    return node.meta.get(KEY)
+
+
+def node_bytes(node: torch.fx.Node) -> int:
+    """Bytes of every tensor the node makes (tuple outputs summed)."""
+    info = tensor_info(node)
+    if info is None:
+        return 0
+    if isinstance(info, TensorInfo):
+        return info.nbytes
+    return sum(i.nbytes for i in info if i is not None)

@@ -1,0 +1,97 @@
+"""What a pass is: a name, declared options, and run(gm, ctx) -> PassResult.
+
+Passes report what they did (and declined to do, and why) as data in `stats`; the pass
+manager, the dumps and the report render it. Passes never print.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+import torch.fx
+
+from ..errors import OptionError
+
+
+@dataclass
+class PassResult:
+    graph_module: torch.fx.GraphModule
+    changed: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a pass: its default, how text is converted, and the values it accepts."""
+
+    default: Any
+    convert: Callable[[Any], Any]
+    help: str
+    choices: tuple | None = None
+
+
+def to_bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (use true or false)")
+
+
+@dataclass
+class PassContext:
+    """Everything a pass may read besides the graph: the example inputs and the run's settings."""
+
+    example_args: tuple
+    example_kwargs: dict
+    train: bool
+    reference: torch.nn.Module | None = None  # the user's model, for verification
+    facts: dict[str, Any] = field(default_factory=dict)  # what one pass tells later ones
+
+    def flat_inputs(self, gm: torch.fx.GraphModule) -> list:
+        from ..trace import placeholder_values
+
+        return placeholder_values(gm, self.example_args, self.example_kwargs)
+
+
+class Pass:
+    """Base class: subclasses set `name`, `options` and `__doc__` (its algorithm, as numbered steps)."""
+
+    name: ClassVar[str]
+    options: ClassVar[dict[str, Option]] = {}
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            valid = ", ".join(sorted(self.options)) or "none"
+            raise OptionError(f"pass {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {valid}.")
+        self.settings: dict[str, Any] = {}
+        for key, opt in self.options.items():
+            value = options.get(key, opt.default)
+            if key in options and value is not None:
+                try:
+                    value = opt.convert(value)
+                except (TypeError, ValueError) as e:
+                    raise OptionError(f"pass {self.name!r}: bad value {options[key]!r} for option {key!r} ({opt.help}): {e}.") from None
+            if opt.choices is not None and value not in opt.choices:
+                raise OptionError(
+                    f"pass {self.name!r}: option {key}={value!r} is not one of {', '.join(map(str, opt.choices))}."
+                )
+            self.settings[key] = value
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        raise NotImplementedError
+
+    def spec(self) -> str:
+        """The pass as pipeline text, e.g. 'cse' or 'precision{dtype=bf16}'."""
+        changed = {k: v for k, v in self.settings.items() if v != self.options[k].default}
+        if not changed:
+            return self.name
+        return f"{self.name}{{{','.join(f'{k}={v}' for k, v in changed.items())}}}"
+
+    def __repr__(self) -> str:
+        return f"<pass {self.spec()}>"

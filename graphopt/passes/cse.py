@@ -1,0 +1,74 @@
+"""cse: merge nodes that compute the same pure op on the same arguments.
+
+Algorithm:
+  1. Find the values that something mutates or hands to an opaque call: an op reading
+     them may see different data at different points, so nothing reading them merges.
+  2. Walk the graph in order, keying each pure node (passes/purity.py) by its target and
+     its arguments (nodes by identity, containers and slices made hashable).
+  3. A node whose key was seen before is replaced by the earlier node.
+  4. Report merged nodes by op.
+"""
+from __future__ import annotations
+
+import torch.fx
+
+from .. import ops
+from .base import Pass, PassContext, PassResult
+from .purity import pure_op
+from .registry import register
+
+
+def _key(value):
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__,) + tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return ("dict",) + tuple(sorted((k, _key(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", _key(value.start), _key(value.stop), _key(value.step))
+    if isinstance(value, torch.fx.Node):
+        return ("node", id(value))
+    hash(value)  # unhashable constants raise TypeError: that node is not merged
+    return (type(value).__name__, value)
+
+
+def _unsafe_values(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    unsafe = set()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            op = ops.lookup(node, gm)
+            if op is None or op.mutates:
+                unsafe.update(node.all_input_nodes)
+    return unsafe
+
+
+@register
+class CommonSubexpressionElimination(Pass):
+    """Compute each pure expression once."""
+
+    name = "cse"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        # Step 1
+        unsafe = _unsafe_values(gm)
+        seen: dict[tuple, torch.fx.Node] = {}
+        merged: dict[str, int] = {}
+        # Step 2
+        for node in list(gm.graph.nodes):
+            op = pure_op(node, gm)
+            if op is None or any(n in unsafe for n in node.all_input_nodes):
+                continue
+            try:
+                key = (node.op, node.target if isinstance(node.target, str) else id(node.target),
+                       _key(node.args), _key(node.kwargs))
+            except TypeError:
+                continue
+            # Step 3
+            earlier = seen.get(key)
+            if earlier is None:
+                seen[key] = node
+                continue
+            node.replace_all_uses_with(earlier)
+            gm.graph.erase_node(node)
+            merged[op.name] = merged.get(op.name, 0) + 1
+        # Step 4
+        return PassResult(gm, bool(merged), {"merged": sum(merged.values()), "by_op": merged})

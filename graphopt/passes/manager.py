@@ -1,0 +1,85 @@
+"""The pass manager: runs passes and owns everything around them.
+
+For each pass: run it, then lint, recompile and re-annotate the graph it returns, time
+it, optionally verify its numbers against the eager model, and record a report row and
+the dumps. Passes themselves only rewrite and report stats.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.fx
+
+from ..dump import Dumper
+from ..errors import GraphoptError, VerifyError
+from ..report import PassRecord, Report
+from ..trace import annotate
+from ..verify import TOLERANCE, compare, run_step
+from .base import Pass, PassContext
+
+
+def _count(gm: torch.fx.GraphModule) -> int:
+    return len(gm.graph.nodes)
+
+
+class PassManager:
+    def __init__(self, passes: list[Pass], *, verify: bool = False, dumper: Dumper | None = None):
+        self.passes = list(passes)
+        self.verify = verify
+        self.dumper = dumper
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext, report: Report) -> torch.fx.GraphModule:
+        reference = None
+        if self.verify:
+            if ctx.reference is None:
+                raise ValueError("verify=True needs the reference model in the pass context")
+            reference = run_step(ctx.reference, ctx.example_args, ctx.example_kwargs, train=ctx.train, seed=0)
+        if self.dumper:
+            self.dumper.graph(0, "trace", gm)
+        dumped = 0
+        for index, p in enumerate(self.passes, 1):
+            before = _count(gm)
+            start = time.perf_counter()
+            try:
+                result = p.run(gm, ctx)
+            except GraphoptError:
+                raise
+            except Exception as e:
+                raise GraphoptError(
+                    f"pass {p.spec()!r} failed on {report.model}: {type(e).__name__}: {e}. "
+                    "Run again without this pass, or with dump_dir= to see the graph it was given."
+                ) from e
+            gm = result.graph_module
+            if result.changed:
+                gm.graph.lint()
+                gm.recompile()
+                annotate(gm, ctx.flat_inputs(gm))
+            elapsed = (time.perf_counter() - start) * 1e3
+            record = PassRecord(
+                name=p.spec(), time_ms=elapsed, nodes_before=before, nodes_after=_count(gm),
+                changed=result.changed, stats=dict(result.stats),
+                peak_bytes=result.stats.get("predicted_peak_bytes"),
+            )
+            report.passes.append(record)
+            if reference is not None:
+                errors = compare(reference, run_step(gm, ctx.example_args, ctx.example_kwargs, train=ctx.train, seed=0))
+                record.max_abs_err, record.max_rel_err = errors.max_abs, errors.max_rel
+                dtype = ctx.facts.get("compute_dtype", torch.float32)
+                if not errors.within(dtype):
+                    if self.dumper:
+                        self.dumper.summary(report)
+                    raise VerifyError(
+                        f"pass {p.spec()!r} changed the numbers: max relative error {errors.max_rel:.3g} "
+                        f"(max abs {errors.max_abs:.3g}, worst in {errors.worst}) exceeds the {dtype} "
+                        f"tolerance {TOLERANCE.get(dtype, TOLERANCE[torch.float32]):g}. It is the first pass "
+                        "to do so: leave it out of the pipeline and report the model to graphopt.",
+                        pass_name=p.name,
+                        errors={"max_abs": errors.max_abs, "max_rel": errors.max_rel, "worst": errors.worst},
+                    )
+            if self.dumper and result.changed:
+                self.dumper.graph(index, p.name, gm)
+                dumped += 1
+        if self.dumper:
+            self.dumper.summary(report)
+        return gm

@@ -1,0 +1,75 @@
+"""The optimization report: one row per pass, as data, rendered as text or markdown."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class PassRecord:
+    name: str
+    time_ms: float
+    nodes_before: int
+    nodes_after: int
+    changed: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    peak_bytes: int | None = None  # predicted peak memory, when the pass knows it
+
+
+@dataclass
+class Report:
+    model: str
+    frontend: str
+    trace_ms: float
+    nodes: int
+    passes: list[PassRecord] = field(default_factory=list)
+    dump_dir: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rows(self) -> list[list[str]]:
+        head = ["#", "pass", "ms", "nodes", "changed", "max err", "peak", "stats"]
+        body = [["00", f"trace ({self.frontend})", f"{self.trace_ms:.1f}", f"{self.nodes}", "", "", "", ""]]
+        for k, r in enumerate(self.passes, 1):
+            err = "" if r.max_rel_err is None else f"{r.max_abs_err:.2e} abs / {r.max_rel_err:.2e} rel"
+            peak = "" if r.peak_bytes is None else _gib(r.peak_bytes)
+            body.append([
+                f"{k:02d}", r.name, f"{r.time_ms:.1f}", f"{r.nodes_before} -> {r.nodes_after}",
+                "yes" if r.changed else "no", err, peak, _stats_text(r.stats),
+            ])
+        return [head] + body
+
+    def to_markdown(self) -> str:
+        rows = self.rows()
+        lines = [f"# graphopt summary: {self.model}", ""]
+        lines.append("| " + " | ".join(rows[0]) + " |")
+        lines.append("|" + "---|" * len(rows[0]))
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
+        return "\n".join(lines) + "\n"
+
+    def to_text(self) -> str:
+        rows = self.rows()
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        widths[-1] = min(widths[-1], 70)
+        fmt = lambda row: "  ".join(c[:w].ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+        sep = "  ".join("-" * w for w in widths)
+        return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]])
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"
+
+
+def _stats_text(stats: dict) -> str:
+    parts = []
+    for key, value in stats.items():
+        if isinstance(value, (list, tuple, dict)):
+            value = len(value)
+        parts.append(f"{key}={value}")
+    return ", ".join(parts)

@@ -1,0 +1,197 @@
+"""Frontends that capture a model as a torch.fx graph, and FakeTensor annotation.
+
+Two frontends:
+  "fx"     torch.fx.symbolic_trace: a torch-level graph that keeps leaf modules
+           (nn.Linear, nn.BatchNorm2d, ...) as call_module nodes.
+  "export" torch.export.export(strict=False).module(): an ATen-level graph that captures
+           what fx cannot (data-dependent Python, HF models), still trainable.
+"auto" tries fx first and falls back to export.
+
+Annotation runs the graph on FakeTensors (shapes only, no memory) and records a
+TensorInfo on every tensor-producing node: a 10 GB model traces on a laptop.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+# The swap that torch.func.functional_call itself uses; there is no public context-manager form.
+from torch.nn.utils.stateless import _reparametrize_module
+
+from . import meta
+from .errors import TraceError, UsageError
+
+FRONTENDS = ("auto", "fx", "export")
+
+_ADVICE = (
+    "What you can do: check that example_inputs and example_kwargs match the model's forward() "
+    "signature and run in eager mode; keep Python control flow from depending on tensor values "
+    "(or try frontend='export'); register custom output classes with "
+    "torch.utils._pytree.register_dataclass."
+)
+
+
+class _Tracer(torch.fx.Tracer):
+    """symbolic_trace's tracer, recording where each node came from for the dumps."""
+
+    def __init__(self):
+        super().__init__()
+        self.record_stack_traces = True
+
+
+def check_inputs(model, example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    """Normalize example inputs to (args, kwargs) or raise a UsageError that says how to pass them."""
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(
+            f"graphopt needs a torch.nn.Module, got {type(model).__name__}; wrap a plain function "
+            "in an nn.Module whose forward() calls it."
+        )
+    if example_inputs is None:
+        args: tuple = ()
+    elif isinstance(example_inputs, torch.Tensor):
+        args = (example_inputs,)
+    elif isinstance(example_inputs, (tuple, list)):
+        args = tuple(example_inputs)
+    else:
+        raise UsageError(
+            f"example_inputs must be a tensor or a tuple of forward()'s positional arguments, "
+            f"got {type(example_inputs).__name__}; pass keyword arguments as example_kwargs={{...}}."
+        )
+    if example_kwargs is None:
+        kwargs: dict = {}
+    elif isinstance(example_kwargs, dict):
+        kwargs = dict(example_kwargs)
+    else:
+        raise UsageError(f"example_kwargs must be a dict of forward()'s keyword arguments, got {type(example_kwargs).__name__}.")
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise UsageError(
+            f"example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
+            "Pass one example value for each argument forward() needs."
+        ) from None
+    return args, kwargs
+
+
+def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    sig = inspect.signature(model.forward)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+        raise TraceError("forward(*args, **kwargs) has no fixed signature for fx placeholders")
+    bound = sig.bind(*args, **kwargs)
+    # Arguments the user left at their default are baked in (fx guards each with an assert),
+    # so that `if mask is not None:` traces instead of failing on a Proxy.
+    concrete = {name: p.default for name, p in sig.parameters.items() if name not in bound.arguments}
+    graph = _Tracer().trace(model, concrete_args=concrete or None)
+    gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__)
+    _share_structure(gm, model)
+    return gm
+
+
+def _share_structure(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Make gm hold the model's own submodules, parameters and buffers.
+
+    fx copies only the attributes the graph uses, into fresh container modules; putting the
+    original children back keeps every Parameter shared and state_dict keys equal to the
+    model's (unused ones included), while every graph target still resolves.
+    """
+    for name, child in model.named_children():
+        setattr(gm, name, child)
+    for name, p in model.named_parameters(recurse=False):
+        gm.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        gm.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+
+
+def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    gm = ep.module()
+    # ExportedProgram.module() makes train()/eval() raise NotImplementedError. graphopt lets the
+    # flag change like on any module and its mode guard explains the problem at call time.
+    gm.__dict__.pop("train", None)
+    gm.__dict__.pop("eval", None)
+    return gm
+
+
+def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The values the graph's placeholders take for a call gm(*args, **kwargs), in order."""
+    in_spec = getattr(gm, "_in_spec", None)
+    if in_spec is not None:  # export: placeholders are the pytree leaves of (args, kwargs)
+        import torch.fx._pytree as fx_pytree
+
+        return list(fx_pytree.tree_flatten_spec((args, kwargs), in_spec))
+    sig = inspect.signature(gm.forward)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return [bound.arguments[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
+    """Record a TensorInfo on every node by running the graph on FakeTensors.
+
+    Inputs, parameters and buffers are all swapped for fakes while the graph runs, so no
+    memory is allocated and nothing real is written: BatchNorm's in-place counter updates
+    land on fakes, and models built on the meta device annotate just the same.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    state = {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
+    # from_tensor memoizes, so tied weights stay one fake tensor.
+    fake_state = {name: fake(t) for name, t in state.items()}
+    with _reparametrize_module(gm, fake_state):
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[fake(v) for v in flat_inputs])
+    for node in gm.graph.nodes:
+        meta.record(node, node.meta.get("val"))
+
+
+_FRONTENDS = {"fx": _trace_fx, "export": _trace_export}
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: Any = None,
+    example_kwargs: dict | None = None,
+    frontend: str = "auto",
+) -> torch.fx.GraphModule:
+    """Capture `model` as a GraphModule whose nodes carry shape, dtype, device, stride and bytes.
+
+    The GraphModule shares the model's Parameters and buffers and takes the same arguments.
+    Raises TraceError with each frontend's reason when none can capture the model.
+    """
+    if frontend not in FRONTENDS:
+        from .errors import OptionError
+
+        raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
+    args, kwargs = check_inputs(model, example_inputs, example_kwargs)
+    order = ("fx", "export") if frontend == "auto" else (frontend,)
+    reasons: dict[str, str] = {}
+    for name in order:
+        try:
+            gm = _FRONTENDS[name](model, args, kwargs)
+            annotate(gm, placeholder_values(gm, args, kwargs))
+        except Exception as e:  # each frontend's failure is reported, the next one tried
+            reasons[name] = _first_line(e)
+            continue
+        gm.meta["graphopt_frontend"] = name
+        gm.meta["graphopt_training"] = model.training
+        return gm
+    raise TraceError(
+        f"graphopt could not trace {type(model).__name__} with the given example inputs "
+        f"(frontend={frontend!r}). {_ADVICE} Each frontend's reason:",
+        reasons,
+    )
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    head = " ".join(lines[:3])
+    return f"{type(e).__name__}: {head[:400]}"
+
+
+def flatten_outputs(value) -> list:
+    return pytree.tree_leaves(value)

@@ -1,0 +1,99 @@
+"""Numeric comparison of a rewritten module against the user's eager model.
+
+Both run on the same inputs from the same RNG seed (so dropout draws the same mask),
+forward and, in training, backward with the same random cotangents. Gradients and
+buffers are restored afterwards: verifying never changes the user's model.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+# Relative tolerance (max |a - b| / max |reference|) per dtype the rewritten graph computes in.
+TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+}
+
+
+@dataclass
+class Errors:
+    max_abs: float
+    max_rel: float
+    worst: str  # which output or gradient had the largest relative error
+
+    def within(self, dtype: torch.dtype) -> bool:
+        return self.max_rel <= TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module):
+    """Save and restore parameter grads and buffer values around trial runs."""
+    grads = [(p, p.grad) for p in module.parameters()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        for p, _ in grads:
+            p.grad = None
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in buffers:
+                b.copy_(v)
+        for p, g in grads:
+            p.grad = g
+
+
+def run_step(module, args, kwargs, *, train: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Outputs (and in training, parameter gradients) of one step, by name."""
+    named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    with preserved_state(module), torch.random.fork_rng(devices=_devices(args, kwargs)):
+        torch.manual_seed(seed)
+        with torch.set_grad_enabled(train):
+            out = module(*args, **kwargs)
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        result = {f"output[{i}]": t.detach().clone() for i, t in enumerate(leaves)}
+        if train:
+            diff = [t for t in leaves if t.requires_grad and t.is_floating_point()]
+            gen = torch.Generator().manual_seed(seed + 1)
+            cotangents = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t) for t in diff]
+            if diff:
+                torch.autograd.backward(diff, cotangents)
+            for name, p in named_params:
+                if p.grad is not None:
+                    result[f"grad[{name}]"] = p.grad.detach().clone()
+    return result
+
+
+def compare(reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor]) -> Errors:
+    if reference.keys() != candidate.keys():
+        missing = sorted(set(reference) ^ set(candidate))
+        return Errors(float("inf"), float("inf"), f"mismatched outputs/gradients: {', '.join(missing[:5])}")
+    worst, max_abs, max_rel = "", 0.0, 0.0
+    for key, ref in reference.items():
+        got = candidate[key]
+        if ref.shape != got.shape:
+            return Errors(float("inf"), float("inf"), f"{key}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
+        if ref.numel() == 0:
+            continue
+        r, g = ref.double(), got.double()
+        both_nan = torch.isnan(r) & torch.isnan(g)
+        abs_err = torch.where(both_nan, torch.zeros_like(r), (r - g).abs())
+        a = float(abs_err.max())
+        scale = float(r.abs().nan_to_num(0.0).max())
+        rel = a / scale if scale > 0 else a
+        if a != a:  # NaN where the reference has none
+            a = rel = float("inf")
+        max_abs = max(max_abs, a)
+        if rel >= max_rel:
+            max_rel, worst = rel, key
+    return Errors(max_abs, max_rel, worst)
+
+
+def _devices(args, kwargs) -> list:
+    return sorted({t.device.index or 0 for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})

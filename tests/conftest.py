@@ -1,0 +1,59 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+
+from graphopt import zoo
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def step(module, args, kwargs, seed=0):
+    """Outputs and parameter gradients of one training step (same RNG seed each call)."""
+    import torch.utils._pytree as pytree
+
+    for p in module.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    out = module(*args, **kwargs)
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    loss = sum((t.float() * (i + 1)).sum() for i, t in enumerate(leaves) if t.is_floating_point())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    for p in module.parameters():
+        p.grad = None
+    return [t.detach() for t in leaves], grads
+
+
+def assert_same_step(model, opt, args, kwargs, exact=True, tol=1e-5):
+    ref_out, ref_grads = step(model, args, kwargs)
+    got_out, got_grads = step(opt, args, kwargs)
+    assert len(ref_out) == len(got_out)
+    for r, g in zip(ref_out, got_out):
+        assert r.shape == g.shape and r.dtype == g.dtype
+        if exact:
+            assert torch.equal(r, g), float((r - g).abs().max())
+        else:
+            torch.testing.assert_close(g, r, atol=tol, rtol=tol)
+    assert ref_grads.keys() == got_grads.keys()
+    for name in ref_grads:
+        if exact:
+            assert torch.equal(ref_grads[name], got_grads[name]), name
+        else:
+            torch.testing.assert_close(got_grads[name], ref_grads[name], atol=tol, rtol=tol)
+
+
+FX_ZOO = {
+    "mlp": zoo.mlp,
+    "convnet": zoo.convnet,
+    "gpt": zoo.gpt,
+    "two_heads_tuple": lambda: zoo.two_heads("tuple"),
+    "two_heads_dict": lambda: zoo.two_heads("dict"),
+    "two_heads_dataclass": lambda: zoo.two_heads("dataclass"),
+}

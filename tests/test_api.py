@@ -1,0 +1,198 @@
+import pytest
+import torch
+
+import graphopt
+from graphopt import zoo
+
+from conftest import FX_ZOO, assert_same_step, step
+
+
+@pytest.mark.parametrize("name", FX_ZOO)
+def test_empty_pipeline_is_exact(name):
+    model, args, kwargs = FX_ZOO[name]()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, passes=[])
+    assert isinstance(opt, torch.fx.GraphModule)
+    assert_same_step(model, opt, args, kwargs, exact=True)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_bert"])
+def test_empty_pipeline_is_exact_on_transformers(name):
+    pytest.importorskip("transformers")
+    model, args, kwargs = zoo.HF_ZOO[name]()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, passes=[])
+    assert opt.graphopt_report.frontend == "export"
+    assert_same_step(model, opt, args, kwargs, exact=True)
+    out = opt(*args, **kwargs)
+    assert type(out) is type(model(*args, **kwargs))
+
+
+def test_output_structure_matches():
+    for returns, kind in [("tuple", tuple), ("dict", dict), ("dataclass", zoo.GPTOutput)]:
+        model, args, kwargs = zoo.two_heads(returns)
+        opt = graphopt.optimize(model, args, example_kwargs=kwargs)
+        assert type(opt(*args, **kwargs)) is kind
+
+
+def test_optimizer_trains_shared_parameters_and_batchnorm_stats_update():
+    model, args, kwargs = zoo.convnet()
+    opt = graphopt.optimize(model, args, passes=[])
+    assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
+    assert list(opt.state_dict()) == list(model.state_dict())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = model.fc.weight.clone()
+    stats = model.stem[1].running_mean.clone()
+    opt(*args).sum().backward()
+    sgd.step()
+    assert not torch.equal(w, model.fc.weight)
+    assert not torch.equal(stats, model.stem[1].running_mean)
+    assert model.stem[1].num_batches_tracked.item() == 1
+
+
+def test_training_loop_matches_eager():
+    torch.manual_seed(0)
+    model_a, args, kwargs = zoo.gpt(layers=1)
+    model_b, _, _ = zoo.gpt(layers=1)
+    model_b.load_state_dict(model_a.state_dict())
+    opt = graphopt.optimize(model_b, args, example_kwargs=kwargs)
+    sgd_a = torch.optim.AdamW(model_a.parameters(), lr=1e-3)
+    sgd_b = torch.optim.AdamW(model_b.parameters(), lr=1e-3)
+    for i in range(3):
+        torch.manual_seed(i)
+        loss_a = model_a(*args, **kwargs).loss
+        torch.manual_seed(i)
+        loss_b = opt(*args, **kwargs).loss
+        torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=1e-5)
+        for s, loss in ((sgd_a, loss_a), (sgd_b, loss_b)):
+            s.zero_grad()
+            loss.backward()
+            s.step()
+
+
+def test_lazy_module_optimizes_per_signature_and_mode():
+    model, args, kwargs = zoo.gpt(targets=False)
+    lazy = graphopt.optimize(model)
+    assert lazy.graph_module is None
+    assert list(lazy.state_dict()) == list(model.state_dict())
+    assert {id(p) for p in lazy.parameters()} == {id(p) for p in model.parameters()}
+    assert_same_step(model, lazy, args, kwargs, exact=True)
+    first = lazy.graph_module
+    assert isinstance(first, torch.fx.GraphModule) and lazy.graphopt_report is not None
+    longer = (torch.randint(0, 256, (2, 48)),)
+    assert_same_step(model, lazy, longer, {}, exact=True)
+    assert lazy.graph_module is not first
+    lazy(*args)
+    assert lazy.graph_module is first  # built once per signature
+    lazy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lazy(*args).logits, model(*args).logits, atol=0, rtol=0)
+    assert lazy.graph_module.meta["graphopt_training"] is False
+    assert lazy.blocks is model.blocks  # attributes resolve to the model's
+
+
+def test_mode_is_guarded():
+    model, args, kwargs = zoo.gpt()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs)
+    opt.eval()
+    with pytest.raises(graphopt.ModeError, match="train=False"):
+        opt(*args, **kwargs)
+    opt.train()
+    opt(*args, **kwargs)
+    model.eval()  # the original shares its modules with the optimized one
+    with pytest.raises(graphopt.ModeError):
+        opt(*args, **kwargs)
+
+
+def test_inference_build_with_train_false():
+    model, args, kwargs = zoo.gpt()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, train=False)
+    assert not model.training and not opt.training
+    with torch.no_grad():
+        assert torch.equal(opt(*args, **kwargs).logits, model(*args, **kwargs).logits)
+
+
+def test_exported_module_mode_guard():
+    pytest.importorskip("transformers")
+    model, args, kwargs = zoo.hf_bert()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, train=True)
+    opt.eval()  # allowed, unlike a bare ExportedProgram.module()
+    with pytest.raises(graphopt.ModeError):
+        opt(*args, **kwargs)
+
+
+def test_verify_records_errors_per_pass():
+    model, args, kwargs = zoo.gpt()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, verify=True)
+    rows = opt.graphopt_report.passes
+    assert [r.name for r in rows] == list(graphopt.DEFAULT_PASSES)
+    assert all(r.max_rel_err is not None and r.max_rel_err <= 1e-6 for r in rows)
+
+
+
+
+def test_verify_names_the_first_pass_that_changes_numbers():
+    from graphopt.passes import Pass, PassResult
+
+    class Scale(Pass):
+        """Multiplies the first float output by 1.01: a deliberately wrong rewrite."""
+
+        name = "scale"
+
+        def run(self, gm, ctx):
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            first = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+            with gm.graph.inserting_before(out):
+                scaled = gm.graph.call_function(torch.mul, (first, 1.01))
+            out.replace_input_with(first, scaled)
+            return PassResult(gm, True, {})
+
+    model, args, _ = zoo.mlp()
+    with pytest.raises(graphopt.VerifyError, match="'scale'") as info:
+        graphopt.optimize(model, args, passes=["cse", Scale(), "dce"], verify=True)
+    assert info.value.pass_name == "scale"
+    assert info.value.errors["max_rel"] > 1e-3
+
+
+def test_verify_leaves_model_state_alone():
+    model, args, kwargs = zoo.convnet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    graphopt.optimize(model, args, verify=True)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"budget_gb": 4}, "recompute"),
+    ({"precision": "bf16"}, "precision"),
+    ({"stages": 2}, "pipeline"),
+    ({"budget_gb": -1}, "positive"),
+    ({"budget_gb": "4"}, "number"),
+    ({"precision": "int4"}, "bf16, fp16, fp32"),
+    ({"stages": 1.5}, "number"),
+    ({"passes": "normalize,fusion"}, "available passes"),
+    ({"passes": "cse{aggressive=1}"}, "no option"),
+    ({"passes": ["cse", 3]}, "not a pass"),
+    ({"frontend": "jit"}, "auto, fx, export"),
+    ({"train": "yes"}, "train"),
+])
+def test_bad_options_are_rejected_before_tracing(kwargs, match):
+    model, args, _ = zoo.mlp()
+    with pytest.raises(graphopt.OptionError, match=match):
+        graphopt.optimize(model, args, **kwargs)
+    with pytest.raises(ValueError):  # OptionError is a ValueError too
+        graphopt.optimize(model, args, **kwargs)
+
+
+def test_precision_fp32_is_a_no_op():
+    model, args, _ = zoo.mlp()
+    opt = graphopt.optimize(model, args, precision="fp32", passes=[])
+    assert opt.graphopt_report.passes == []
+
+
+def test_bad_model_and_inputs():
+    with pytest.raises(graphopt.UsageError, match="nn.Module"):
+        graphopt.optimize("model", (torch.randn(2),))
+    model, args, _ = zoo.mlp()
+    with pytest.raises(graphopt.UsageError, match="example_inputs"):
+        graphopt.optimize(model, 3)
+    with pytest.raises(graphopt.TraceError):
+        graphopt.optimize(model, (torch.randn(2, 7),))

@@ -1,0 +1,168 @@
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphopt
+from graphopt import passes, zoo
+from graphopt.passes import parse_pipeline
+
+from conftest import FX_ZOO, assert_same_step
+
+
+def test_pipeline_text():
+    pipeline = parse_pipeline("normalize, cse ,dce")
+    assert [p.name for p in pipeline] == ["normalize", "cse", "dce"]
+    assert [p.spec() for p in parse_pipeline(["dce", ("cse", {})])] == ["dce", "cse"]
+    for bad, match in [("cse{", "unclosed"), ("cse}", "unmatched"), ("cse{x}", "key=value"),
+                       ("nope", "available passes: cse, dce, normalize"), ("dce{verbose=1}", "options are: none")]:
+        with pytest.raises(graphopt.OptionError, match=match):
+            parse_pipeline(bad)
+
+
+def test_options_are_converted_and_checked():
+    from graphopt.passes import Option, Pass, PassResult
+    from graphopt.passes.base import to_bool
+
+    class Demo(Pass):
+        name = "demo-options"
+        options = {
+            "k": Option(2, int, "a count"),
+            "mode": Option("a", str, "a mode", choices=("a", "b")),
+            "on": Option(False, to_bool, "a switch"),
+        }
+
+        def run(self, gm, ctx):
+            return PassResult(gm, False)
+
+    p = Demo(k="5", on="true")
+    assert p.settings == {"k": 5, "mode": "a", "on": True}
+    assert p.spec() == "demo-options{k=5,on=True}"
+    with pytest.raises(graphopt.OptionError, match="bad value"):
+        Demo(k="five")
+    with pytest.raises(graphopt.OptionError, match="a, b"):
+        Demo(mode="c")
+
+
+def _run(pass_name, model, args, kwargs=None):
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs or {}, passes=[pass_name], verify=True)
+    return opt, opt.graphopt_report.passes[0]
+
+
+@pytest.mark.parametrize("name", FX_ZOO)
+@pytest.mark.parametrize("pass_name", ["normalize", "cse", "dce"])
+def test_each_pass_keeps_outputs_and_gradients(name, pass_name):
+    model, args, kwargs = FX_ZOO[name]()
+    opt, _ = _run(pass_name, model, args, kwargs)
+    assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_bert"])
+def test_default_pipeline_on_transformers(name):
+    pytest.importorskip("transformers")
+    model, args, kwargs = zoo.HF_ZOO[name]()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, verify=True)
+    assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-6)
+
+
+class Spellings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.LeakyReLU(0.2)
+        self.gelu = nn.GELU()
+
+    def forward(self, x, y):
+        a = x.relu() + y          # method + operator
+        b = self.act(a) * 2.0     # stateless module + operator with a scalar
+        c = 3.0 - b               # reversed operator: no torch.sub(3.0, b) form
+        d = self.gelu(c).permute(1, 0)  # method with varargs: torch.permute takes a tuple
+        return d.sum(0)
+
+
+def test_normalize_rewrites_spellings_into_torch_functions():
+    model, args = Spellings(), (torch.randn(4, 3), torch.randn(4, 3))
+    opt, record = _run("normalize", model, args)
+    targets = [n.target for n in opt.graph.nodes if n.op != "placeholder" and n.op != "output"]
+    assert torch.relu in targets and torch.add in targets and torch.mul in targets
+    assert F.leaky_relu in targets and F.gelu in targets
+    assert "relu" not in targets and operator.add not in targets
+    assert not any(n.op == "call_module" for n in opt.graph.nodes)
+    assert operator.sub in targets  # 3.0 - b stays as written
+    assert "permute" in targets
+    assert record.stats["rewritten"] >= 6
+    leaky = next(n for n in opt.graph.nodes if n.target is F.leaky_relu)
+    assert 0.2 in leaky.args or leaky.kwargs.get("negative_slope") == 0.2
+    assert_same_step(model, opt, args, {}, exact=True)
+
+
+class Duplicates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        a = torch.sin(x) + torch.sin(x)
+        b = self.lin(x) * self.lin(x)
+        d1 = F.dropout(x, 0.5, self.training)
+        d2 = F.dropout(x, 0.5, self.training)
+        unused = torch.exp(x)  # noqa: F841  (dead, pure)
+        _ = F.dropout(x, 0.5, self.training)  # dead but random: must stay
+        return a + b + d1 + d2
+
+
+def test_cse_merges_pure_ops_but_not_random_ones():
+    model, args = Duplicates(), (torch.randn(4, 8),)
+    opt, record = _run("cse", model, args)
+    assert record.stats["by_op"].get("sin") == 1
+    assert record.stats["by_op"].get("linear") == 1
+    assert "dropout" not in record.stats["by_op"]
+    drops = [n for n in opt.graph.nodes if n.target is F.dropout]
+    assert len(drops) == 3
+    assert_same_step(model, opt, args, {}, exact=True)
+
+
+def test_dce_removes_dead_pure_ops_only():
+    model, args = Duplicates(), (torch.randn(4, 8),)
+    opt, record = _run("dce", model, args)
+    assert record.stats["by_op"] == {"exp": 1}
+    assert len([n for n in opt.graph.nodes if n.target is F.dropout]) == 3
+    assert_same_step(model, opt, args, {}, exact=True)
+
+
+class Mutating(nn.Module):
+    def forward(self, x):
+        y = x * 1.0
+        a = y + 1
+        y.add_(5)  # in-place: y + 1 after this is a different value
+        b = y + 1
+        return a * b
+
+
+def test_cse_does_not_merge_across_mutation():
+    model, args = Mutating(), (torch.randn(5),)
+    opt, record = _run("cse", model, args)
+    assert not record.changed
+    assert_same_step(model, opt, args, {}, exact=True)
+
+
+def test_unknown_ops_are_left_alone():
+    @torch.fx.wrap
+    def mystery(x):
+        return x * 2
+
+    class Opaque(nn.Module):
+        def forward(self, x):
+            unused = mystery(x)  # noqa: F841  opaque: may have side effects, stays
+            return mystery(x) + mystery(x)
+
+    model, args = Opaque(), (torch.randn(3),)
+    opt = graphopt.optimize(model, args, verify=True)
+    assert len([n for n in opt.graph.nodes if n.target is mystery]) == 3
+
+
+def test_available_passes_are_all_implemented():
+    for name, cls in passes.available().items():
+        assert cls.run is not passes.Pass.run, name
+        assert cls.__doc__ and cls.name == name
