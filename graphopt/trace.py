@@ -12,6 +12,7 @@ TensorInfo on every tensor-producing node: a 10 GB model traces on a laptop.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -108,6 +109,7 @@ def _share_structure(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 
 
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    _register_output_dataclasses(model, args, kwargs)
     ep = torch.export.export(model, args, kwargs, strict=False)
     gm = ep.module()
     # ExportedProgram.module() makes train()/eval() raise NotImplementedError. graphopt lets the
@@ -115,6 +117,34 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx
     gm.__dict__.pop("train", None)
     gm.__dict__.pop("eval", None)
     return gm
+
+
+def _register_output_dataclasses(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """export flattens outputs with pytree, which must know each dataclass the model returns.
+
+    One forward on FakeTensors finds them (no memory, nothing real written); each unknown one
+    is registered, as torch.export asks users to do by hand.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _fake_state(model, mode):
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        with mode:
+            out = model(*fake_args, **fake_kwargs)
+
+    def walk(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if type(value) not in pytree.SUPPORTED_NODES:
+                torch.export.register_dataclass(type(value))
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    walk(out)
 
 
 def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
@@ -130,20 +160,23 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> l
     return [bound.arguments[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
-    """Record a TensorInfo on every node by running the graph on FakeTensors.
+def _fake_state(module: torch.nn.Module, mode: FakeTensorMode):
+    """Swap the module's parameters and buffers for FakeTensors while the context is open.
 
-    Inputs, parameters and buffers are all swapped for fakes while the graph runs, so no
-    memory is allocated and nothing real is written: BatchNorm's in-place counter updates
-    land on fakes, and models built on the meta device annotate just the same.
+    Nothing real is allocated or written: BatchNorm's in-place counter updates land on fakes,
+    and models built on the meta device run just the same. from_tensor memoizes, so tied
+    weights stay one fake tensor.
     """
+    state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    return _reparametrize_module(module, {name: mode.from_tensor(t) for name, t in state.items()})
+
+
+def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
+    """Record a TensorInfo on every node by running the graph on FakeTensors."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    state = {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
-    # from_tensor memoizes, so tied weights stay one fake tensor.
-    fake_state = {name: fake(t) for name, t in state.items()}
-    with _reparametrize_module(gm, fake_state):
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*[fake(v) for v in flat_inputs])
+    fake_inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
+    with _fake_state(gm, mode):
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
     for node in gm.graph.nodes:
         meta.record(node, node.meta.get("val"))
 
@@ -191,7 +224,3 @@ def _first_line(e: Exception) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     head = " ".join(lines[:3])
     return f"{type(e).__name__}: {head[:400]}"
-
-
-def flatten_outputs(value) -> list:
-    return pytree.tree_leaves(value)
