@@ -67,9 +67,12 @@ def _gib(n: int) -> str:
 
 
 def _stats_text(stats: dict) -> str:
+    """Scalars as they are, dicts of counts inline, longer collections by their size."""
     parts = []
     for key, value in stats.items():
-        if isinstance(value, (list, tuple, dict)):
-            value = len(value)
+        if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+            value = "{" + " ".join(f"{k}:{v}" for k, v in value.items()) + "}"
+        elif isinstance(value, (list, tuple, dict, set)):
+            value = f"{len(value)} items"
         parts.append(f"{key}={value}")
     return ", ".join(parts)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -37,12 +39,22 @@ _ADVICE = (
 )
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
 class _Tracer(torch.fx.Tracer):
     """symbolic_trace's tracer, recording where each node came from for the dumps."""
 
     def __init__(self):
         super().__init__()
         self.record_stack_traces = True
+
+    def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
+        # fx keeps its own frames, so the dumps would name torch/fx/proxy.py as every node's
+        # source; keep only the frames of the model's code, below graphopt's call to trace.
+        start = max((i + 1 for i, f in enumerate(summary) if f.filename == __file__), default=0)
+        frames = [f for f in list(summary)[start:] if not f.filename.startswith(_TORCH_DIR)]
+        return traceback.StackSummary.from_list(frames)
 
 
 def check_inputs(model, example_inputs, example_kwargs) -> tuple[tuple, dict]:
