@@ -7,6 +7,7 @@ buffers are restored afterwards: verifying never changes the user's model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,18 @@ def preserved_state(module: torch.nn.Module):
             p.grad = g
 
 
+def tensor_leaves(value) -> list[torch.Tensor]:
+    """Every tensor in an output: containers pytree knows, and dataclasses it may not."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in tensor_leaves(getattr(value, f.name))]
+    if isinstance(value, torch.Tensor):
+        return [value]
+    leaves = pytree.tree_leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return []
+    return [t for leaf in leaves for t in tensor_leaves(leaf)]
+
+
 def run_step(module, args, kwargs, *, train: bool, seed: int) -> dict[str, torch.Tensor]:
     """Outputs (and in training, parameter gradients) of one step, by name."""
     named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -55,7 +68,7 @@ def run_step(module, args, kwargs, *, train: bool, seed: int) -> dict[str, torch
         torch.manual_seed(seed)
         with torch.set_grad_enabled(train):
             out = module(*args, **kwargs)
-        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        leaves = tensor_leaves(out)
         result = {f"output[{i}]": t.detach().clone() for i, t in enumerate(leaves)}
         if train:
             diff = [t for t in leaves if t.requires_grad and t.is_floating_point()]

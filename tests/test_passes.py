@@ -82,7 +82,7 @@ class Spellings(nn.Module):
 
 
 def test_normalize_rewrites_spellings_into_torch_functions():
-    model, args = Spellings(), (torch.randn(4, 3), torch.randn(4, 3))
+    model, args = Spellings(), (torch.randn(4, 3, requires_grad=True), torch.randn(4, 3))
     opt, record = _run("normalize", model, args)
     targets = [n.target for n in opt.graph.nodes if n.op != "placeholder" and n.op != "output"]
     assert torch.relu in targets and torch.add in targets and torch.mul in targets
@@ -141,23 +141,25 @@ class Mutating(nn.Module):
 
 
 def test_cse_does_not_merge_across_mutation():
-    model, args = Mutating(), (torch.randn(5),)
+    model, args = Mutating(), (torch.randn(5, requires_grad=True),)
     opt, record = _run("cse", model, args)
     assert not record.changed
     assert_same_step(model, opt, args, {}, exact=True)
 
 
+@torch.fx.wrap
+def mystery(x):
+    return x * 2
+
+
+class Opaque(nn.Module):
+    def forward(self, x):
+        unused = mystery(x)  # noqa: F841  opaque: may have side effects, stays
+        return mystery(x) + mystery(x)
+
+
 def test_unknown_ops_are_left_alone():
-    @torch.fx.wrap
-    def mystery(x):
-        return x * 2
-
-    class Opaque(nn.Module):
-        def forward(self, x):
-            unused = mystery(x)  # noqa: F841  opaque: may have side effects, stays
-            return mystery(x) + mystery(x)
-
-    model, args = Opaque(), (torch.randn(3),)
+    model, args = Opaque(), (torch.randn(3, requires_grad=True),)
     opt = graphopt.optimize(model, args, verify=True)
     assert len([n for n in opt.graph.nodes if n.target is mystery]) == 3
 
