@@ -10,7 +10,7 @@ Algorithm:
      Skip the rewrite when the first operand is not a tensor (2 + x has no torch.add form).
   4. Check the rewrite on the node's FakeTensor inputs: the callable must accept the
      arguments and produce the same shape, dtype and stride; otherwise skip it and say why.
-  5. Replace the node, keeping its metadata and source location.
+  5. Rewrite the node in place: its name, metadata and source location stay.
 
 Modules with parameters or buffers, and random or mutating ops, keep their spelling:
 their state and train/eval behaviour live in the module.
@@ -46,17 +46,23 @@ def _fake(value):
 
 def _same_result(fn, args, kwargs, node) -> bool:
     expected = node.meta.get("val")
-    fake_args = _fake(tuple(args))
-    fake_kwargs = {k: _fake(v) for k, v in kwargs.items()}
-    if not isinstance(expected, torch.Tensor) or not hasattr(expected, "fake_mode"):
+    first = expected[0] if isinstance(expected, (tuple, list)) and expected else expected
+    if not isinstance(first, torch.Tensor) or not hasattr(first, "fake_mode"):
         return False
     try:
-        with expected.fake_mode:
-            got = fn(*fake_args, **fake_kwargs)
+        with first.fake_mode:
+            got = fn(*_fake(tuple(args)), **{k: _fake(v) for k, v in kwargs.items()})
     except Exception:  # the callable does not take these arguments: not the same op spelling
         return False
+    return _same_meta(got, expected)
+
+
+def _same_meta(got, expected) -> bool:
+    if isinstance(expected, (tuple, list)):
+        return (isinstance(got, (tuple, list)) and len(got) == len(expected)
+                and all(_same_meta(g, e) for g, e in zip(got, expected)))
     return (
-        isinstance(got, torch.Tensor) and got.shape == expected.shape
+        isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor) and got.shape == expected.shape
         and got.dtype == expected.dtype and got.stride() == expected.stride()
     )
 
@@ -103,12 +109,9 @@ class Normalize(Pass):
             if not _same_result(fn, args, kwargs, node):
                 skipped[node.name] = f"{fn.__name__} does not take these arguments the same way"
                 continue
-            # Step 5
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(fn, tuple(args), kwargs)
-            new.meta = dict(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            # Step 5: in place, so the node keeps its name and the dump's diff shows only the spelling
+            node.op, node.target = "call_function", fn
+            node.args, node.kwargs = tuple(args), kwargs
             rewritten[op.name] = rewritten.get(op.name, 0) + 1
         changed = bool(rewritten)
         return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped})
