@@ -37,7 +37,6 @@ class PassManager:
             reference = run_step(ctx.reference, ctx.example_args, ctx.example_kwargs, train=ctx.train, seed=0)
         if self.dumper:
             self.dumper.graph(0, "trace", gm)
-        dumped = 0
         for index, p in enumerate(self.passes, 1):
             before = _count(gm)
             start = time.perf_counter()
@@ -79,7 +78,6 @@ class PassManager:
                     )
             if self.dumper and result.changed:
                 self.dumper.graph(index, p.name, gm)
-                dumped += 1
         if self.dumper:
             self.dumper.summary(report)
         return gm
