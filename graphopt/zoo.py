@@ -92,9 +92,13 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight
+        # GPT-2's initialisation: small embeddings (the LM head shares them) and residual
+        # projections scaled by depth, so logits start near uniform.
         for name, p in self.named_parameters():
             if name.endswith("out.weight") or name.endswith("proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+            elif name in ("tok.weight", "pos.weight"):
+                nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets=None):
         t = idx.shape[1]

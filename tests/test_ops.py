@@ -219,7 +219,8 @@ def test_derivative_templates_match_autograd(case):
         expected = torch.zeros_like(leaves[i]) if expected is None else expected
         contribution = evaluate(op.derivatives[i], g=g, out=out, **values(op, operands, params))
         ours = torch.broadcast_to(torch.as_tensor(contribution, dtype=torch.float32), out.shape).sum_to_size(operands[i].shape)
-        assert_close(ours, [expected], rtol=1e-4, atol=ATOL.get(name, 1e-9))
+        # atol: where a derivative crosses zero (silu, mish, gelu near x = -1) its O(1) terms cancel in fp32
+        assert_close(ours, [expected], rtol=1e-4, atol=ATOL.get(name, 1e-7))
 
 
 SMOOTH_UNARY = ["exp", "expm1", "log1p", "tanh", "sigmoid", "erf", "gelu", "gelu_tanh", "silu", "mish", "softplus",
