@@ -1,0 +1,196 @@
+"""Peak memory of one training step: predicted from the graph, and measured.
+
+GB means 10**9 bytes everywhere in graphopt (budget_gb=8 is 8e9 bytes).
+
+estimate_peak walks the step the way eager autograd runs it, counting each storage once
+(storages and saved tensors come from one recorded FakeTensor forward, saved.py):
+  forward   in graph order, a node's new output storages are allocated, with the tensors its
+            kernel saves for backward; a storage is freed after its last use unless a
+            backward still needs it or it is a graph output;
+  backward  in reverse order, a node's backward needs the gradient of its output, one
+            workspace of that size, and makes gradients for its inputs; parameter gradients
+            stay, the rest and the node's saved tensors are freed once its backward has run.
+measure_peak runs a real step: torch.cuda.max_memory_allocated on CUDA, torch's MemTracker
+(which follows live tensor storages) on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from .meta import tensor_info
+from .saved import record_step
+
+GB = 10**9
+
+
+@dataclass
+class Estimate:
+    peak_bytes: int
+    breakdown: dict[str, int]  # live bytes by category at the peak
+    timeline: list[tuple[str, int]] = field(default_factory=list)  # (event, live bytes) through the step
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_bytes / GB
+
+
+class _Live:
+    """Live bytes by category; the peak is kept with the breakdown at that moment."""
+
+    def __init__(self):
+        self.bytes: dict[str, int] = {}
+        self.peak, self.at_peak, self.timeline = 0, {}, []
+
+    def add(self, category: str, n: int, event: str):
+        if n == 0:
+            return
+        self.bytes[category] = self.bytes.get(category, 0) + n
+        total = sum(self.bytes.values())
+        self.timeline.append((event, total))
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.bytes)
+
+
+def output_tensors(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes whose tensors the graph returns, looking through containers it builds
+    (a dataclass or dict constructed in the graph is a node without tensor metadata)."""
+    found, stack, seen = [], list(next(reversed(gm.graph.nodes)).all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if tensor_info(n) is not None:
+            found.append(n)
+        elif n.op == "call_function":
+            stack.extend(n.all_input_nodes)
+    return found
+
+
+def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_state_bytes: int = 0) -> Estimate:
+    """Predicted peak bytes of forward + backward of gm's outputs, on the example inputs.
+
+    optimizer_state_bytes: resident optimizer state (e.g. 2x parameter bytes for Adam).
+    """
+    facts = record_step(gm, flat_inputs)
+    live = _Live()
+    params = {p.untyped_storage()._cdata: p for p in gm.parameters()}
+    live.add("parameters", sum(p.untyped_storage().nbytes() for p in params.values()), "parameters")
+    live.add("buffers", sum(b.untyped_storage().nbytes() for b in gm.buffers()), "buffers")
+    live.add("optimizer state", optimizer_state_bytes, "optimizer state")
+
+    nodes = list(gm.graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    size = {}  # storage -> bytes, for storages graph nodes make (not parameters or buffers)
+    for name, items in facts.storages.items():
+        for key, nbytes in items:
+            if facts.owner.get(key, ("",))[0] == "node":
+                size.setdefault(key, nbytes)
+    last_use: dict[int, int] = {}
+    for n in nodes:
+        for m in [n, *n.all_input_nodes]:
+            for key, _ in facts.storages.get(m.name, []):
+                last_use[key] = max(last_use.get(key, -1), index[n.name])
+    needed_by: dict[int, set[str]] = {}  # storage -> nodes whose backward still needs it
+    internal: dict[str, int] = {}
+    for name, items in facts.saved.items():
+        for s in {s.storage: s for s in items}.values():
+            if s.source == "node":
+                needed_by.setdefault(s.storage, set()).add(name)
+            elif s.source == "internal":
+                internal[name] = internal.get(name, 0) + s.nbytes
+    returned = output_tensors(gm)
+    held = {key for m in returned for key, _ in facts.storages.get(m.name, [])}
+
+    def free(key: int, event: str):
+        if size.get(key) and key not in held and not needed_by.get(key):
+            live.add("activations", -size[key], event)
+            size[key] = 0
+
+    # Forward
+    for n in nodes:
+        if n.op == "output":
+            continue
+        category = "inputs" if n.op == "placeholder" else "activations"
+        new = [k for k, _ in facts.storages.get(n.name, []) if facts.owner.get(k) == ("node", n.name)]
+        live.add(category, sum(size[k] for k in dict.fromkeys(new)) + internal.get(n.name, 0), f"forward {n.name}")
+        for m in [n, *n.all_input_nodes]:
+            for key, _ in facts.storages.get(m.name, []):
+                if last_use.get(key) == index[n.name] and facts.owner[key][0] == "node" \
+                        and facts.owner[key][1] in index and nodes[index[facts.owner[key][1]]].op != "placeholder":
+                    free(key, f"free {facts.owner[key][1]}")
+
+    # Backward: gradients of the outputs, then each node's backward in reverse graph order.
+    grads: dict[str, int] = {}
+    for m in returned:
+        if facts.grad_bytes.get(m.name, 0):
+            grads[m.name] = facts.grad_bytes.get(m.name, 0)
+            live.add("gradients", grads[m.name], f"grad of output {m.name}")
+    param_grads: set[int] = set()
+    for n in reversed(nodes):
+        if n.name not in grads or n.op in ("placeholder", "get_attr"):
+            continue
+        for m in n.all_input_nodes:
+            if m.name not in grads and facts.grad_bytes.get(m.name, 0) and m.op != "get_attr":
+                grads[m.name] = facts.grad_bytes.get(m.name, 0)
+                live.add("gradients", grads[m.name], f"backward {n.name}: grad of {m.name}")
+        for p in _params_used(gm, n):
+            key = p.untyped_storage()._cdata
+            if key not in param_grads:
+                param_grads.add(key)
+                live.add("parameter gradients", p.untyped_storage().nbytes(), f"backward {n.name}: parameter gradient")
+        # Most backward kernels build one temporary the size of the incoming gradient
+        # (f'(x) before the multiply, the recomputed softmax, ...), freed when they return.
+        live.add("transient", grads[n.name], f"backward {n.name}: workspace")
+        live.add("transient", -grads[n.name], f"backward {n.name}: workspace freed")
+        live.add("gradients", -grads[n.name], f"backward {n.name} done")
+        live.add("activations", -internal.get(n.name, 0), f"free saved by {n.name}")
+        for s in {s.storage: s for s in facts.saved.get(n.name, []) if s.source == "node"}.values():
+            needed_by[s.storage].discard(n.name)
+            free(s.storage, f"free {s.owner}")
+    return Estimate(live.peak, live.at_peak, live.timeline)
+
+
+def _params_used(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.nn.Parameter]:
+    """Trainable parameters a node reads: its module's own, or get_attr inputs."""
+    if node.op == "call_module":
+        return [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
+    found = []
+    for m in node.all_input_nodes:
+        if m.op == "get_attr":
+            obj = gm
+            for part in m.target.split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
+                found.append(obj)
+    return found
+
+
+def measure_peak(fn, *track) -> int:
+    """Peak bytes live while fn() runs, counting the modules and tensors in `track` as resident.
+
+    On CUDA: torch.cuda.max_memory_allocated (everything on the device). On CPU: torch's
+    MemTracker, which follows every live tensor storage.
+    """
+    tensors = [t for t in pytree.tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
+    modules = [m for m in track if isinstance(m, torch.nn.Module)]
+    devices = {t.device for t in tensors} | {p.device for m in modules for p in m.parameters()}
+    if any(d.type == "cuda" for d in devices):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    # MemTracker is torch's own live-storage tracker; it lives under a private path.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*modules, *tensors)
+    with tracker:
+        fn()
+    peaks = tracker.get_tracker_snapshot("peak")
+    return max((int(v["Total"]) for v in peaks.values()), default=0)

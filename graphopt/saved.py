@@ -1,0 +1,106 @@
+"""Which tensors autograd saves for each node, measured rather than guessed.
+
+One forward on FakeTensors (no memory) runs under torch.autograd.graph.saved_tensors_hooks.
+Every tensor the hooks see is attributed, by storage, to what made it:
+  - the output of a graph node (placeholders included): saving it keeps that node's output alive;
+  - a parameter or buffer: already resident, costs nothing extra;
+  - nothing in the graph: a tensor made inside the node's own kernel or leaf module
+    (LayerNorm's mean and rstd, dropout's mask, attention's softmax): extra memory held
+    from the node's forward until its backward.
+The answer depends on the device the fakes claim (CPU and CUDA kernels save different things).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+@dataclass(frozen=True)
+class Saved:
+    node: str        # the node whose backward needs the tensor
+    source: str      # "node", "state" (parameter/buffer) or "internal"
+    owner: str       # the node (or state name) whose storage it is; the saving node itself for internal ones
+    storage: int     # identity of the storage, to count shared storages once
+    nbytes: int      # bytes of the whole storage
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass
+class StepFacts:
+    """What one recorded forward says about storages: who makes them and who keeps them."""
+
+    storages: dict[str, list[tuple[int, int]]]   # node -> (storage, bytes) of every tensor in its output
+    owner: dict[int, tuple[str, str]]            # storage -> ("node" | "state" | "internal", name)
+    saved: dict[str, list[Saved]]                # node -> what its backward needs
+    grad_bytes: dict[str, int]                   # node -> bytes of the gradient of its output
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the graph, remembering which node made each storage and keeping every tensor alive
+    (a freed fake storage's address is reused, which would misattribute later tensors)."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.owner: dict[int, tuple[str, str]] = {}
+        self.keep: list[torch.Tensor] = []
+        self.current: torch.fx.Node | None = None
+        self.saved: list[Saved] = []
+        self.storages: dict[str, list[tuple[int, int]]] = {}
+        self.grad_bytes: dict[str, int] = {}
+
+    def run_node(self, n: torch.fx.Node):
+        self.current = n
+        out = super().run_node(n)
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            self.owner.setdefault(_storage_key(t), ("node", n.name))
+            self.keep.append(t)
+        self.storages[n.name] = [(_storage_key(t), t.untyped_storage().nbytes()) for t in tensors]
+        self.grad_bytes[n.name] = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
+        # A kernel that saves its own result (relu, sigmoid, ...) does so before the result is
+        # known as this node's output: that tensor is the output kept alive, not extra memory.
+        mine = {key for key, _ in self.storages[n.name]}
+        for i, saved in enumerate(self.saved):
+            if saved.node == n.name and saved.source == "internal" and saved.storage in mine:
+                self.saved[i] = Saved(saved.node, "node", n.name, saved.storage, saved.nbytes)
+                self.owner[saved.storage] = ("node", n.name)
+        return out
+
+    def pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        source, owner = self.owner.get(key, ("internal", self.current.name))
+        if source == "internal":
+            self.owner[key] = ("internal", self.current.name)  # saved twice by one node: count it once
+            self.keep.append(t)
+        self.saved.append(Saved(self.current.name, source, owner, key, t.untyped_storage().nbytes()))
+        return t
+
+
+def record_step(gm: torch.fx.GraphModule, flat_inputs: list) -> StepFacts:
+    """Run gm's forward once on FakeTensors and record storages and saved tensors."""
+    from .trace import _fake_state
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    recorder = _Recorder(gm)
+    with _fake_state(gm, mode):
+        for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+            recorder.owner.setdefault(_storage_key(t), ("state", name))
+        inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+            recorder.run(*inputs)
+    saved: dict[str, list[Saved]] = {}
+    for s in recorder.saved:
+        saved.setdefault(s.node, []).append(s)
+    return StepFacts(recorder.storages, recorder.owner, saved, recorder.grad_bytes)
+
+
+def saved_tensors(gm: torch.fx.GraphModule, flat_inputs: list) -> dict[str, list[Saved]]:
+    """For each node name, the tensors autograd saves for its backward."""
+    return record_step(gm, flat_inputs).saved

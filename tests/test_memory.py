@@ -1,0 +1,69 @@
+"""The memory model against a measured CPU step (torch's MemTracker over live storages)."""
+import pytest
+import torch
+
+import graphopt
+from graphopt import zoo
+from graphopt.memory import GB, estimate_peak, measure_peak
+from graphopt.saved import saved_tensors
+from graphopt.trace import placeholder_values
+from graphopt.verify import tensor_leaves
+
+# Sized so activations dominate parameters.
+SIZED = {
+    "mlp": lambda: zoo.mlp(batch=512, width=256, depth=4),
+    "convnet": lambda: zoo.convnet(batch=16, size=32),
+    "gpt": lambda: zoo.gpt(batch=8, seq=64, layers=2),
+    "two_heads": lambda: zoo.two_heads("dataclass", batch=2048, dim=64),
+}
+
+
+def _measured(gm, args, kwargs):
+    def step():
+        out = gm(*args, **kwargs)
+        leaves = [t for t in tensor_leaves(out) if t.requires_grad]
+        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+    peak = measure_peak(step, gm, *args, *kwargs.values())
+    for p in gm.parameters():
+        p.grad = None
+    return peak
+
+
+@pytest.mark.parametrize("name", SIZED)
+def test_estimate_within_ten_percent_of_measured(name):
+    model, args, kwargs = SIZED[name]()
+    gm = graphopt.trace(model, args, kwargs)
+    estimate = estimate_peak(gm, placeholder_values(gm, args, kwargs))
+    measured = _measured(gm, args, kwargs)
+    assert abs(estimate.peak_bytes - measured) <= 0.10 * measured, (estimate.peak_bytes, measured)
+    assert estimate.breakdown["activations"] > estimate.breakdown["parameters"]
+    assert estimate.peak_gb == estimate.peak_bytes / GB
+
+
+def test_saved_tensors_are_attributed():
+    model, args, kwargs = zoo.gpt(layers=1)
+    gm = graphopt.trace(model, args, kwargs)
+    saved = saved_tensors(gm, placeholder_values(gm, args, kwargs))
+    fc = saved["blocks_0_fc"]  # nn.Linear saves its input and its weight
+    assert {(s.source, s.owner) for s in fc} == {("node", "blocks_0_ln2"), ("state", "blocks.0.fc.weight")}
+    ln = saved["blocks_0_ln1"]  # LayerNorm: its input, weight and bias, and mean/rstd made inside
+    assert sum(s.source == "internal" for s in ln) == 2
+    assert all(s.source != "internal" for s in saved["gelu"])  # gelu saves its input, a node output
+
+
+def test_relu_saving_its_result_is_not_counted_twice():
+    model, args, kwargs = zoo.convnet()
+    gm = graphopt.trace(model, args, kwargs)
+    saved = saved_tensors(gm, placeholder_values(gm, args, kwargs))
+    assert [(s.source, s.owner) for s in saved["relu"]] == [("node", "relu")]
+
+
+def test_estimate_allocates_nothing_on_meta_models():
+    with torch.device("meta"):
+        big = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(4)])
+    x = torch.empty(4096, 8192, device="meta")
+    gm = graphopt.trace(big, (x,))
+    estimate = estimate_peak(gm, [x])
+    assert estimate.breakdown["parameters"] == sum(p.numel() * 4 for p in big.parameters())
+    assert estimate.peak_bytes > 4 * 4096 * 8192 * 4  # four saved activations at least
