@@ -39,8 +39,11 @@ def notes(node: torch.fx.Node) -> dict:
 
 
 def graph_code(gm: torch.fx.GraphModule) -> str:
-    """Readable code of gm and its submodules, each line commented with its source where known."""
-    return gm.print_readable(print_output=False)
+    """Readable code of gm, its submodules and its recompute segments, with source locations."""
+    from .checkpointing import segment_code
+
+    segments = segment_code(gm)
+    return gm.print_readable(print_output=False) + (f"\n\n{segments}" if segments else "")
 
 
 def node_table(gm: torch.fx.GraphModule) -> str:
