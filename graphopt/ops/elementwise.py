@@ -94,7 +94,7 @@ TABLE = {
     "hardsigmoid": ("x", "tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0",
                     ("tl.where(({x} > -3.0) & ({x} < 3.0), {g} / 6.0, 0.0)",)),
     "hardswish": ("x", "{x} * tl.minimum(tl.maximum({x} + 3.0, 0.0), 6.0) / 6.0",
-                  ("tl.where({x} < -3.0, 0.0, tl.where({x} <= 3.0, {g} * ({x} / 3.0 + 0.5), {g}))",)),
+                  ("tl.where({x} <= -3.0, 0.0, tl.where({x} < 3.0, {g} * ({x} / 3.0 + 0.5), {g}))",)),
     # clamping and selection; clamp's bounds are operands because torch accepts tensors for them
     "clamp": ("x min max", "tl.minimum(tl.maximum({x}, {min}), {max})", (
         "tl.where(({x} >= {min}) & ({x} <= {max}), {g}, 0.0)",
