@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 KEY = "tensor_info"
+ANNOTATED = "graphopt_annotated"  # set on every node the last FakeTensor run reached
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,14 @@ def node_bytes(node: torch.fx.Node) -> int:
     if isinstance(info, TensorInfo):
         return info.nbytes
     return sum(i.nbytes for i in info if i is not None)
+
+
+def is_annotated(node: torch.fx.Node) -> bool:
+    return node.meta.get(ANNOTATED, False)
+
+
+def invalidate(node: torch.fx.Node) -> None:
+    """For a pass that rewrites a node in place so it computes something else: its metadata
+    is stale, and the pass manager re-annotates the graph."""
+    for key in ("val", "tensor_meta", KEY, ANNOTATED):
+        node.meta.pop(key, None)

@@ -191,6 +191,7 @@ def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
     for node in gm.graph.nodes:
         meta.record(node, node.meta.get("val"))
+        node.meta[meta.ANNOTATED] = True
 
 
 _FRONTENDS = {"fx": _trace_fx, "export": _trace_export}

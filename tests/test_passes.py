@@ -168,3 +168,30 @@ def test_available_passes_are_all_implemented():
     for name, cls in passes.available().items():
         assert cls.run is not passes.Pass.run, name
         assert cls.__doc__ and cls.name == name
+
+
+def test_manager_annotates_new_and_invalidated_nodes():
+    from graphopt.meta import invalidate, tensor_info
+    from graphopt.passes import Pass, PassResult
+
+    class Widen(Pass):
+        """Appends a cat that doubles the output, and retargets the head in place."""
+
+        name = "widen"
+
+        def run(self, gm, ctx):
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            head = out.args[0]
+            with gm.graph.inserting_before(out):
+                cat = gm.graph.call_function(torch.cat, ([head, head],))
+            out.replace_input_with(head, cat)
+            relu = next(n for n in gm.graph.nodes if n.name == "relu")
+            relu.target = torch.sigmoid  # computes something else now
+            invalidate(relu)
+            return PassResult(gm, True)
+
+    model, args, _ = zoo.mlp(batch=8)
+    opt = graphopt.optimize(model, args, passes=[Widen()])
+    cat = next(n for n in opt.graph.nodes if n.target is torch.cat)
+    assert tensor_info(cat).shape == (16, 10)
+    assert tensor_info(next(n for n in opt.graph.nodes if n.name == "relu")) is not None
