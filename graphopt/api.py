@@ -10,7 +10,7 @@ import torch.fx
 
 from . import passes as passes_pkg
 from .dump import Dumper
-from .errors import OptionError, UsageError
+from .errors import OptionError
 from .guards import install_mode_guard, install_shape_guard
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager

@@ -79,14 +79,14 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
             if why:
                 raise ValueError(f"node {n.name} cannot be recomputed: {why}")
         module, inputs, outputs = _segment_module(gm, nodes)
-        last = nodes[-1]
+        inside, last = set(nodes), nodes[-1]
         with gm.graph.inserting_after(last):
             call = gm.graph.call_function(RecomputeSegment(k, module), tuple(inputs))
         with gm.graph.inserting_after(call):
             for j, out in enumerate(outputs):
                 item = gm.graph.call_function(operator.getitem, (call, j))
                 item.meta = dict(out.meta)
-                out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in nodes)
+                out.replace_all_uses_with(item, delete_user_cb=lambda user, inside=inside: user not in inside)
         for n in reversed(nodes):
             gm.graph.erase_node(n)
     gm.graph.lint()

@@ -86,7 +86,7 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_stat
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     size = {}  # storage -> bytes, for storages graph nodes make (not parameters or buffers)
-    for name, items in facts.storages.items():
+    for items in facts.storages.values():
         for key, nbytes in items:
             if facts.owner.get(key, ("",))[0] == "node":
                 size.setdefault(key, nbytes)

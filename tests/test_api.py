@@ -4,7 +4,7 @@ import torch
 import graphopt
 from graphopt import zoo
 
-from conftest import FX_ZOO, assert_same_step, step
+from conftest import FX_ZOO, assert_same_step
 
 
 @pytest.mark.parametrize("name", FX_ZOO)

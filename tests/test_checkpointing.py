@@ -1,6 +1,5 @@
 """The recompute rewrite: segments run through torch.utils.checkpoint, same numbers, less memory."""
 import pytest
-import torch
 
 import graphopt
 from graphopt import zoo

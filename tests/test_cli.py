@@ -1,7 +1,6 @@
 import subprocess
 import sys
 
-import pytest
 
 from graphopt.__main__ import main
 

@@ -1,4 +1,3 @@
-import pytest
 
 import graphopt
 from graphopt import zoo
