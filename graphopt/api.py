@@ -22,6 +22,9 @@ DEFAULT_PASSES = ("normalize", "cse", "dce")
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
+# optimize() argument -> (the pass it asks for, that pass's option)
+ARGUMENT_PASSES = {"precision": ("precision", "dtype"), "budget_gb": ("recompute", "budget_gb"), "stages": ("pipeline", "stages")}
+
 
 def _check_number(name: str, value, kind, positive=True):
     if value is None:
@@ -39,14 +42,11 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None) 
     if precision is not None and precision not in PRECISIONS:
         raise OptionError(f"precision must be one of {', '.join(PRECISIONS)} (or None), got {precision!r}.")
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
-    wanted = [
-        ("precision", "precision", {"dtype": precision}),
-        ("budget_gb", "recompute", {"budget_gb": budget_gb}),
-        ("stages", "pipeline", {"stages": stages}),
-    ]
+    requested = {"precision": None if precision == "fp32" else precision, "budget_gb": budget_gb, "stages": stages}
     names = {p.name for p in pipeline}
-    for arg, pass_name, options in wanted:
-        if next(iter(options.values())) is None or (arg == "precision" and precision == "fp32"):
+    for arg, (pass_name, option) in ARGUMENT_PASSES.items():
+        value = requested[arg]
+        if value is None:
             continue
         if pass_name not in passes_pkg.available():
             raise OptionError(
@@ -55,7 +55,7 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None) 
             )
         if pass_name in names:
             raise OptionError(f"give {arg} either as optimize({arg}=...) or in the {pass_name!r} pass of the pipeline, not both.")
-        pipeline.append(passes_pkg.get(pass_name)(**options))
+        pipeline.append(passes_pkg.get(pass_name)(**{option: value}))
     return pipeline
 
 

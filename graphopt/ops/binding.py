@@ -4,6 +4,12 @@ The spelling's own signature does the matching where one exists (the aten schema
 the python signature of an F function, torch's signatures for builtins and Tensor methods); python
 operators, dunders and signature-less builtins bind positionally in the op's canonical order; an
 nn.Module contributes its attributes. Spelling names are then renamed to canonical ones.
+
+The signatures are the ones torch.fx.operator_schemas.normalize_function uses, but the matching is
+done here: bind must know which arguments the call passed (a spelling-only argument left at its
+default is harmless), and normalize_function raises on overloads it cannot tell apart, where a
+tensor-vs-number check on the arguments settles it. normalize_module only knows torch.nn's own
+classes; module.forward's signature serves subclasses too.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import functools
 import inspect
 
 import torch
+from torch._jit_internal import boolean_dispatched
 from torch.fx import Node
 from torch.fx.operator_schemas import get_signature_for_torch_op
 
@@ -34,7 +41,7 @@ def signatures(target) -> tuple[inspect.Signature, ...]:
         if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or inspect.isbuiltin(target):
             sigs = get_signature_for_torch_op(target)
             return tuple(sigs) if isinstance(sigs, list) else (sigs,) if sigs else ()
-        from torch._jit_internal import boolean_dispatched  # F.max_pool2d and friends dispatch on a flag
+        # F.max_pool2d and friends dispatch on a flag between two functions of one signature
         target = boolean_dispatched.get(target, {}).get("if_true", target)
         return (inspect.signature(inspect.unwrap(target)),)
     except (TypeError, ValueError, RuntimeError):
@@ -53,6 +60,19 @@ def _plausible(sig, arguments, produces) -> bool:
     return True
 
 
+def same(a, b) -> bool:
+    """Equal values, without tensor or Node comparison semantics."""
+    return a is b or (not isinstance(a, (Node, torch.Tensor)) and type(a) is type(b) and a == b)
+
+
+def _with_defaults(bound):
+    """All arguments, and the names set to something other than the signature's default."""
+    params = bound.signature.parameters
+    explicit = {k for k, v in bound.arguments.items() if not same(v, params[k].default)}
+    bound.apply_defaults()
+    return dict(bound.arguments), explicit
+
+
 def _bind(sigs, args, kwargs, produces):
     fallback = None
     for sig in sigs:
@@ -61,20 +81,15 @@ def _bind(sigs, args, kwargs, produces):
         except TypeError:
             continue
         if _plausible(sig, bound.arguments, produces):
-            fallback = bound
-            break
+            return _with_defaults(bound)
         fallback = fallback or bound
-    if fallback is None:
-        return None
-    explicit = set(fallback.arguments)
-    fallback.apply_defaults()
-    return dict(fallback.arguments), explicit
+    return _with_defaults(fallback) if fallback else None
 
 
 def _bind_positional(order, args, kwargs):
     if len(args) > len(order):
         return None
-    values = dict(zip(order, args), **kwargs)
+    values = {**dict(zip(order, args)), **kwargs}
     return values, set(values)
 
 
@@ -106,13 +121,11 @@ def _module_attrs(module) -> dict:
 
 def _bind_module(module, args, kwargs):
     try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        values, explicit = _with_defaults(inspect.signature(module.forward).bind(*args, **kwargs))
     except (TypeError, ValueError):
         return None
-    explicit = set(bound.arguments)
-    bound.apply_defaults()
     attrs = _module_attrs(module)
-    return {**bound.arguments, **attrs}, explicit | set(attrs)
+    return {**values, **attrs}, explicit | set(attrs)
 
 
 def arguments(node: Node, spelling: Spelling, module, produces):

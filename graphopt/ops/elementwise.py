@@ -3,8 +3,8 @@
 Each row is  name: (operands, triton, derivatives, params).  A derivative template is the gradient
 contribution to that operand at the broadcast output shape (the caller sum-reduces it back to the
 operand's shape); None marks an operand autograd does not differentiate (a comparison, where's
-condition). Integer operands are computed in fp32 too (the codegen upcasts), so // and % are exact
-up to 2**24.
+condition). Integer operands are computed in fp32 too (the codegen upcasts), so integer // and % are
+only exact while x / y rounds far from an integer: small operands, not int64 index arithmetic.
 """
 from .templates import expm1, log1p, pow_, round_half_even, softplus, tanh, trunc
 
@@ -118,6 +118,9 @@ TABLE = {
     "logical_or": ("x y", "({x} != 0) | ({y} != 0)", NOT_DIFF2),
     "logical_xor": ("x y", "({x} != 0) != ({y} != 0)", NOT_DIFF2),
     "logical_not": ("x", "{x} == 0", (None,)),
+    "isnan": ("x", "{x} != {x}", (None,)),
+    "isinf": ("x", "tl.abs({x}) > 3.4028234663852886e38", (None,)),  # beyond fp32's largest finite value
+    "isfinite": ("x", "tl.abs({x}) <= 3.4028234663852886e38", (None,)),
     # integer bit operations have no fp32 form; on bool tensors lookup resolves them to logical_*
     "bitwise_and": ("x y", None, NOT_DIFF2),
     "bitwise_or": ("x y", None, NOT_DIFF2),

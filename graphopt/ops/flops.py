@@ -68,12 +68,22 @@ def _conv(b, out, transposed=False):
 
 
 def _einsum(b, out):
-    equation, operands = b["equation"].replace(" ", ""), b["tensors"]
-    inputs = equation.split("->")[0].split(",")
-    if "..." in equation or len(inputs) != len(operands):
+    equation, operands = b["equation"], b["tensors"]
+    if not isinstance(equation, str) or not isinstance(operands, (list, tuple)) or "..." in equation:
+        return 0
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    if len(inputs) != len(operands):
         return 0
     sizes = {c: n for spec, t in zip(inputs, operands) for c, n in zip(spec, _shape(t))}
     return 2 * math.prod(sizes.values())
+
+
+def _tensordot(b, out):
+    shape, dims = _shape(b["x"]), b["dims_self"]
+    try:
+        return 2 * out * math.prod(shape[d] for d in dims)
+    except (TypeError, IndexError):  # dims missing or not matching the shape
+        return 0
 
 
 RULES = {
@@ -88,7 +98,7 @@ RULES = {
     "addmv": lambda b, out: 2 * out * _last(b["mat"]),
     "baddbmm": lambda b, out: 2 * out * _last(b["batch1"]),
     "addbmm": lambda b, out: 2 * _numel(b["batch1"]) * _last(b["batch2"]),
-    "tensordot": lambda b, out: 2 * out * math.prod(_shape(b["x"])[d] for d in b["dims_self"]) if _shape(b["x"]) else 0,
+    "tensordot": _tensordot,
     "einsum": _einsum,
     "conv1d": _conv, "conv2d": _conv, "conv3d": _conv,
     "conv_transpose1d": lambda b, out: _conv(b, out, True),

@@ -11,6 +11,7 @@ SPECS = {
     "index_select": ref("aten.index_select.default"),
     "index": ref("aten.index.Tensor"),
     "getitem_index": explicit("x", {"index": None}),  # x[tensor or list index]: a gather, not a view
+    "setitem": explicit("x", {"index": None, "value": None}, mutates=True, output="none"),  # x[index] = value
     "index_put": ref("aten.index_put.default"),
     "index_add": ref("aten.index_add.default"),
     "index_copy": ref("aten.index_copy.default"),

@@ -22,7 +22,7 @@ LOWER = """
 """
 FP32 = """
     acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow pow_scalar
-    softplus layer_norm native_layer_norm rms_norm group_norm native_group_norm frobenius_norm
+    softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm
     nuclear_norm cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d
     hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss
     multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss

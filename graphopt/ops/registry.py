@@ -105,11 +105,15 @@ def _spellings(ops):
                 spelling = Spelling(name, reverse, tuple(FIXED.get(token, {}).items()), token.startswith(("op.", ".__")))
                 if packet and is_out_overload(target, op):
                     spelling = replace(spelling, name=name + "_out")
-                if target in targets and not packet and target not in from_packet:
-                    assert targets[target] == spelling, f"{target} spelled by {targets[target].name} and {name}"
-                if target not in targets or (target in from_packet and not packet):
+                claimed = targets.get(target)
+                if claimed is None or (target in from_packet and not packet):
                     targets[target] = spelling
-                    (from_packet.add if packet else from_packet.discard)(target)
+                    if packet:
+                        from_packet.add(target)
+                    else:
+                        from_packet.discard(target)
+                elif not packet and target not in from_packet:
+                    assert claimed == spelling, f"{target} spelled by {claimed.name} and {name}"
     return targets, unresolved
 
 
@@ -117,7 +121,7 @@ def _out_variants(ops, order, renames, targets):
     """Add `<op>_out` for every op (and each variant of it) whose aten packet has out= overloads."""
     outable = {s.name[:-len("_out")] for s in targets.values() if s.name.endswith("_out") and s.name not in ops}
     for name, op in list(ops.items()):
-        if VARIANT_OF.get(name, name) in outable and not op.mutates:
+        if (name in outable or VARIANT_OF.get(name) in outable) and not op.mutates:
             out = name + "_out"
             ops[out] = replace(op, name=out, out_variant_of=name, mutates=True, precision=None, inplace=None)
             ops[name] = replace(op, out_variant=out)

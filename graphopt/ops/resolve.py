@@ -9,7 +9,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import variants
-from .binding import arguments
+from .binding import arguments, same
 from .opinfo import Bound, OpInfo
 from .registry import OPS, spelling
 from .spellings import NEUTRAL
@@ -22,13 +22,14 @@ def produces(node: Node, depth: int = 0) -> str:
     """What a node evaluates to: "tensor", "tuple", "scalar" or "unknown"."""
     val = node.meta.get("val", node.meta.get("tensor_meta"))
     if val is not None:
-        if isinstance(val, torch.Tensor) or hasattr(val, "dtype") and hasattr(val, "shape"):  # incl. TensorMetadata
+        if isinstance(val, torch.Tensor) or (hasattr(val, "dtype") and hasattr(val, "shape")):  # or TensorMetadata
             return "tensor"
         return "tuple" if isinstance(val, (list, tuple)) and not isinstance(val, torch.Size) else "scalar"
     if node.op in ("placeholder", "get_attr"):
         return "tensor"
-    if node.op == "call_function" and node.target is getattr:
-        return "tensor" if node.args[1] in TENSOR_ATTRIBUTES else "scalar"
+    if node.op == "call_function" and node.target is getattr:  # x.shape, x.dtype, ... but x.T is a tensor
+        attr = node.args[1] if len(node.args) > 1 else None
+        return "tensor" if isinstance(attr, str) and attr in TENSOR_ATTRIBUTES else "scalar"
     if depth >= MAX_DEPTH:
         return "unknown"
     found = _resolve(node, None, depth + 1)
@@ -52,7 +53,7 @@ def _variant(name: str, args: dict, node: Node, depth: int) -> str | None:
     op = OPS[name]
     base = op.inplace_of or op.out_variant_of or name
     resolved = variants.resolve(base, args, node, lambda n: produces(n, depth + 1))
-    if resolved is None:
+    if resolved not in OPS:  # no op matches, or the variant's reference overload is missing from this torch
         return None
     if op.inplace_of:
         resolved = OPS[resolved].inplace or name
@@ -97,13 +98,9 @@ def lookup(node: Node, gm: GraphModule | None = None) -> OpInfo | None:
     return found[0] if found else None
 
 
-def _same(a, b) -> bool:
-    return a is b or (not isinstance(a, (Node, torch.Tensor)) and type(a) is type(b) and a == b)
-
-
 def _neutral(name, value) -> bool:
     allowed = NEUTRAL.get(name, ())
-    return allowed is None or any(_same(value, v) for v in allowed)
+    return allowed is None or any(same(value, v) for v in allowed)
 
 
 def bind(node: Node, gm: GraphModule | None = None) -> Bound | None:
@@ -114,9 +111,9 @@ def bind(node: Node, gm: GraphModule | None = None) -> Bound | None:
     if op.out_variant_of:
         return None  # the out= tensor has no place in operands or params
     params = {name: args.get(name, default) for name, default in op.params}
-    for name in set(args) - set(op.operands) - set(params):
+    for name in set(args) - set(op.operands) - set(params):  # spelling-only arguments
         if name in explicit and not _neutral(name, args[name]):
-            return None  # e.g. round(decimals=2)'s unsupported value, embedding's max_norm
+            return None  # e.g. embedding's max_norm, a conv's padding_mode="reflect"
     operands = tuple(args.get(name) for name in op.operands)
     if op.kind == "elementwise" and (
             any(not isinstance(v, (Node, int, float, bool)) for v in operands)

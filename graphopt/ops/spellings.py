@@ -3,8 +3,9 @@
 Tokens: `torch.X` `F.X` `nn.X` (module class) `linalg.X` `special.X` `op.X` (python operator)
 `hop.X` (higher-order op) `.X` (Tensor method, fx call_method) `aten.X` (the packet and all its
 overloads) `aten.X.overload` (one overload; wins over its packet's claim). `*` stands for
-`torch.N .N aten.N` of the op's own name N. A trailing `~` marks a reflected spelling whose first
-two operands come swapped (x.__rsub__(2) is 2 - x). Tokens this torch lacks are skipped.
+`torch.N .N aten.N` of the op's own name N (and `F.N` when N is an in-place twin, like F.relu_).
+A trailing `~` marks a reflected spelling whose first two operands come swapped (x.__rsub__(2) is
+2 - x). Tokens this torch lacks are skipped. In-place twins without a row here are spelled `*`.
 """
 import torch
 
@@ -64,6 +65,7 @@ SPELLINGS = {
     "gt": "* torch.greater .greater op.gt .__gt__",
     "ge": "* torch.greater_equal .greater_equal op.ge .__ge__",
     "logical_and": "*", "logical_or": "*", "logical_xor": "*", "logical_not": "*",
+    "isnan": "*", "isinf": "*", "isfinite": "*",
     "bitwise_and": "* op.and_ .__and__ .__rand__~ aten.__and__",
     "bitwise_or": "* op.or_ .__or__ .__ror__~ aten.__or__",
     "bitwise_xor": "* op.xor .__xor__ .__rxor__~ aten.__xor__",
@@ -90,6 +92,7 @@ SPELLINGS = {
     "alias": "* aten.lift_fresh nn.Identity",
     "detach": "*", "contiguous": "*",
     "getitem": "op.getitem .__getitem__",
+    "setitem": "op.setitem .__setitem__",
     # reductions
     "sum": "*", "mean": "*", "prod": "*", "amax": "*", "amin": "*",
     "max": "*", "min": "*",

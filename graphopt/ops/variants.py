@@ -32,7 +32,9 @@ def _tensor(v, produces) -> bool:
 
 
 def _pow(a, node, produces):
-    if _tensor(a.get("y"), produces) or not _tensor(a.get("x"), produces):
+    if "y" not in a:
+        return None
+    if _tensor(a["y"], produces) or not _tensor(a.get("x"), produces):
         return "pow"
     a["exponent"] = a.pop("y")
     return "pow_scalar"
@@ -68,19 +70,23 @@ def _train(name):
     return rule
 
 
+def _same_device(device, x) -> bool:
+    val = x.meta.get("val") if isinstance(x, Node) else None
+    try:
+        return isinstance(val, torch.Tensor) and torch.device(device) == val.device
+    except (RuntimeError, TypeError):  # not a device: a Node, a malformed string
+        return False
+
+
 def _to(a, node, produces):
     other = a.pop("y", None)  # x.to(other) / x.type_as(other): other's dtype (and device for .to)
     if isinstance(other, Node) and isinstance(other.meta.get("val"), torch.Tensor):
         a.setdefault("dtype", other.meta["val"].dtype)
-    device = a.get("device")
-    if device is None:
-        a.pop("device", None)
-        return "to_dtype"
-    val = a["x"].meta.get("val") if isinstance(a.get("x"), Node) else None
-    same = isinstance(val, torch.Tensor) and not isinstance(device, Node) and torch.device(device) == val.device
-    if same:
-        del a["device"]
-    return "to_dtype" if same and a.get("dtype") is not None else "to_device"
+    device = a.pop("device", None)
+    if device is None or _same_device(device, a.get("x")):
+        return "to_dtype" if a.get("dtype") is not None or device is None else "to_device"
+    a["device"] = device
+    return "to_device"
 
 
 def _getitem(a, node, produces):
