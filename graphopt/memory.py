@@ -22,7 +22,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .meta import tensor_info
-from .saved import record_step
+from .saved import StepFacts, record_step
 
 GB = 10**9
 
@@ -78,11 +78,17 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_stat
     """
     facts = record_step(gm, flat_inputs)
     live = _Live()
-    params = {p.untyped_storage()._cdata: p for p in gm.parameters()}
-    live.add("parameters", sum(p.untyped_storage().nbytes() for p in params.values()), "parameters")
+    live.add("parameters", sum(p.untyped_storage().nbytes() for p in gm.parameters()), "parameters")
     live.add("buffers", sum(b.untyped_storage().nbytes() for b in gm.buffers()), "buffers")
     live.add("optimizer state", optimizer_state_bytes, "optimizer state")
+    _simulate(gm, facts, live, set())
+    return Estimate(live.peak, live.at_peak, live.timeline)
 
+
+def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_grads: set[int],
+              segment: bool = False) -> None:
+    """Forward then backward of gm. For a recompute segment (segment=True) its inputs are
+    already resident and their gradients belong to the caller."""
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     size = {}  # storage -> bytes, for storages graph nodes make (not parameters or buffers)
@@ -105,6 +111,7 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_stat
                 internal[name] = internal.get(name, 0) + s.nbytes
     returned = output_tensors(gm)
     held = {key for m in returned for key, _ in facts.storages.get(m.name, [])}
+    placeholders = {n.name for n in nodes if n.op == "placeholder"}
 
     def free(key: int, event: str):
         if size.get(key) and key not in held and not needed_by.get(key):
@@ -113,30 +120,36 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_stat
 
     # Forward
     for n in nodes:
-        if n.op == "output":
+        if n.op == "output" or (segment and n.op == "placeholder"):
             continue
         category = "inputs" if n.op == "placeholder" else "activations"
         new = [k for k, _ in facts.storages.get(n.name, []) if facts.owner.get(k) == ("node", n.name)]
         live.add(category, sum(size[k] for k in dict.fromkeys(new)) + internal.get(n.name, 0), f"forward {n.name}")
         for m in [n, *n.all_input_nodes]:
             for key, _ in facts.storages.get(m.name, []):
-                if last_use.get(key) == index[n.name] and facts.owner[key][0] == "node" \
-                        and facts.owner[key][1] in index and nodes[index[facts.owner[key][1]]].op != "placeholder":
-                    free(key, f"free {facts.owner[key][1]}")
+                owner = facts.owner[key]
+                if last_use.get(key) == index[n.name] and owner[0] == "node" and owner[1] not in placeholders:
+                    free(key, f"free {owner[1]}")
 
     # Backward: gradients of the outputs, then each node's backward in reverse graph order.
     grads: dict[str, int] = {}
     for m in returned:
-        if facts.grad_bytes.get(m.name, 0):
-            grads[m.name] = facts.grad_bytes.get(m.name, 0)
+        if facts.grad_bytes.get(m.name, 0) and not (segment and m.op == "placeholder"):
+            grads[m.name] = facts.grad_bytes[m.name]
             live.add("gradients", grads[m.name], f"grad of output {m.name}")
-    param_grads: set[int] = set()
     for n in reversed(nodes):
         if n.name not in grads or n.op in ("placeholder", "get_attr"):
             continue
+        if n.name in facts.segments:  # runs its forward again, then its own backward
+            inner = _Live()
+            _simulate(n.target.module, facts.segments[n.name], inner, param_grads, segment=True)
+            live.add("recomputed", inner.peak, f"backward {n.name}: recompute and backward")
+            live.add("recomputed", -inner.peak, f"backward {n.name}: done")
+            live.add("parameter gradients", inner.bytes.get("parameter gradients", 0), f"backward {n.name}: parameter gradients")
         for m in n.all_input_nodes:
-            if m.name not in grads and facts.grad_bytes.get(m.name, 0) and m.op != "get_attr":
-                grads[m.name] = facts.grad_bytes.get(m.name, 0)
+            if m.name not in grads and facts.grad_bytes.get(m.name, 0) and m.op != "get_attr" \
+                    and not (segment and m.op == "placeholder"):
+                grads[m.name] = facts.grad_bytes[m.name]
                 live.add("gradients", grads[m.name], f"backward {n.name}: grad of {m.name}")
         for p in _params_used(gm, n):
             key = p.untyped_storage()._cdata
@@ -152,11 +165,12 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_stat
         for s in {s.storage: s for s in facts.saved.get(n.name, []) if s.source == "node"}.values():
             needed_by[s.storage].discard(n.name)
             free(s.storage, f"free {s.owner}")
-    return Estimate(live.peak, live.at_peak, live.timeline)
 
 
 def _params_used(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.nn.Parameter]:
     """Trainable parameters a node reads: its module's own, or get_attr inputs."""
+    if node.op == "call_function" and hasattr(node.target, "module"):  # a recompute segment
+        return []  # counted by the segment's own simulation
     if node.op == "call_module":
         return [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
     found = []

@@ -7,6 +7,8 @@ Every tensor the hooks see is attributed, by storage, to what made it:
   - nothing in the graph: a tensor made inside the node's own kernel or leaf module
     (LayerNorm's mean and rstd, dropout's mask, attention's softmax): extra memory held
     from the node's forward until its backward.
+A recompute segment (checkpointing.py) keeps only its inputs; its own forward is recorded
+separately, for the memory its backward allocates again.
 The answer depends on the device the fakes claim (CPU and CUDA kernels save different things).
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .checkpointing import RecomputeSegment
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class StepFacts:
     owner: dict[int, tuple[str, str]]            # storage -> ("node" | "state" | "internal", name)
     saved: dict[str, list[Saved]]                # node -> what its backward needs
     grad_bytes: dict[str, int]                   # node -> bytes of the gradient of its output
+    segments: dict[str, "StepFacts"]             # recompute segment -> facts of its own forward
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -54,10 +59,13 @@ class _Recorder(torch.fx.Interpreter):
         self.saved: list[Saved] = []
         self.storages: dict[str, list[tuple[int, int]]] = {}
         self.grad_bytes: dict[str, int] = {}
+        self.segments: dict[str, StepFacts] = {}
 
     def run_node(self, n: torch.fx.Node):
         self.current = n
         out = super().run_node(n)
+        if isinstance(n.target, RecomputeSegment):
+            self._segment(n)
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in tensors:
             self.owner.setdefault(_storage_key(t), ("node", n.name))
@@ -72,6 +80,26 @@ class _Recorder(torch.fx.Interpreter):
                 self.saved[i] = Saved(saved.node, "node", n.name, saved.storage, saved.nbytes)
                 self.owner[saved.storage] = ("node", n.name)
         return out
+
+    def _segment(self, n: torch.fx.Node):
+        """checkpoint() hides the segment's saves behind its own hooks. It keeps the segment's
+        inputs; its backward runs the segment again, recorded here as the segment's own facts."""
+        for i in n.all_input_nodes:
+            t = self.env[i]
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self.pack(t)
+        inner = _Recorder(n.target.module)
+        inner.owner = {k: v for k, v in self.owner.items() if v[0] == "state"}
+        with torch.autograd.graph.saved_tensors_hooks(inner.pack, lambda t: t):
+            inner.run(*[self.env[i] if isinstance(i, torch.fx.Node) else i for i in n.args])
+        self.segments[n.name] = inner.facts()
+        self.keep.extend(inner.keep)
+
+    def facts(self) -> "StepFacts":
+        saved: dict[str, list[Saved]] = {}
+        for s in self.saved:
+            saved.setdefault(s.node, []).append(s)
+        return StepFacts(self.storages, self.owner, saved, self.grad_bytes, self.segments)
 
     def pack(self, t: torch.Tensor):
         key = _storage_key(t)
@@ -95,10 +123,7 @@ def record_step(gm: torch.fx.GraphModule, flat_inputs: list) -> StepFacts:
         inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             recorder.run(*inputs)
-    saved: dict[str, list[Saved]] = {}
-    for s in recorder.saved:
-        saved.setdefault(s.node, []).append(s)
-    return StepFacts(recorder.storages, recorder.owner, saved, recorder.grad_bytes)
+    return recorder.facts()
 
 
 def saved_tensors(gm: torch.fx.GraphModule, flat_inputs: list) -> dict[str, list[Saved]]:

@@ -67,3 +67,22 @@ def test_estimate_allocates_nothing_on_meta_models():
     estimate = estimate_peak(gm, [x])
     assert estimate.breakdown["parameters"] == sum(p.numel() * 4 for p in big.parameters())
     assert estimate.peak_bytes > 4 * 4096 * 8192 * 4  # four saved activations at least
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_estimate_follows_recompute_segments(layers):
+    from graphopt.checkpointing import checkpoint_segments
+    from graphopt.trace import annotate
+
+    from test_checkpointing import _block_segments
+
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=layers)
+    plain = graphopt.trace(model, args, kwargs)
+    gm = graphopt.trace(model, args, kwargs)
+    gm = checkpoint_segments(gm, _block_segments(gm, layers))
+    annotate(gm, placeholder_values(gm, args, kwargs))
+    estimate = estimate_peak(gm, placeholder_values(gm, args, kwargs))
+    measured = _measured(gm, args, kwargs)
+    assert abs(estimate.peak_bytes - measured) <= 0.10 * measured, (estimate.peak_bytes, measured)
+    assert estimate.breakdown.get("recomputed", 0) > 0
+    assert estimate.peak_bytes < estimate_peak(plain, placeholder_values(plain, args, kwargs)).peak_bytes
