@@ -103,3 +103,23 @@ def segment_code(gm: torch.fx.GraphModule) -> str:
             parts.append(f"# {seg.__name__}: recomputed during backward\n"
                          + seg.module.print_readable(print_output=False))
     return "\n".join(parts)
+
+
+def inline_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Undo checkpoint_segments: put every segment's nodes back into gm's graph."""
+    for call in [n for n in gm.graph.nodes if isinstance(n.target, RecomputeSegment)]:
+        seg = call.target.module
+        env = dict(zip([p for p in seg.graph.nodes if p.op == "placeholder"], call.args))
+        with gm.graph.inserting_before(call):
+            for node in seg.graph.nodes:
+                if node.op == "output":
+                    results = [env[o] for o in node.args[0]]
+                elif node.op != "placeholder":
+                    env[node] = gm.graph.node_copy(node, lambda x, env=env: env[x])
+        for item in list(call.users):
+            item.replace_all_uses_with(results[item.args[1]])
+            gm.graph.erase_node(item)
+        gm.graph.erase_node(call)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

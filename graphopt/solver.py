@@ -8,18 +8,19 @@ what it saves for as long as its own backward takes. With
     kept(s)   bytes a segment saves for backward when it is not checkpointed
     cross(s)  bytes live across the segment's start (every tensor made before it and used in
               or after it: skip connections count)
-    T         the largest kept(s) among checkpointed segments (re-materialized in backward)
+    T         the largest rerun(s) among checkpointed segments: kept(s) saved again in its
+              backward, plus its largest gradient and one workspace of that size
 
 the peak is about base + sum(kept, plain segments) + sum(cross, checkpointed) + T.
 
 Algorithm:
   1. Atoms: cut the node order where few bytes cross (at most `max_cuts` cut points, chosen
      by crossing bytes) and around every node that cannot be recomputed.
-  2. For each candidate T (the distinct kept() values of recomputable runs, thinned):
+  2. For each candidate T (the distinct rerun() values of recomputable runs, thinned):
      a knapsack DP over atoms, memory in `buckets` steps of the allowance budget - base - T
      (each use rounded up: plans never exceed the allowance, at worst recompute a little
      more than the optimum), minimizing recompute FLOPs; a run of recomputable atoms with
-     kept <= T may be one checkpointed segment.
+     rerun <= T may be one checkpointed segment.
   3. Keep the feasible plan of least FLOPs (ties: least predicted peak). Deterministic: the
      same graph and budget give the same plan.
 """
@@ -38,6 +39,7 @@ class Atom:
     cross: int          # bytes live across its start
     flops: int          # recompute cost
     recomputable: bool
+    grad: int = 0       # largest gradient of its nodes' outputs
 
 
 @dataclass
@@ -52,8 +54,10 @@ class Plan:
 
 
 def make_atoms(kept: list[int], live_after: list[int], flops: list[int], recomputable: list[bool],
-               max_cuts: int = 96) -> list[Atom]:
-    """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i."""
+               grads: list[int] | None = None, max_cuts: int = 96) -> list[Atom]:
+    """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
+    grads[i]: bytes of the gradient of node i's output."""
+    grads = grads or [0] * len(kept)
     n = len(kept)
     forced = {0, n}
     for i, ok in enumerate(recomputable):
@@ -63,7 +67,8 @@ def make_atoms(kept: list[int], live_after: list[int], flops: list[int], recompu
     cuts = sorted(forced | {i for _, i in free_cuts[:max_cuts]})
     atoms = []
     for a, b in zip(cuts, cuts[1:]):
-        atoms.append(Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(flops[a:b]), all(recomputable[a:b])))
+        atoms.append(Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(flops[a:b]),
+                          all(recomputable[a:b]), max(grads[a:b], default=0)))
     return atoms
 
 
@@ -75,7 +80,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256, max_caps: int =
     if total_kept <= allowance:
         return Plan([], 0, total_kept)
     runs = _recomputable_runs(atoms)
-    caps = sorted({sum(x.kept for x in atoms[i:j]) for r0, r1 in runs for i in range(r0, r1) for j in range(i + 1, r1 + 1)})
+    caps = sorted({rerun(atoms[i:j]) for r0, r1 in runs for i in range(r0, r1) for j in range(i + 1, r1 + 1)})
     if len(caps) > max_caps:
         caps = [caps[round(k * (len(caps) - 1) / (max_caps - 1))] for k in range(max_caps)]
     best: Plan | None = None
@@ -84,6 +89,12 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256, max_caps: int =
         if plan and (best is None or (plan.recompute_flops, plan.predicted_peak) < (best.recompute_flops, best.predicted_peak)):
             best = plan
     return best
+
+
+def rerun(atoms: list[Atom]) -> int:
+    """Bytes a checkpointed segment holds while its backward runs: what it saves again, plus
+    its largest gradient and one workspace of that size."""
+    return sum(a.kept for a in atoms) + 2 * max((a.grad for a in atoms), default=0)
 
 
 def _recomputable_runs(atoms: list[Atom]) -> list[tuple[int, int]]:
@@ -118,13 +129,14 @@ def _solve_with_cap(atoms: list[Atom], room: int, cap: int, buckets: int) -> Pla
         _relax(cost, choice, i, i + 1, row, int(np.ceil(atoms[i].kept / unit - 1e-9)), 0, 0)
         # Atoms i..j-1 checkpointed as one segment.
         if atoms[i].recomputable:
-            kept = flops = 0
+            kept = flops = grad = 0
             for j in range(i + 1, n + 1):
                 if not atoms[j - 1].recomputable:
                     break
                 kept += atoms[j - 1].kept
                 flops += atoms[j - 1].flops
-                if kept > cap:
+                grad = max(grad, atoms[j - 1].grad)
+                if kept + 2 * grad > cap:  # grows with j: no longer segment fits either
                     break
                 _relax(cost, choice, i, j, row, int(np.ceil(atoms[i].cross / unit - 1e-9)), flops, 1)
     final = cost[n]

@@ -161,7 +161,6 @@ def test_verify_leaves_model_state_alone():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"budget_gb": 4}, "recompute"),
     ({"precision": "bf16"}, "precision"),
     ({"stages": 2}, "pipeline"),
     ({"budget_gb": -1}, "positive"),

@@ -21,8 +21,8 @@ def test_optimize_a_users_model(tmp_path, capsys):
 def test_cli_errors_are_one_line(capsys):
     assert main(["optimize", "graphopt.zoo:MLP"]) == 2
     assert "--inputs" in capsys.readouterr().err
-    assert main(["optimize", "graphopt.zoo:mlp", "--budget-gb", "1"]) == 2
-    assert "recompute" in capsys.readouterr().err
+    assert main(["optimize", "graphopt.zoo:mlp", "--stages", "2"]) == 2
+    assert "pipeline" in capsys.readouterr().err
     assert main(["optimize", "nowhere"]) == 2
 
 

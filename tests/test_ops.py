@@ -339,6 +339,7 @@ def test_table_consistency():
     reachable = set(SPELLINGS) | set(VARIANT_OF)
     for name, op in OPS.items():
         assert op.name == name and op.kind in KINDS and op.precision in PRECISION_CLASSES + (None,)
+        assert hash(op) is not None  # frozen and hashable: passes may key dicts and sets by OpInfo
         assert name in reachable or op.inplace_of or op.out_variant_of, f"{name} has no spelling"
         if op.inplace:
             twin = OPS[op.inplace]

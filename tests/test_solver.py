@@ -11,7 +11,8 @@ def _model_peak(atoms, segments):
     inside = {k for a, b in segments for k in range(a, b)}
     plain = sum(atoms[k].kept for k in range(len(atoms)) if k not in inside)
     cross = sum(atoms[a].cross for a, _ in segments)
-    rerun = max((sum(atoms[k].kept for k in range(a, b)) for a, b in segments), default=0)
+    rerun = max((sum(atoms[k].kept for k in range(a, b)) + 2 * max(atoms[k].grad for k in range(a, b))
+                 for a, b in segments), default=0)
     return plain + cross + rerun
 
 
@@ -47,9 +48,10 @@ def _brute(atoms, allowance):
 def test_matches_brute_force_on_small_instances():
     rng = random.Random(0)
     checked = 0
-    for _ in range(100):
+    for _ in range(200):
         n = rng.randint(2, 7)
-        atoms = [Atom(i, i + 1, rng.randint(1, 20), rng.randint(0, 8), rng.randint(1, 50), rng.random() > 0.2) for i in range(n)]
+        atoms = [Atom(i, i + 1, rng.randint(1, 20), rng.randint(0, 8), rng.randint(1, 50), rng.random() > 0.2,
+                      rng.randint(0, 4)) for i in range(n)]
         total = sum(a.kept for a in atoms)
         allowance = rng.randint(total // 2, total)
         expected = _brute(atoms, allowance)
@@ -62,7 +64,7 @@ def test_matches_brute_force_on_small_instances():
         assert plan.recompute_flops == expected, (atoms, allowance, plan)
         assert _model_peak(atoms, [(a, b) for a, b in plan.segments]) <= allowance
         checked += 1
-    assert checked > 30
+    assert checked > 30  # instances where some plan fits
 
 
 def test_no_recompute_when_everything_fits():
@@ -89,6 +91,6 @@ def test_two_thousand_nodes_solve_fast_and_deterministically():
 
 
 def test_atoms_keep_unrecomputable_nodes_alone():
-    atoms = make_atoms([5] * 6, [1] * 6, [1] * 6, [True, True, False, True, True, True], max_cuts=0)
+    atoms = make_atoms([5] * 6, [1] * 6, [1] * 6, [True, True, False, True, True, True], [2] * 6, max_cuts=0)
     assert [(a.start, a.stop, a.recomputable) for a in atoms] == [(0, 2, True), (2, 3, False), (3, 6, True)]
     assert list(itertools.chain.from_iterable(range(a.start, a.stop) for a in atoms)) == list(range(6))

@@ -87,6 +87,5 @@ LOSSES = {
     "kl_div": ref("aten.kl_div.default"),
 }
 
-SPECS = {}
-for kind, table in (("reduction", REDUCTIONS), ("normalization", NORMALIZATIONS), ("matmul", MATMULS), ("other", LOSSES)):
-    SPECS.update({name: dict(spec, kind=kind) for name, spec in table.items()})
+BY_KIND = {"reduction": REDUCTIONS, "normalization": NORMALIZATIONS, "matmul": MATMULS, "other": LOSSES}
+SPECS = {name: dict(spec, kind=kind) for kind, table in BY_KIND.items() for name, spec in table.items()}

@@ -1,6 +1,6 @@
 """Elementwise ops: operands, scalar params, Triton expression and per-operand derivative templates.
 
-Each row is  name: (operands, triton, derivatives, params).  A derivative template is the gradient
+Each row is  name: (operands, triton, derivatives[, params]).  A derivative template is the gradient
 contribution to that operand at the broadcast output shape (the caller sum-reduces it back to the
 operand's shape); None marks an operand autograd does not differentiate (a comparison, where's
 condition). Integer operands are computed in fp32 too (the codegen upcasts), so integer // and % are
@@ -11,18 +11,21 @@ from .templates import expm1, log1p, pow_, round_half_even, softplus, tanh, trun
 ZERO = "0.0 * {g}"  # piecewise-constant ops: autograd returns zeros, not "no gradient"
 NOT_DIFF2 = (None, None)
 SIGN = "(tl.where({x} > 0, 1.0, 0.0) - tl.where({x} < 0, 1.0, 0.0))"
+TRUNC_Q = trunc("({x} / {y})")
 GELU_TANH_U2 = "1.5957691216057308 * ({x} + 0.044715 * {x} * {x} * {x})"  # 2u; 0.5 (1 + tanh u) = sigmoid(2u)
 GELU_TANH_SIG = f"tl.sigmoid({GELU_TANH_U2})"
+GELU_CDF = "0.5 * (1.0 + tl.erf({x} * 0.7071067811865476))"
 MISH_SP = softplus("{x}", "1.0", "20.0")
 MISH_TANH = tanh(MISH_SP)
 
 
-def _max_grad(a, b):
-    return "{g} * tl.where(" + a + " > " + b + ", 1.0, tl.where(" + a + " == " + b + ", 0.5, 0.0))"
+def _extremum_grad(a, b, wins):
+    # the winner takes the gradient; a tie splits it, as autograd does
+    return f"{{g}} * tl.where({a} {wins} {b}, 1.0, tl.where({a} == {b}, 0.5, 0.0))"
 
 
-def _min_grad(a, b):
-    return "{g} * tl.where(" + a + " < " + b + ", 1.0, tl.where(" + a + " == " + b + ", 0.5, 0.0))"
+def _inside(lo, lo_cmp, hi_cmp, hi):
+    return f"tl.where(({{x}} {lo_cmp} {lo}) & ({{x}} {hi_cmp} {hi}), {{g}}, 0.0)"
 
 
 TABLE = {
@@ -31,17 +34,18 @@ TABLE = {
     "sub": ("x y", "{x} - {alpha} * {y}", ("{g}", "-{alpha} * {g}"), {"alpha": 1}),
     "mul": ("x y", "{x} * {y}", ("{g} * {y}", "{g} * {x}")),
     "div": ("x y", "{x} / {y}", ("{g} / {y}", "-{g} * {x} / ({y} * {y})")),
-    "div_trunc": ("x y", trunc("({x} / {y})"), (ZERO, ZERO)),
+    "div_trunc": ("x y", TRUNC_Q, (ZERO, ZERO)),
     "div_floor": ("x y", "tl.floor({x} / {y})", (ZERO, ZERO)),
     "remainder": ("x y", "{x} - tl.floor({x} / {y}) * {y}", ("{g}", "-{g} * tl.floor({x} / {y})")),
-    "fmod": ("x y", "{x} - " + trunc("({x} / {y})") + " * {y}", ("{g}", "-{g} * " + trunc("({x} / {y})"))),
+    "fmod": ("x y", "{x} - " + TRUNC_Q + " * {y}", ("{g}", "-{g} * " + TRUNC_Q)),
     "pow": ("x y", pow_("{x}", "{y}"), (
         "tl.where({y} == 0, 0.0, {g} * {y} * " + pow_("{x}", "({y} - 1.0)") + ")",
         "tl.where(({x} == 0) & ({y} >= 0), 0.0, {g} * {out} * tl.log({x}))")),
-    "pow_scalar": ("x", pow_("{x}", "{exponent}"),
-                   ("tl.where({exponent} == 0, 0.0, {g} * {exponent} * " + pow_("{x}", "({exponent} - 1.0)") + ")",),
-                   {"exponent": None}),
-    "addcmul": ("x y z", "{x} + {value} * {y} * {z}", ("{g}", "{g} * {value} * {z}", "{g} * {value} * {y}"), {"value": 1}),
+    "pow_scalar": ("x", pow_("{x}", "{exponent}"), (
+        "tl.where({exponent} == 0, 0.0, {g} * {exponent} * " + pow_("{x}", "({exponent} - 1.0)") + ")",),
+        {"exponent": None}),
+    "addcmul": ("x y z", "{x} + {value} * {y} * {z}",
+                ("{g}", "{g} * {value} * {z}", "{g} * {value} * {y}"), {"value": 1}),
     "addcdiv": ("x y z", "{x} + {value} * {y} / {z}",
                 ("{g}", "{g} * {value} / {z}", "-{g} * {value} * {y} / ({z} * {z})"), {"value": 1}),
     "neg": ("x", "-{x}", ("-{g}",)),
@@ -53,7 +57,7 @@ TABLE = {
     "rsqrt": ("x", "tl.rsqrt({x})", ("-0.5 * {g} * {out} * {out} * {out}",)),
     # transcendental
     "exp": ("x", "tl.exp({x})", ("{g} * {out}",)),
-    "expm1": ("x", expm1("{x}"), ("{g} * tl.exp({x})",)),  # out + 1 cancels where out is near -1
+    "expm1": ("x", expm1("{x}"), ("{g} * tl.exp({x})",)),  # not out + 1: it cancels where out is near -1
     "log": ("x", "tl.log({x})", ("{g} / {x}",)),
     "log1p": ("x", log1p("{x}"), ("{g} / (1.0 + {x})",)),
     "log2": ("x", "tl.log({x}) * 1.4426950408889634", ("{g} * 1.4426950408889634 / {x}",)),
@@ -69,25 +73,25 @@ TABLE = {
     "ceil": ("x", "tl.ceil({x})", (ZERO,)),
     "trunc": ("x", trunc("{x}"), (ZERO,)),
     "round": ("x", round_half_even("{x}"), (ZERO,)),
-    # activations
+    # activations; at a kink the gradient takes the side autograd takes
     "relu": ("x", "tl.maximum({x}, 0.0)", ("tl.where({out} > 0, {g}, 0.0)",)),
-    "relu6": ("x", "tl.minimum(tl.maximum({x}, 0.0), 6.0)", ("tl.where(({x} > 0) & ({x} < 6.0), {g}, 0.0)",)),
+    "relu6": ("x", "tl.minimum(tl.maximum({x}, 0.0), 6.0)", (_inside("0.0", ">", "<", "6.0"),)),
     "hardtanh": ("x", "tl.minimum(tl.maximum({x}, {min_val}), {max_val})",
-                 ("tl.where(({x} > {min_val}) & ({x} < {max_val}), {g}, 0.0)",), {"min_val": -1.0, "max_val": 1.0}),
+                 (_inside("{min_val}", ">", "<", "{max_val}"),), {"min_val": -1.0, "max_val": 1.0}),
     "leaky_relu": ("x", "tl.where({x} > 0, {x}, {x} * {negative_slope})",
                    ("tl.where({x} > 0, {g}, {g} * {negative_slope})",), {"negative_slope": 0.01}),
     "elu": ("x", "tl.where({x} > 0, {scale} * {x}, {scale} * {alpha} * (" + expm1("({x} * {input_scale})") + "))",
-            ("tl.where({x} > 0, {g} * {scale}, {g} * {scale} * {alpha} * {input_scale} * tl.exp({x} * {input_scale}))",),
+            ("{g} * {scale} * tl.where({x} > 0, 1.0, {alpha} * {input_scale} * tl.exp({x} * {input_scale}))",),
             {"alpha": 1.0, "scale": 1.0, "input_scale": 1.0}),
-    "gelu": ("x", "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
-             ("{g} * (0.5 * (1.0 + tl.erf({x} * 0.7071067811865476)) + {x} * 0.3989422804014327 * tl.exp(-0.5 * {x} * {x}))",)),
-    "gelu_tanh": ("x", "{x} * " + GELU_TANH_SIG, ("{g} * (" + GELU_TANH_SIG + " + {x} * 2.0 * " + GELU_TANH_SIG
-                                                  + " * tl.sigmoid(-" + GELU_TANH_U2 + ") * 0.7978845608028654"
-                                                  " * (1.0 + 0.134145 * {x} * {x}))",)),
+    "gelu": ("x", "{x} * " + GELU_CDF,
+             ("{g} * (" + GELU_CDF + " + {x} * 0.3989422804014327 * tl.exp(-0.5 * {x} * {x}))",)),
+    "gelu_tanh": ("x", "{x} * " + GELU_TANH_SIG,
+                  (f"{{g}} * ({GELU_TANH_SIG} + {{x}} * 2.0 * {GELU_TANH_SIG} * tl.sigmoid(-{GELU_TANH_U2})"
+                   " * 0.7978845608028654 * (1.0 + 0.134145 * {x} * {x}))",)),
     "silu": ("x", "{x} * tl.sigmoid({x})", ("{g} * tl.sigmoid({x}) * (1.0 + {x} * tl.sigmoid(-{x}))",)),
     "mish": ("x", "{x} * " + MISH_TANH,
-             ("{g} * (" + MISH_TANH + " + 4.0 * {x} * tl.sigmoid({x}) * tl.sigmoid(2.0 * (" + MISH_SP + "))"
-              " * tl.sigmoid(-2.0 * (" + MISH_SP + ")))",)),
+             (f"{{g}} * ({MISH_TANH} + 4.0 * {{x}} * tl.sigmoid({{x}}) * tl.sigmoid(2.0 * ({MISH_SP}))"
+              f" * tl.sigmoid(-2.0 * ({MISH_SP})))",)),
     "softplus": ("x", softplus("{x}", "{beta}", "{threshold}"),
                  ("tl.where({x} * {beta} > {threshold}, {g}, {g} * tl.sigmoid({x} * {beta}))",),
                  {"beta": 1.0, "threshold": 20.0}),
@@ -97,14 +101,17 @@ TABLE = {
                   ("tl.where({x} <= -3.0, 0.0, tl.where({x} < 3.0, {g} * ({x} / 3.0 + 0.5), {g}))",)),
     # clamping and selection; clamp's bounds are operands because torch accepts tensors for them
     "clamp": ("x min max", "tl.minimum(tl.maximum({x}, {min}), {max})", (
-        "tl.where(({x} >= {min}) & ({x} <= {max}), {g}, 0.0)",
+        _inside("{min}", ">=", "<=", "{max}"),
         "tl.where(({x} < {min}) & ({min} < {max}), {g}, 0.0)",
         "tl.where(({x} > {max}) | ({max} < {min}), {g}, 0.0)")),
-    "clamp_min": ("x min", "tl.maximum({x}, {min})", ("tl.where({x} >= {min}, {g}, 0.0)", "tl.where({x} < {min}, {g}, 0.0)")),
-    "clamp_max": ("x max", "tl.minimum({x}, {max})", ("tl.where({x} <= {max}, {g}, 0.0)", "tl.where({x} > {max}, {g}, 0.0)")),
-    "maximum": ("x y", "tl.maximum({x}, {y})", (_max_grad("{x}", "{y}"), _max_grad("{y}", "{x}"))),
-    "minimum": ("x y", "tl.minimum({x}, {y})", (_min_grad("{x}", "{y}"), _min_grad("{y}", "{x}"))),
-    "where": ("cond x y", "tl.where({cond} != 0, {x}, {y})", (None, "tl.where({cond} != 0, {g}, 0.0)", "tl.where({cond} != 0, 0.0, {g})")),
+    "clamp_min": ("x min", "tl.maximum({x}, {min})",
+                  ("tl.where({x} >= {min}, {g}, 0.0)", "tl.where({x} < {min}, {g}, 0.0)")),
+    "clamp_max": ("x max", "tl.minimum({x}, {max})",
+                  ("tl.where({x} <= {max}, {g}, 0.0)", "tl.where({x} > {max}, {g}, 0.0)")),
+    "maximum": ("x y", "tl.maximum({x}, {y})", (_extremum_grad("{x}", "{y}", ">"), _extremum_grad("{y}", "{x}", ">"))),
+    "minimum": ("x y", "tl.minimum({x}, {y})", (_extremum_grad("{x}", "{y}", "<"), _extremum_grad("{y}", "{x}", "<"))),
+    "where": ("cond x y", "tl.where({cond} != 0, {x}, {y})",
+              (None, "tl.where({cond} != 0, {g}, 0.0)", "tl.where({cond} != 0, 0.0, {g})")),
     "masked_fill": ("x mask value", "tl.where({mask} != 0, {value}, {x})",
                     ("tl.where({mask} != 0, 0.0, {g})", None, "tl.where({mask} != 0, {g}, 0.0)")),
     # comparisons and logic: bool results, no gradient

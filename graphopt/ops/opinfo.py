@@ -34,10 +34,6 @@ class OpInfo:
         assert self.derivatives is None or len(self.derivatives) == len(self.operands), self.name
         assert self.triton is None or self.kind == "elementwise", self.name
 
-    @property
-    def defaults(self) -> dict[str, object]:
-        return dict(self.params)
-
 
 @dataclass(frozen=True)
 class Bound:

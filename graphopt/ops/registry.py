@@ -102,7 +102,8 @@ def _spellings(ops):
             if explicit and not resolved:
                 unresolved.append(token)
             for target, packet in resolved:
-                spelling = Spelling(name, reverse, tuple(FIXED.get(token, {}).items()), token.startswith(("op.", ".__")))
+                python_op = token.startswith(("op.", ".__"))
+                spelling = Spelling(name, reverse, tuple(FIXED.get(token, {}).items()), python_op)
                 if packet and is_out_overload(target, op):
                     spelling = replace(spelling, name=name + "_out")
                 claimed = targets.get(target)

@@ -53,10 +53,12 @@ def derive(spec: dict) -> dict:
         if "Tensor" in str(arg.type):
             operands.append(name)
         else:
-            params.append((name, arg.default_value if arg.has_default_value() else None))
+            default = arg.default_value if arg.has_default_value() else None
+            params.append((name, tuple(default) if isinstance(default, list) else default))  # OpInfo stays hashable
     params = dict(params, **spec.get("defaults", {}))
     returns = op._schema.returns
     output = ("none" if not returns else "tuple" if len(returns) > 1 or isinstance(returns[0].type, torch.ListType)
               else "tensor" if "Tensor" in str(returns[0].type) else "scalar")
     rest = {k: v for k, v in spec.items() if k not in ("ref", "defaults")}
-    return {"output": output, **rest, "operands": tuple(operands), "params": tuple(params.items()), "order": tuple(order)}
+    return {"output": output, **rest, "operands": tuple(operands), "params": tuple(params.items()),
+            "order": tuple(order)}

@@ -12,14 +12,13 @@ import torch
 from .templates import render
 
 
-
 def _tensors(f):
     # triton functions take python scalars as well as blocks
     return lambda *args: f(*(torch.as_tensor(a) for a in args))
 
 
-tl = SimpleNamespace(**{name: _tensors(getattr(torch, name)) for name in (
-    "exp", "log", "sqrt", "rsqrt", "abs", "sigmoid", "erf", "floor", "ceil", "sin", "cos", "maximum", "minimum", "where")})
+FUNCTIONS = "exp log sqrt rsqrt abs sigmoid erf floor ceil sin cos maximum minimum where".split()
+tl = SimpleNamespace(**{name: _tensors(getattr(torch, name)) for name in FUNCTIONS})
 
 
 def evaluate(template: str, **values):

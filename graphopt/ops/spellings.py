@@ -17,7 +17,8 @@ SPELLINGS = {
     "sub_": "* .subtract_ op.isub .__isub__",
     "mul": "* torch.multiply .multiply op.mul .__mul__ .__rmul__~",
     "mul_": "* .multiply_ op.imul .__imul__",
-    "div": "* torch.divide torch.true_divide .divide .true_divide op.truediv .__truediv__ .__rtruediv__~ .__div__ .__rdiv__~",
+    "div": ("* torch.divide torch.true_divide .divide .true_divide op.truediv .__truediv__ .__rtruediv__~"
+            " .__div__ .__rdiv__~"),
     "div_": "* .divide_ .true_divide_ op.itruediv .__itruediv__ .__idiv__",
     "div_floor": "torch.floor_divide .floor_divide aten.floor_divide op.floordiv .__floordiv__ .__rfloordiv__~",
     "div_floor_": ".floor_divide_ aten.floor_divide_ op.ifloordiv .__ifloordiv__",
@@ -73,7 +74,8 @@ SPELLINGS = {
     "bitwise_and_": "* op.iand .__iand__ aten.__iand__",
     "bitwise_or_": "* op.ior .__ior__ aten.__ior__",
     "bitwise_xor_": "* op.ixor .__ixor__ aten.__ixor__",
-    "to_dtype": "aten._to_copy aten.to .to .type_as aten.type_as .float .half .bfloat16 .double .int .long .short .bool .char .byte",
+    "to_dtype": ("aten._to_copy aten.to .to .type_as aten.type_as"
+                 " .float .half .bfloat16 .double .int .long .short .bool .char .byte"),
     "to_device": ".cpu .cuda",
     # views
     "view": "* aten._unsafe_view",
@@ -274,7 +276,8 @@ MODULE_ATTR_FNS = {**{f"BatchNorm{d}d": _batch_norm_attrs for d in (1, 2, 3)},
                    **{f"InstanceNorm{d}d": _instance_norm_attrs for d in (1, 2, 3)}}
 
 # Tensor methods that take sizes as varargs: x.view(2, 3) means x.view((2, 3)).
-VARARG_METHODS = {"view", "reshape", "expand", "permute", "repeat", "tile", "flip", "new_zeros", "new_ones", "new_empty"}
+VARARG_METHODS = {"view", "reshape", "expand", "permute", "repeat", "tile", "flip", "new_zeros", "new_ones",
+                  "new_empty"}
 
 # Values of spelling-only arguments that change nothing, so bind can ignore them.
 NEUTRAL = {

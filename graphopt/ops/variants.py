@@ -97,7 +97,8 @@ def _getitem(a, node, produces):
     if kind != "tensor":
         return None  # indexing a shape, or a value of unknown type
     items = index if isinstance(index, tuple) else (index,)
-    advanced = any(isinstance(i, (list, torch.Tensor)) or (isinstance(i, Node) and produces(i) != "scalar") for i in items)
+    advanced = any(isinstance(i, (list, torch.Tensor)) or (isinstance(i, Node) and produces(i) != "scalar")
+                   for i in items)
     return "getitem_index" if advanced else "getitem"
 
 

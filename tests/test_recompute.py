@@ -1,0 +1,76 @@
+"""The recompute pass: measured peak under budget_gb, gradients equal to eager, clear errors."""
+import pytest
+
+import graphopt
+from graphopt import zoo
+from graphopt.memory import GB, estimate_peak
+from graphopt.trace import placeholder_values
+
+from conftest import assert_same_step
+from test_memory import _measured
+
+
+def _budget(model, args, kwargs, f):
+    """parameters + gradients + f x (unoptimized peak - parameters - gradients), in GB."""
+    gm = graphopt.trace(model, args, kwargs)
+    est = estimate_peak(gm, placeholder_values(gm, args, kwargs))
+    fixed = 2 * est.breakdown["parameters"]
+    return (fixed + f * (est.peak_bytes - fixed)) / GB
+
+
+@pytest.mark.parametrize("f", [0.3, 0.5, 0.7])
+def test_gpt_fits_budget_with_equal_gradients(f):
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    budget_gb = _budget(model, args, kwargs, f)
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb)
+    record = opt.graphopt_report.passes[-1]
+    assert record.name.startswith("recompute") and record.changed
+    assert record.peak_bytes <= budget_gb * GB
+    assert _measured(opt, args, kwargs) <= budget_gb * GB
+    assert record.stats["segments"] > 0 and record.stats["recompute_flops"] > 0
+    assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-5)
+    assert list(opt.state_dict()) == list(model.state_dict())
+
+
+def test_mlp_fits_half_budget():
+    # Deep enough for checkpointing to pay: at 4 layers one level of segments cannot reach f = 0.5.
+    model, args, kwargs = zoo.mlp(batch=256, width=256, depth=12)
+    budget_gb = _budget(model, args, kwargs, 0.5)
+    opt = graphopt.optimize(model, args, budget_gb=budget_gb, verify=True)
+    assert _measured(opt, args, kwargs) <= budget_gb * GB
+
+
+def test_budget_above_peak_changes_nothing():
+    model, args, kwargs = zoo.gpt()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=100.0)
+    record = opt.graphopt_report.passes[-1]
+    assert not record.changed and record.peak_bytes == record.stats["peak_before_bytes"]
+
+
+def test_infeasible_budget_names_the_minimum():
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    with pytest.raises(graphopt.BudgetError) as info:
+        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-4)
+    err = info.value
+    assert err.min_budget_gb > 1e-4 and "parameters" in err.breakdown
+    assert "precision='bf16'" in str(err) and "stages=N" in str(err)
+    # The minimum it names is feasible.
+    graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=err.min_budget_gb * 1.05)
+
+
+def test_inference_budget_below_forward_raises():
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    with pytest.raises(graphopt.BudgetError, match="inference"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-4, train=False)
+
+
+def test_plan_is_in_the_dumps_and_deterministic(tmp_path):
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=2)
+    budget_gb = _budget(model, args, kwargs, 0.5)
+    a = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb, dump_dir=tmp_path)
+    b = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb)
+    assert a.code == b.code
+    k = len(a.graphopt_report.passes)
+    table = (tmp_path / f"{k:02d}-recompute.txt").read_text()
+    assert "recompute=segment 0" in table and "recompute=boundary" in table
+    assert "recomputed during backward" in (tmp_path / f"{k:02d}-recompute.py").read_text()
