@@ -54,6 +54,13 @@ def _positive(value) -> float:
     return value
 
 
+def _fraction(value) -> float:
+    value = float(value)
+    if not 0 <= value < 0.5:
+        raise ValueError("must be in [0, 0.5), e.g. 0.05 for 5%")
+    return value
+
+
 def _node_facts(gm: torch.fx.GraphModule, facts):
     """Per node in graph order: bytes kept for backward, bytes live after it, FLOPs, recomputable."""
     nodes = list(gm.graph.nodes)
@@ -96,17 +103,19 @@ class Recompute(Pass):
     name = "recompute"
     options = {
         "budget_gb": Option(None, _positive, "peak memory of one training step, in GB of 10**9 bytes"),
+        # The estimate is within a few percent of a measured step, not exact: plans aim below.
+        "headroom": Option(0.05, _fraction, "fraction of the budget kept free for estimate error, in [0, 0.5)"),
     }
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         budget_gb = self.settings["budget_gb"]
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
-        budget = int(budget_gb * GB)
+        budget = int(budget_gb * GB * (1 - self.settings["headroom"]))
         inputs = ctx.flat_inputs(gm)
         # Step 1
         before = estimate_peak(gm, inputs)
-        stats = {"budget_bytes": budget, "peak_before_bytes": before.peak_bytes}
+        stats = {"budget_bytes": int(budget_gb * GB), "planned_for_bytes": budget, "peak_before_bytes": before.peak_bytes}
         if not ctx.train:
             if before.peak_bytes > budget:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
@@ -179,6 +188,7 @@ class Recompute(Pass):
         })
 
     def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool) -> BudgetError:
+        minimum = int(minimum / (1 - self.settings["headroom"]))
         parts = {k: v for k, v in breakdown.items() if v}
         detail = ", ".join(f"{k} {v / GB:.3f} GB" for k, v in parts.items())
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
