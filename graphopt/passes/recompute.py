@@ -136,19 +136,22 @@ class Recompute(Pass):
             plan = solve(atoms, allowance) if allowance > 0 else None
             if plan is None:
                 return None, None
+            nonlocal last
             segment_nodes = {n for a, b in plan.segments for n in nodes[a:b]}
             for n in nodes:  # before the rewrite: segment copies share these notes
                 if n.op.startswith("call"):
                     note(n, "recompute", "recomputed" if n in segment_nodes else "kept")
             checkpoint_segments(gm, [nodes[a:b] for a, b in plan.segments])
             annotate(gm, inputs)
-            return plan, estimate_peak(gm, inputs).peak_bytes
+            last = estimate_peak(gm, inputs)
+            return plan, last.peak_bytes
 
         def undo():
             inline_segments(gm)
             annotate(gm, inputs)
             nodes[:] = list(gm.graph.nodes)  # the inlined copies, in the same order
 
+        last = before
         high = budget - resident
         plan, peak = attempt(high)
         if peak is None or peak > budget:
@@ -157,7 +160,8 @@ class Recompute(Pass):
             low = _least_allowance(atoms)
             plan, peak = attempt(low)
             if peak is None or peak > budget:
-                raise self._error(budget_gb, peak or resident + low, before.breakdown, inference=False)
+                # The smallest plan found, with its own breakdown (before it, the plain step's).
+                raise self._error(budget_gb, peak or before.peak_bytes, last.breakdown, inference=False)
             for _ in range(BISECTIONS):  # largest allowance that still fits: least recompute
                 mid = (low + high) // 2
                 if high - low <= max(high // 64, 1):
