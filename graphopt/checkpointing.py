@@ -18,8 +18,8 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint
 
-from . import ops
 from .meta import tensor_info
+from .purity import CALLS, state_effect
 
 
 class RecomputeSegment:
@@ -36,20 +36,11 @@ class RecomputeSegment:
 
 def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     """None when the node may run twice with the same effect; otherwise why not."""
-    if node.op not in ("call_function", "call_method", "call_module"):
+    if node.op not in CALLS:
         return f"{node.op} nodes stay in the main graph"
     if tensor_info(node) is None and (node.target is getattr or getattr(node.target, "__module__", None) == "_operator"):
         return None  # Python arithmetic on sizes (x.shape[1], c // heads): pure
-    op = ops.lookup(node, gm)
-    if op is None:
-        return "opaque op (the registry does not know it): it may have side effects"
-    if op.mutates or getattr(op, "side_effect", False):
-        return f"{op.name} writes state"
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if module.training and any(True for _ in module.buffers()):
-            return f"{type(module).__name__} updates its buffers in training"
-    return None
+    return state_effect(node, gm)
 
 
 def _segment_module(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]):

@@ -15,6 +15,7 @@ measure_peak runs a real step: torch.cuda.max_memory_allocated on CUDA, torch's 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .meta import tensor_info
-from .saved import StepFacts, record_step
+from .saved import StepFacts, record_step, storage_key
 
 GB = 10**9
 
@@ -91,16 +92,8 @@ def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_gra
     already resident and their gradients belong to the caller."""
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
-    size = {}  # storage -> bytes, for storages graph nodes make (not parameters or buffers)
-    for items in facts.storages.values():
-        for key, nbytes in items:
-            if facts.owner.get(key, ("",))[0] == "node":
-                size.setdefault(key, nbytes)
-    last_use: dict[int, int] = {}
-    for n in nodes:
-        for m in [n, *n.all_input_nodes]:
-            for key, _ in facts.storages.get(m.name, []):
-                last_use[key] = max(last_use.get(key, -1), index[n.name])
+    made, last_use = facts.lifetimes(nodes)
+    size = {key: nbytes for key, (_, nbytes) in made.items()}  # storages graph nodes make
     needed_by: dict[int, set[str]] = {}  # storage -> nodes whose backward still needs it
     internal: dict[str, int] = {}
     for name, items in facts.saved.items():
@@ -152,7 +145,7 @@ def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_gra
                 grads[m.name] = facts.grad_bytes[m.name]
                 live.add("gradients", grads[m.name], f"backward {n.name}: grad of {m.name}")
         for p in _params_used(gm, n):
-            key = p.untyped_storage()._cdata
+            key = storage_key(p)
             if key not in param_grads:
                 param_grads.add(key)
                 live.add("parameter gradients", p.untyped_storage().nbytes(), f"backward {n.name}: parameter gradient")
@@ -173,15 +166,8 @@ def _params_used(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.nn
         return []  # counted by the segment's own simulation
     if node.op == "call_module":
         return [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
-    found = []
-    for m in node.all_input_nodes:
-        if m.op == "get_attr":
-            obj = gm
-            for part in m.target.split("."):
-                obj = getattr(obj, part)
-            if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
-                found.append(obj)
-    return found
+    attrs = [operator.attrgetter(m.target)(gm) for m in node.all_input_nodes if m.op == "get_attr"]
+    return [a for a in attrs if isinstance(a, torch.nn.Parameter) and a.requires_grad]
 
 
 def measure_peak(fn, *track) -> int:

@@ -32,7 +32,8 @@ class Saved:
     nbytes: int      # bytes of the whole storage
 
 
-def _storage_key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind t (views of one tensor share it)."""
     return t.untyped_storage()._cdata
 
 
@@ -45,6 +46,21 @@ class StepFacts:
     saved: dict[str, list[Saved]]                # node -> what its backward needs
     grad_bytes: dict[str, int]                   # node -> bytes of the gradient of its output
     segments: dict[str, "StepFacts"]             # recompute segment -> facts of its own forward
+
+    def lifetimes(self, nodes: list[torch.fx.Node]) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+        """For each storage a node makes: (its maker's index in `nodes`, bytes); and for every
+        storage, the index of the last node that makes, reads or returns it."""
+        index = {n.name: i for i, n in enumerate(nodes)}
+        made: dict[int, tuple[int, int]] = {}
+        last: dict[int, int] = {}
+        for n in nodes:
+            for key, nbytes in self.storages.get(n.name, []):
+                if self.owner.get(key) == ("node", n.name):
+                    made.setdefault(key, (index[n.name], nbytes))
+            for m in [n, *n.all_input_nodes]:
+                for key, _ in self.storages.get(m.name, []):
+                    last[key] = max(last.get(key, -1), index[n.name])
+        return made, last
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -68,9 +84,9 @@ class _Recorder(torch.fx.Interpreter):
             self._segment(n)
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in tensors:
-            self.owner.setdefault(_storage_key(t), ("node", n.name))
+            self.owner.setdefault(storage_key(t), ("node", n.name))
             self.keep.append(t)
-        self.storages[n.name] = [(_storage_key(t), t.untyped_storage().nbytes()) for t in tensors]
+        self.storages[n.name] = [(storage_key(t), t.untyped_storage().nbytes()) for t in tensors]
         self.grad_bytes[n.name] = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
         # A kernel that saves its own result (relu, sigmoid, ...) does so before the result is
         # known as this node's output: that tensor is the output kept alive, not extra memory.
@@ -102,7 +118,7 @@ class _Recorder(torch.fx.Interpreter):
         return StepFacts(self.storages, self.owner, saved, self.grad_bytes, self.segments)
 
     def pack(self, t: torch.Tensor):
-        key = _storage_key(t)
+        key = storage_key(t)
         source, owner = self.owner.get(key, ("internal", self.current.name))
         if source == "internal":
             self.owner[key] = ("internal", self.current.name)  # saved twice by one node: count it once
@@ -119,7 +135,7 @@ def record_step(gm: torch.fx.GraphModule, flat_inputs: list) -> StepFacts:
     recorder = _Recorder(gm)
     with _fake_state(gm, mode):
         for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
-            recorder.owner.setdefault(_storage_key(t), ("state", name))
+            recorder.owner.setdefault(storage_key(t), ("state", name))
         inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             recorder.run(*inputs)

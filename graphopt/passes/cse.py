@@ -3,7 +3,7 @@
 Algorithm:
   1. Find the values that something mutates or hands to an opaque call: an op reading
      them may see different data at different points, so nothing reading them merges.
-  2. Walk the graph in order, keying each pure node (passes/purity.py) by its target and
+  2. Walk the graph in order, keying each pure node (purity.py) by its target and
      its arguments (nodes by identity, containers and slices made hashable).
   3. A node whose key was seen before is replaced by the earlier node.
   4. Report merged nodes by op.
@@ -14,7 +14,7 @@ import torch.fx
 
 from .. import ops
 from .base import Pass, PassContext, PassResult
-from .purity import pure_op
+from ..purity import pure_op
 from .registry import register
 
 

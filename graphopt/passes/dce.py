@@ -2,7 +2,7 @@
 
 Algorithm:
   1. Walk the graph backwards (torch.fx's eliminate_dead_code does this).
-  2. Remove a node when it has no users and the registry calls it pure (passes/purity.py):
+  2. Remove a node when it has no users and the registry calls it pure (purity.py):
      opaque, random, mutating and asserting ops stay even when unused.
   3. Report the removed nodes by op.
 """
@@ -12,7 +12,7 @@ import torch.fx
 
 from .. import ops
 from .base import Pass, PassContext, PassResult
-from .purity import is_impure
+from ..purity import is_impure
 from .registry import register
 
 

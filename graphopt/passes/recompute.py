@@ -69,17 +69,12 @@ def _node_facts(gm: torch.fx.GraphModule, facts):
     kept = [0] * len(nodes)
     for name, items in facts.saved.items():
         kept[index[name]] += sum({s.storage: s.nbytes for s in items if s.source == "internal"}.values())
-    made_at, last_use = {}, {}
-    for n in nodes:
-        for key, nbytes in facts.storages.get(n.name, []):
-            # Inputs are resident whatever the plan (counted with the parameters).
-            if facts.owner.get(key) == ("node", n.name) and n.op != "placeholder":
-                made_at[key] = (index[n.name], nbytes)
-                if key in saved_storages:
-                    kept[index[n.name]] += nbytes
-        for m in [n, *n.all_input_nodes]:
-            for key, _ in facts.storages.get(m.name, []):
-                last_use[key] = max(last_use.get(key, -1), index[n.name])
+    made, last_use = facts.lifetimes(nodes)
+    # Inputs are resident whatever the plan (counted with the parameters).
+    made_at = {key: (i, nbytes) for key, (i, nbytes) in made.items() if nodes[i].op != "placeholder"}
+    for key, (i, nbytes) in made_at.items():
+        if key in saved_storages:
+            kept[i] += nbytes
     delta = [0] * (len(nodes) + 1)  # bytes live across the gap after node i, by difference array
     for key, (start, nbytes) in made_at.items():
         end = last_use.get(key, start)
@@ -181,6 +176,9 @@ class Recompute(Pass):
                 for i in n.all_input_nodes:
                     if i.op.startswith("call"):
                         note(i, "recompute", "boundary")
+        # The plan fits the budget for these shapes; other shapes would run correctly but
+        # could exceed it, so the result asks for the planned shapes (the lazy form re-plans).
+        ctx.facts["shape_specialized"] = f"its recompute plan fits budget_gb={budget_gb:g} for them"
         step_flops = 3 * sum(flops)  # forward + backward, about twice the forward
         return PassResult(gm, True, {
             **stats,

@@ -1,0 +1,45 @@
+"""Which nodes change state beyond their result, from the registry alone (an analysis).
+
+Opaque calls may have side effects; mutating and asserting ops write state; a module with
+buffers updates them in training (BatchNorm's running statistics). Such a node must run
+exactly once: cleanups may not merge or remove it, and recompute may not run it again.
+Random ops change no state but draw from the RNG: cleanups keep them (dropout masks would
+change), recompute may run them again (torch.utils.checkpoint replays the RNG state).
+"""
+from __future__ import annotations
+
+import torch.fx
+
+from . import ops
+
+CALLS = ("call_function", "call_method", "call_module")
+
+
+def state_effect(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
+    """Why running the call node changes state beyond its result; None when it does not."""
+    op = ops.lookup(node, gm)
+    if op is None:
+        return "opaque op (the registry does not know it): it may have side effects"
+    if op.mutates or op.side_effect:
+        return f"{op.name} writes state"
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if module.training and any(True for _ in module.buffers()):
+            return f"{type(module).__name__} updates its buffers in training"
+    return None
+
+
+def pure_op(node: torch.fx.Node, gm: torch.fx.GraphModule):
+    """The node's OpInfo when it is a pure, deterministic op; None otherwise."""
+    if node.op not in CALLS or state_effect(node, gm) is not None:
+        return None
+    op = ops.lookup(node, gm)
+    return None if op.random else op
+
+
+def is_impure(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "get_attr":
+        return False
+    return pure_op(node, gm) is None or node.is_impure()
