@@ -56,6 +56,12 @@ class _Live:
             self.peak, self.at_peak = total, dict(self.bytes)
 
 
+def budget_at(estimate: Estimate, f: float) -> float:
+    """The budget in GB that keeps parameters and gradients and f of the rest of the step's peak."""
+    fixed = 2 * estimate.breakdown.get("parameters", 0)
+    return (fixed + f * (estimate.peak_bytes - fixed)) / GB
+
+
 def output_tensors(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The nodes whose tensors the graph returns, looking through containers it builds
     (a dataclass or dict constructed in the graph is a node without tensor metadata)."""
@@ -194,3 +200,21 @@ def measure_peak(fn, *track) -> int:
         fn()
     peaks = tracker.get_tracker_snapshot("peak")
     return max((int(v["Total"]) for v in peaks.values()), default=0)
+
+
+def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> int:
+    """Measured peak bytes of one training step of `module`: forward, then backward of every
+    floating output that requires grad (with ones as its gradient). Gradients are cleared after."""
+    from .verify import tensor_leaves
+
+    kwargs = kwargs or {}
+
+    def step():
+        leaves = [t for t in tensor_leaves(module(*args, **kwargs)) if t.requires_grad and t.is_floating_point()]
+        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+    try:
+        return measure_peak(step, module, *args, *kwargs.values())
+    finally:
+        for p in module.parameters():
+            p.grad = None

@@ -134,6 +134,15 @@ class TwoHeads(nn.Module):
         return GPTOutput(logits=a, loss=b.square().mean())
 
 
+def block_segments(gm: "torch.fx.GraphModule") -> list[list["torch.fx.Node"]]:
+    """The nodes of each Block of a fx-traced GPT, in order: checkpointing every block by hand,
+    the baseline the recompute pass is measured against."""
+    nodes = list(gm.graph.nodes)
+    names = [n.name for n in nodes]
+    starts = [i for i, name in enumerate(names) if name.startswith("blocks_") and name.endswith("_ln1")]
+    return [nodes[a:b] for a, b in zip(starts, starts[1:] + [names.index("ln")])]
+
+
 def mlp(batch=32, width=64, depth=3):
     return MLP(width, depth), (torch.randn(batch, width),), {}
 

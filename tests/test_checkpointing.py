@@ -4,38 +4,21 @@ import pytest
 import graphopt
 from graphopt import zoo
 from graphopt.checkpointing import RecomputeSegment, checkpoint_segments, recomputable, segment_code
-from graphopt.memory import measure_peak
+from graphopt.memory import measure_step
 
 from conftest import assert_same_step
-
-
-def _block_segments(gm, layers):
-    nodes = list(gm.graph.nodes)
-    names = [n.name for n in nodes]
-    starts = [names.index(f"blocks_{b}_ln1") for b in range(layers)] + [names.index("ln")]
-    return [nodes[starts[b]:starts[b + 1]] for b in range(layers)]
-
-
-def _peak(module, args, kwargs):
-    def step():
-        module(*args, **kwargs).loss.backward()
-
-    peak = measure_peak(step, module, *args, *kwargs.values())
-    for p in module.parameters():
-        p.grad = None
-    return peak
 
 
 def test_checkpointed_blocks_give_exact_gradients_with_dropout_and_less_memory():
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
     plain = graphopt.trace(model, args, kwargs)
     gm = graphopt.trace(model, args, kwargs)
-    gm = checkpoint_segments(gm, _block_segments(gm, 4))
+    gm = checkpoint_segments(gm, zoo.block_segments(gm))
     assert sum(isinstance(n.target, RecomputeSegment) for n in gm.graph.nodes) == 4
     assert_same_step(model, gm, args, kwargs, exact=True)
     assert list(gm.state_dict()) == list(model.state_dict())
     assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
-    assert _peak(gm, args, kwargs) < 0.5 * _peak(plain, args, kwargs)
+    assert measure_step(gm, args, kwargs) < 0.5 * measure_step(plain, args, kwargs)
     code = segment_code(gm)
     assert code.count("recomputed during backward") == 4 and "scaled_dot_product_attention" in code
 

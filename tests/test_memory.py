@@ -4,10 +4,9 @@ import torch
 
 import graphopt
 from graphopt import zoo
-from graphopt.memory import GB, estimate_peak, measure_peak
+from graphopt.memory import GB, estimate_peak, measure_step
 from graphopt.saved import saved_tensors
 from graphopt.trace import placeholder_values
-from graphopt.verify import tensor_leaves
 
 # Sized so activations dominate parameters.
 SIZED = {
@@ -18,24 +17,12 @@ SIZED = {
 }
 
 
-def _measured(gm, args, kwargs):
-    def step():
-        out = gm(*args, **kwargs)
-        leaves = [t for t in tensor_leaves(out) if t.requires_grad]
-        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
-
-    peak = measure_peak(step, gm, *args, *kwargs.values())
-    for p in gm.parameters():
-        p.grad = None
-    return peak
-
-
 @pytest.mark.parametrize("name", SIZED)
-def test_estimate_within_ten_percent_of_measured(name):
+def test_estimate_within_ten_percent_ofmeasure_step(name):
     model, args, kwargs = SIZED[name]()
     gm = graphopt.trace(model, args, kwargs)
     estimate = estimate_peak(gm, placeholder_values(gm, args, kwargs))
-    measured = _measured(gm, args, kwargs)
+    measured = measure_step(gm, args, kwargs)
     assert abs(estimate.peak_bytes - measured) <= 0.10 * measured, (estimate.peak_bytes, measured)
     assert estimate.breakdown["activations"] > estimate.breakdown["parameters"]
     assert estimate.peak_gb == estimate.peak_bytes / GB
@@ -74,15 +61,13 @@ def test_estimate_follows_recompute_segments(layers):
     from graphopt.checkpointing import checkpoint_segments
     from graphopt.trace import annotate
 
-    from test_checkpointing import _block_segments
-
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=layers)
     plain = graphopt.trace(model, args, kwargs)
     gm = graphopt.trace(model, args, kwargs)
-    gm = checkpoint_segments(gm, _block_segments(gm, layers))
+    gm = checkpoint_segments(gm, zoo.block_segments(gm))
     annotate(gm, placeholder_values(gm, args, kwargs))
     estimate = estimate_peak(gm, placeholder_values(gm, args, kwargs))
-    measured = _measured(gm, args, kwargs)
+    measured = measure_step(gm, args, kwargs)
     assert abs(estimate.peak_bytes - measured) <= 0.10 * measured, (estimate.peak_bytes, measured)
     assert estimate.breakdown.get("recomputed", 0) > 0
     assert estimate.peak_bytes < estimate_peak(plain, placeholder_values(plain, args, kwargs)).peak_bytes

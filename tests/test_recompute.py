@@ -3,19 +3,16 @@ import pytest
 
 import graphopt
 from graphopt import zoo
-from graphopt.memory import GB, estimate_peak
+from graphopt.memory import GB, budget_at, estimate_peak, measure_step
 from graphopt.trace import placeholder_values
 
 from conftest import assert_same_step
-from test_memory import _measured
 
 
 def _budget(model, args, kwargs, f):
     """parameters + gradients + f x (unoptimized peak - parameters - gradients), in GB."""
     gm = graphopt.trace(model, args, kwargs)
-    est = estimate_peak(gm, placeholder_values(gm, args, kwargs))
-    fixed = 2 * est.breakdown["parameters"]
-    return (fixed + f * (est.peak_bytes - fixed)) / GB
+    return budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), f)
 
 
 @pytest.mark.parametrize("f", [0.5])  # must be feasible at 0.5; other f: test_zoo_fits_or_says_why
@@ -26,7 +23,7 @@ def test_gpt_fits_budget_with_equal_gradients(f):
     record = opt.graphopt_report.passes[-1]
     assert record.name.startswith("recompute") and record.changed
     assert record.peak_bytes <= budget_gb * GB
-    assert _measured(opt, args, kwargs) <= budget_gb * GB
+    assert measure_step(opt, args, kwargs) <= budget_gb * GB
     assert record.stats["segments"] > 0 and record.stats["recompute_flops"] > 0
     assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-5)
     assert list(opt.state_dict()) == list(model.state_dict())
@@ -37,7 +34,7 @@ def test_mlp_fits_half_budget():
     model, args, kwargs = zoo.mlp(batch=256, width=256, depth=12)
     budget_gb = _budget(model, args, kwargs, 0.5)
     opt = graphopt.optimize(model, args, budget_gb=budget_gb, verify=True)
-    assert _measured(opt, args, kwargs) <= budget_gb * GB
+    assert measure_step(opt, args, kwargs) <= budget_gb * GB
 
 
 def test_budget_above_peak_changes_nothing():
@@ -96,7 +93,7 @@ def test_zoo_fits_or_says_why(name, f):
     except graphopt.BudgetError as err:
         assert err.min_budget_gb > budget_gb
         return
-    assert _measured(opt, args, kwargs) <= budget_gb * GB
+    assert measure_step(opt, args, kwargs) <= budget_gb * GB
     assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-5)
 
 
