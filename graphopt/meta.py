@@ -66,16 +66,6 @@ def tensor_info(node: torch.fx.Node):
     return node.meta.get(KEY)
 
 
-def node_bytes(node: torch.fx.Node) -> int:
-    """Bytes of every tensor the node makes (tuple outputs summed)."""
-    info = tensor_info(node)
-    if info is None:
-        return 0
-    if isinstance(info, TensorInfo):
-        return info.nbytes
-    return sum(i.nbytes for i in info if i is not None)
-
-
 def is_annotated(node: torch.fx.Node) -> bool:
     return node.meta.get(ANNOTATED, False)
 

@@ -26,6 +26,9 @@ def test_dump_layout(tmp_path):
     for record in report.passes:
         assert f"| {record.name} |" in summary
     assert "trace (fx)" in summary and "rel" in summary
+    data = report.to_dict()
+    assert [p["name"] for p in data["passes"]] == [r.name for r in report.passes]
+    assert data["frontend"] == "fx" and data["passes"][0]["max_rel_err"] is not None
 
 
 def test_dump_from_environment(tmp_path, monkeypatch):
