@@ -94,11 +94,13 @@ def test_solver_time(benchmark, quick, figures, nodes):
     live = [rng.randint(1 << 18, 1 << 22) for _ in range(nodes)]
     flops = [rng.randint(1, 1 << 30) for _ in range(nodes)]
     ok = [rng.random() > 0.02 for _ in range(nodes)]
-    grads = [rng.randint(0, 1 << 19) for _ in range(nodes)]
+    keeps = [rng.random() < 0.2 for _ in range(nodes)]
+    sel = [rng.randint(0, 1 << 20) if k else 0 for k in keeps]
+    sel_flops = [f if k else 0 for f, k in zip(flops, keeps)]
 
     def plan():
         start = time.perf_counter()
-        solve(make_atoms(kept, live, flops, ok, grads), sum(kept) // 2)
+        solve(make_atoms(kept, live, flops, ok, sel, sel_flops), sum(kept) // 2)
         return time.perf_counter() - start
 
     seconds = benchmark.pedantic(plan, rounds=rounds(quick, 3), iterations=1)

@@ -7,31 +7,141 @@ state of the first run (dropout draws the same mask). The segment is held by a p
 not registered as a submodule, so the model's parameters(), state_dict() keys and optimizers
 are unchanged.
 
-Nodes that change state must run exactly once and cannot be recomputed: BatchNorm in training
-(its running statistics), in-place writes, and calls the registry does not know.
+Nodes that change state must run exactly once and cannot be recomputed: in-place writes and
+calls the registry does not know. BatchNorm in training is the exception: in a segment it
+becomes batch_norm_once, whose recompute (flagged by checkpoint's context_fn) normalizes with
+the same batch statistics and updates copies of the running statistics, not the real ones, so
+they are updated once per step, as without recompute.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
+import threading
 
 import torch
 import torch.fx
-from torch.utils.checkpoint import checkpoint
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from . import ops
 from .meta import tensor_info
 from .purity import CALLS, state_effect
 
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def _recomputing():
+    previous, _state.recomputing = getattr(_state, "recomputing", False), True
+    try:
+        yield
+    finally:
+        _state.recomputing = previous
+
+
+def recomputing() -> bool:
+    """True while a segment runs again during backward."""
+    return getattr(_state, "recomputing", False)
+
+
+@functools.lru_cache(maxsize=None)
+def keeps_output(target) -> bool:
+    """Whether a selective checkpoint keeps the op's output: matmuls, convolutions and
+    attention, whose rerun costs FLOPs; every other op is rerun."""
+    op = ops.lookup_target(target)
+    return op is not None and op.kind == "matmul"
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if keeps_output(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _contexts():
+    return contextlib.nullcontext(), _recomputing()
+
+
+def _selective_contexts():
+    forward, recompute = create_selective_checkpoint_contexts(_policy)
+    return forward, _both(recompute, _recomputing())
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
 
 class RecomputeSegment:
-    """The callable a rewritten graph calls for segment k."""
+    """The callable a rewritten graph calls for segment k. A selective segment keeps the
+    outputs of its matmuls, convolutions and attention and reruns only the rest."""
 
-    def __init__(self, index: int, module: torch.fx.GraphModule):
-        self.index, self.module = index, module
+    def __init__(self, index: int, module: torch.fx.GraphModule, selective: bool = False):
+        self.index, self.module, self.selective = index, module, selective
         self.__name__ = self.__qualname__ = f"recompute_segment_{index}"
         self.__module__ = __name__
 
     def __call__(self, *args):
-        return checkpoint(self.module, *args, use_reentrant=False)
+        contexts = _selective_contexts if self.selective else _contexts
+        return checkpoint(self.module, *args, use_reentrant=False, context_fn=contexts)
+
+
+def batch_norm_once(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Training-mode batch norm that updates the running statistics only on its first run.
+
+    Both runs update copies, and the first copies them back: the two runs then call the same
+    ops and save the same tensors, which checkpoint (and its selective form) checks."""
+    mean, var = _copy(running_mean), _copy(running_var)
+    out = F.batch_norm(x, mean, var, weight, bias, True, momentum, eps)
+    if not recomputing():
+        for real, updated in ((running_mean, mean), (running_var, var)):
+            if real is not None:
+                real.copy_(updated)
+    return out
+
+
+class BatchNormOnce:
+    """batch_norm_once for an nn.BatchNorm module, with its num_batches_tracked and momentum=None
+    (a cumulative average) as the module's own forward has them."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.__name__ = self.__qualname__ = "batch_norm_once"
+        self.__module__ = __name__
+
+    def __call__(self, x):
+        m = self.module
+        counted = m.track_running_stats and m.num_batches_tracked is not None
+        if counted and not recomputing():
+            m.num_batches_tracked.add_(1)
+        momentum = m.momentum if m.momentum is not None else (1.0 / float(m.num_batches_tracked) if counted else 0.0)
+        return batch_norm_once(x, m.weight, m.bias, m.running_mean if m.track_running_stats else None,
+                               m.running_var if m.track_running_stats else None, momentum, m.eps)
+
+
+def _copy(t):
+    return None if t is None else t.clone()
+
+
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+
+
+def _once_form(node: torch.fx.Node, gm: torch.fx.GraphModule):
+    """(target, args, kwargs) running `node` as batch_norm_once, or None when it is not a
+    training batch norm that can run so (SyncBatchNorm and custom subclasses cannot)."""
+    op = ops.lookup(node, gm)
+    if op is None or op.name != "batch_norm_train":
+        return None
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return (BatchNormOnce(module), node.args, node.kwargs) if type(module) in _BATCH_NORMS else None
+    if node.op != "call_function":
+        return None
+    bound = ops.bind(node, gm)
+    if bound is None or not all(v is None or isinstance(v, torch.fx.Node) for v in bound.operands):
+        return None
+    return batch_norm_once, tuple(bound.operands), {"momentum": bound["momentum"], "eps": bound["eps"]}
 
 
 def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
@@ -40,29 +150,46 @@ def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
         return f"{node.op} nodes stay in the main graph"
     if tensor_info(node) is None and (node.target is getattr or getattr(node.target, "__module__", None) == "_operator"):
         return None  # Python arithmetic on sizes (x.shape[1], c // heads): pure
-    return state_effect(node, gm)
+    why = state_effect(node, gm)
+    if why and _once_form(node, gm) is not None:
+        return None
+    return why
 
 
 def _segment_module(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]):
     """A GraphModule computing `nodes`, with its inputs and the outputs used outside it."""
     inside = set(nodes)
-    inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+    used = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+    # Attributes are read inside: as checkpoint inputs, a buffer the segment updates (running
+    # statistics) would trip autograd's version check on saved inputs.
+    inputs = [i for i in used if i.op != "get_attr"]
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     graph = torch.fx.Graph()
     env = {}
-    for i in inputs:
-        env[i] = graph.placeholder(i.name)
+    for i in used:
+        env[i] = graph.get_attr(i.target) if i.op == "get_attr" else graph.placeholder(i.name)
         env[i].meta = dict(i.meta)
     for n in nodes:
-        env[n] = graph.node_copy(n, lambda x: env[x])
+        once = _once_form(n, gm) if state_effect(n, gm) else None
+        if once is None:
+            env[n] = graph.node_copy(n, lambda x: env[x])
+            continue
+        target, args, kwargs = once
+        remap = lambda a: torch.fx.map_arg(a, lambda x: env[x])  # noqa: E731
+        env[n] = graph.call_function(target, remap(args), remap(kwargs))
+        env[n].meta = {**n.meta, "recompute_original": (n.op, n.target, remap(n.args), remap(n.kwargs))}
+        env[n].name = n.name
     graph.output(tuple(env[o] for o in outputs))
     # Root gm: call_module and get_attr targets resolve to the same module objects.
     return torch.fx.GraphModule(gm, graph, class_name="RecomputeSegment"), inputs, outputs
 
 
-def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.Node]]) -> torch.fx.GraphModule:
-    """Rewrite gm so each segment (nodes contiguous in graph order) is recomputed in backward."""
+def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.Node]],
+                        selective: list[bool] | None = None) -> torch.fx.GraphModule:
+    """Rewrite gm so each segment (nodes contiguous in graph order) is recomputed in backward;
+    selective[k]: segment k keeps its matmul, convolution and attention outputs."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    selective = selective or [False] * len(segments)
     for k, nodes in enumerate(segments):
         nodes = sorted(nodes, key=order.__getitem__)
         for n in nodes:
@@ -72,7 +199,7 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         module, inputs, outputs = _segment_module(gm, nodes)
         inside, last = set(nodes), nodes[-1]
         with gm.graph.inserting_after(last):
-            call = gm.graph.call_function(RecomputeSegment(k, module), tuple(inputs))
+            call = gm.graph.call_function(RecomputeSegment(k, module, selective[k]), tuple(inputs))
         with gm.graph.inserting_after(call):
             for j, out in enumerate(outputs):
                 item = gm.graph.call_function(operator.getitem, (call, j))
@@ -91,21 +218,29 @@ def segment_code(gm: torch.fx.GraphModule) -> str:
     for n in gm.graph.nodes:
         if isinstance(n.target, RecomputeSegment):
             seg = n.target
-            parts.append(f"# {seg.__name__}: recomputed during backward\n"
+            what = "its matmul outputs kept, the rest recomputed" if seg.selective else "recomputed"
+            parts.append(f"# {seg.__name__}: {what} during backward\n"
                          + seg.module.print_readable(print_output=False))
     return "\n".join(parts)
 
 
 def inline_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Undo checkpoint_segments: put every segment's nodes back into gm's graph."""
+    attrs = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}  # still there: the segment read them
     for call in [n for n in gm.graph.nodes if isinstance(n.target, RecomputeSegment)]:
         seg = call.target.module
         env = dict(zip([p for p in seg.graph.nodes if p.op == "placeholder"], call.args))
+        env.update((n, attrs[n.target]) for n in seg.graph.nodes if n.op == "get_attr")
         with gm.graph.inserting_before(call):
             for node in seg.graph.nodes:
                 if node.op == "output":
                     results = [env[o] for o in node.args[0]]
-                elif node.op != "placeholder":
+                elif "recompute_original" in node.meta:  # batch_norm_once: back to the original call
+                    op, target, args, kwargs = node.meta["recompute_original"]
+                    remap = lambda a, env=env: torch.fx.map_arg(a, lambda x: env[x])  # noqa: E731
+                    env[node] = gm.graph.create_node(op, target, remap(args), remap(kwargs), name=node.name)
+                    env[node].meta = {k: v for k, v in node.meta.items() if k != "recompute_original"}
+                elif node.op not in ("placeholder", "get_attr"):
                     env[node] = gm.graph.node_copy(node, lambda x, env=env: env[x])
         for item in list(call.users):
             item.replace_all_uses_with(results[item.args[1]])

@@ -93,23 +93,26 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_stat
 
 
 def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_grads: set[int],
-              segment: bool = False) -> None:
+              segment: bool = False, selective: bool = False) -> None:
     """Forward then backward of gm. For a recompute segment (segment=True) its inputs are
-    already resident and their gradients belong to the caller."""
+    already resident, the gradients of its inputs and outputs belong to the caller, and its
+    outputs are not held: the recompute keeps only what the segment's backward needs. A
+    selective segment's kept outputs were counted by the caller: the recompute reuses them."""
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     made, last_use = facts.lifetimes(nodes)
-    size = {key: nbytes for key, (_, nbytes) in made.items()}  # storages graph nodes make
+    cached = facts.policy_storages if selective else set()
+    size = {key: 0 if key in cached else nbytes for key, (_, nbytes) in made.items()}  # storages nodes make
     needed_by: dict[int, set[str]] = {}  # storage -> nodes whose backward still needs it
     internal: dict[str, int] = {}
     for name, items in facts.saved.items():
         for s in {s.storage: s for s in items}.values():
             if s.source == "node":
                 needed_by.setdefault(s.storage, set()).add(name)
-            elif s.source == "internal":
+            elif s.source == "internal" and s.storage not in cached:
                 internal[name] = internal.get(name, 0) + s.nbytes
     returned = output_tensors(gm)
-    held = {key for m in returned for key, _ in facts.storages.get(m.name, [])}
+    held = set() if segment else {key for m in returned for key, _ in facts.storages.get(m.name, [])}
     placeholders = {n.name for n in nodes if n.op == "placeholder"}
 
     def free(key: int, event: str):
@@ -135,13 +138,15 @@ def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_gra
     for m in returned:
         if facts.grad_bytes.get(m.name, 0) and not (segment and m.op == "placeholder"):
             grads[m.name] = facts.grad_bytes[m.name]
-            live.add("gradients", grads[m.name], f"grad of output {m.name}")
+            if not segment:
+                live.add("gradients", grads[m.name], f"grad of output {m.name}")
+    callers = set(grads) if segment else set()
     for n in reversed(nodes):
         if n.name not in grads or n.op in ("placeholder", "get_attr"):
             continue
         if n.name in facts.segments:  # runs its forward again, then its own backward
             inner = _Live()
-            _simulate(n.target.module, facts.segments[n.name], inner, param_grads, segment=True)
+            _simulate(n.target.module, facts.segments[n.name], inner, param_grads, True, n.target.selective)
             live.add("recomputed", inner.peak, f"backward {n.name}: recompute and backward")
             live.add("recomputed", -inner.peak, f"backward {n.name}: done")
             live.add("parameter gradients", inner.bytes.get("parameter gradients", 0), f"backward {n.name}: parameter gradients")
@@ -159,7 +164,8 @@ def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_gra
         # (f'(x) before the multiply, the recomputed softmax, ...), freed when they return.
         live.add("transient", grads[n.name], f"backward {n.name}: workspace")
         live.add("transient", -grads[n.name], f"backward {n.name}: workspace freed")
-        live.add("gradients", -grads[n.name], f"backward {n.name} done")
+        if n.name not in callers:
+            live.add("gradients", -grads[n.name], f"backward {n.name} done")
         live.add("activations", -internal.get(n.name, 0), f"free saved by {n.name}")
         for s in {s.storage: s for s in facts.saved.get(n.name, []) if s.source == "node"}.values():
             needed_by[s.storage].discard(n.name)

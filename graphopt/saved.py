@@ -8,7 +8,9 @@ Every tensor the hooks see is attributed, by storage, to what made it:
     (LayerNorm's mean and rstd, dropout's mask, attention's softmax): extra memory held
     from the node's forward until its backward.
 A recompute segment (checkpointing.py) keeps only its inputs; its own forward is recorded
-separately, for the memory its backward allocates again.
+separately, for the memory its backward allocates again. A selective segment also keeps the
+outputs of the kernels its policy saves (checkpointing.keeps_output), seen here as they run:
+an attention node that runs as matmuls keeps its score matrices, not just its result.
 The answer depends on the device the fakes claim (CPU and CUDA kernels save different things).
 """
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from .checkpointing import RecomputeSegment
+from .checkpointing import RecomputeSegment, keeps_output
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class StepFacts:
     saved: dict[str, list[Saved]]                # node -> what its backward needs
     grad_bytes: dict[str, int]                   # node -> bytes of the gradient of its output
     segments: dict[str, "StepFacts"]             # recompute segment -> facts of its own forward
+    policy_bytes: dict[str, int]                 # node -> bytes a selective segment keeps of it
+    policy_storages: set[int]                    # the storages those bytes are
 
     def lifetimes(self, nodes: list[torch.fx.Node]) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
         """For each storage a node makes: (its maker's index in `nodes`, bytes); and for every
@@ -76,6 +81,8 @@ class _Recorder(torch.fx.Interpreter):
         self.storages: dict[str, list[tuple[int, int]]] = {}
         self.grad_bytes: dict[str, int] = {}
         self.segments: dict[str, StepFacts] = {}
+        self.policy_outputs: dict[str, dict[int, torch.Tensor]] = {}
+        self.policy_mode: _PolicyOutputs | None = None
 
     def run_node(self, n: torch.fx.Node):
         self.current = n
@@ -106,16 +113,29 @@ class _Recorder(torch.fx.Interpreter):
                 self.pack(t)
         inner = _Recorder(n.target.module)
         inner.owner = {k: v for k, v in self.owner.items() if v[0] == "state"}
-        with torch.autograd.graph.saved_tensors_hooks(inner.pack, lambda t: t):
-            inner.run(*[self.env[i] if isinstance(i, torch.fx.Node) else i for i in n.args])
+        inner.policy_mode = self.policy_mode
+        self.policy_mode.recorder = inner
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(inner.pack, lambda t: t):
+                inner.run(*[self.env[i] if isinstance(i, torch.fx.Node) else i for i in n.args])
+        finally:
+            self.policy_mode.recorder = self
         self.segments[n.name] = inner.facts()
         self.keep.extend(inner.keep)
+        if n.target.selective:  # what its policy keeps is held from the forward to its backward
+            for outputs in inner.policy_outputs.values():
+                for t in outputs.values():
+                    self.pack(t)
 
     def facts(self) -> "StepFacts":
         saved: dict[str, list[Saved]] = {}
         for s in self.saved:
             saved.setdefault(s.node, []).append(s)
-        return StepFacts(self.storages, self.owner, saved, self.grad_bytes, self.segments)
+        policy_bytes = {name: sum(t.untyped_storage().nbytes() for t in outputs.values())
+                        for name, outputs in self.policy_outputs.items()}
+        policy_storages = {key for outputs in self.policy_outputs.values() for key in outputs}
+        return StepFacts(self.storages, self.owner, saved, self.grad_bytes, self.segments, policy_bytes,
+                         policy_storages)
 
     def pack(self, t: torch.Tensor):
         key = storage_key(t)
@@ -125,6 +145,24 @@ class _Recorder(torch.fx.Interpreter):
             self.keep.append(t)
         self.saved.append(Saved(self.current.name, source, owner, key, t.untyped_storage().nbytes()))
         return t
+
+
+class _PolicyOutputs(TorchDispatchMode):
+    """Collects, per graph node, the outputs of the kernels a selective checkpoint keeps."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        node = self.recorder.current
+        if node is not None and not isinstance(node.target, RecomputeSegment) and keeps_output(func):
+            kept = self.recorder.policy_outputs.setdefault(node.name, {})
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    kept.setdefault(storage_key(t), t)
+        return out
 
 
 def record_step(gm: torch.fx.GraphModule, flat_inputs: list) -> StepFacts:
@@ -137,7 +175,9 @@ def record_step(gm: torch.fx.GraphModule, flat_inputs: list) -> StepFacts:
         for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
             recorder.owner.setdefault(storage_key(t), ("state", name))
         inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        recorder.policy_mode = _PolicyOutputs(recorder)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
+                recorder.policy_mode:
             recorder.run(*inputs)
     return recorder.facts()
 

@@ -1,34 +1,41 @@
 """Choose recompute segments: the least recompute FLOPs whose predicted peak fits a budget.
 
-A Chen-style plan: the graph order is cut into segments; a checkpointed segment keeps only
-the tensors that cross into it during the forward, and in its backward runs again, holding
-what it saves for as long as its own backward takes. With
+The graph order is cut into segments, each kept as it is or checkpointed, fully or
+selectively. With
 
-    base      parameters, buffers, inputs, optimizer state, parameter gradients
     kept(s)   bytes a segment saves for backward when it is not checkpointed
     cross(s)  bytes live across the segment's start (every tensor made before it and used in
-              or after it: skip connections count)
-    T         the largest rerun(s) among checkpointed segments: kept(s) saved again in its
-              backward, plus its largest gradient and one workspace of that size
+              or after it: skip connections count); a checkpointed segment keeps these
+    sel(s)    bytes of its matmul, convolution and attention outputs, which a selective
+              checkpoint keeps as well, so that its backward reruns only the cheap ops
 
-the peak is about base + sum(kept, plain segments) + sum(cross, checkpointed) + T.
+the forward ends holding prefix(end) = the sum over segments of kept (plain), cross (full) or
+cross + sel (selective). The backward runs the segments in reverse: when it reaches segment s,
+what the segments after s kept is freed already; a checkpointed s saves again what it saved
+the first time, so it holds prefix(s) + cross(s) + sel(s) + kept(s). The predicted peak is the
+largest of these and prefix(end). It leaves out what every plan holds (parameters, inputs,
+outputs, gradients in flight), so it ranks plans rather than predicts the step: the caller
+checks the plans it considers with the full estimate (memory.py).
 
 Algorithm:
   1. Atoms: cut the node order where few bytes cross (at most `max_cuts` cut points, chosen
      by crossing bytes) and around every node that cannot be recomputed.
-  2. For each candidate T (the distinct rerun() values of recomputable runs, thinned):
-     a knapsack DP over atoms, memory in `buckets` steps of the allowance budget - base - T
-     (each use rounded up: plans never exceed the allowance, at worst recompute a little
-     more than the optimum), minimizing recompute FLOPs; a run of recomputable atoms with
-     rerun <= T may be one checkpointed segment.
-  3. Keep the feasible plan of least FLOPs (ties: least predicted peak). Deterministic: the
-     same graph and budget give the same plan.
+  2. A dynamic program over atoms and prefix memory, in `buckets` units of the allowance
+     (each use rounded up: a plan never exceeds the allowance; with allowance <= buckets a
+     unit is a byte and the program is exact): the least recompute FLOPs covering the first
+     i atoms with m units held. A run of recomputable atoms may be one checkpointed segment,
+     full or selective, where its backward fits: m + its rerun <= allowance.
+  3. The plan of least FLOPs, ties broken by least memory. Deterministic: the same graph and
+     budget give the same plan.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+PLAIN, FULL, SELECTIVE = 0, 1, 2
+INF = np.iinfo(np.int64).max // 4
 
 
 @dataclass(frozen=True)
@@ -39,135 +46,129 @@ class Atom:
     cross: int          # bytes live across its start
     flops: int          # recompute cost
     recomputable: bool
-    grad: int = 0       # largest gradient of its nodes' outputs
+    sel: int = 0        # bytes of the outputs a selective checkpoint keeps
+    sel_flops: int = 0  # FLOPs of those outputs' nodes, which a selective checkpoint does not rerun
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int          # node index range [start, stop)
+    stop: int
+    selective: bool
 
 
 @dataclass
 class Plan:
-    segments: list[tuple[int, int]]   # (start, stop) node index ranges to checkpoint
+    segments: list[Segment]
     recompute_flops: int
-    predicted_peak: int               # by the model above
-
-    @property
-    def feasible(self) -> bool:
-        return self.predicted_peak >= 0
+    predicted_peak: int   # activation bytes by the model above
 
 
 def make_atoms(kept: list[int], live_after: list[int], flops: list[int], recomputable: list[bool],
-               grads: list[int] | None = None, max_cuts: int = 96) -> list[Atom]:
+               sel: list[int] | None = None, sel_flops: list[int] | None = None, max_cuts: int = 96) -> list[Atom]:
     """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
-    grads[i]: bytes of the gradient of node i's output."""
-    grads = grads or [0] * len(kept)
+    sel[i], sel_flops[i]: output bytes and FLOPs of node i when a selective checkpoint keeps it."""
     n = len(kept)
+    sel, sel_flops = sel or [0] * n, sel_flops or [0] * n
     forced = {0, n}
     for i, ok in enumerate(recomputable):
         if not ok:
             forced.update((i, i + 1))
     free_cuts = sorted((live_after[i - 1], i) for i in range(1, n) if i not in forced)
     cuts = sorted(forced | {i for _, i in free_cuts[:max_cuts]})
-    atoms = []
-    for a, b in zip(cuts, cuts[1:]):
-        atoms.append(Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(flops[a:b]),
-                          all(recomputable[a:b]), max(grads[a:b], default=0)))
-    return atoms
+    return [Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(flops[a:b]), all(recomputable[a:b]),
+                 sum(sel[a:b]), sum(sel_flops[a:b]))
+            for a, b in zip(cuts, cuts[1:])]
 
 
-def solve(atoms: list[Atom], allowance: int, buckets: int = 256, max_caps: int = 24) -> Plan | None:
+def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
+    """The model's peak for segments given as (first atom, one past the last, FULL | SELECTIVE)."""
+    starts = {a: (b, kind) for a, b, kind in segments}
+    held = peak = i = 0
+    while i < len(atoms):
+        if i in starts:
+            j, kind = starts[i]
+            run = atoms[i:j]
+            sel = sum(a.sel for a in run) if kind == SELECTIVE else 0
+            peak = max(peak, held + atoms[i].cross + sel + sum(a.kept for a in run))
+            held += atoms[i].cross + sel
+            i = j
+        else:
+            held += atoms[i].kept
+            i += 1
+    return max(peak, held)
+
+
+def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
     """The least-FLOPs plan whose predicted activation memory fits `allowance` bytes; None if none does."""
-    if not atoms:
-        return Plan([], 0, 0)
-    total_kept = sum(a.kept for a in atoms)
-    if total_kept <= allowance:
-        return Plan([], 0, total_kept)
-    runs = _recomputable_runs(atoms)
-    caps = sorted({rerun(atoms[i:j]) for r0, r1 in runs for i in range(r0, r1) for j in range(i + 1, r1 + 1)})
-    if len(caps) > max_caps:
-        caps = [caps[round(k * (len(caps) - 1) / (max_caps - 1))] for k in range(max_caps)]
-    best: Plan | None = None
-    for cap in caps:
-        plan = _solve_with_cap(atoms, allowance - cap, cap, buckets)
-        if plan and (best is None or (plan.recompute_flops, plan.predicted_peak) < (best.recompute_flops, best.predicted_peak)):
-            best = plan
-    return best
-
-
-def rerun(atoms: list[Atom]) -> int:
-    """Bytes a checkpointed segment holds while its backward runs: what it saves again, plus
-    its largest gradient and one workspace of that size."""
-    return sum(a.kept for a in atoms) + 2 * max((a.grad for a in atoms), default=0)
-
-
-def _recomputable_runs(atoms: list[Atom]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, a in enumerate(atoms + [Atom(0, 0, 0, 0, 0, False)]):
-        if a.recomputable and start is None:
-            start = i
-        elif not a.recomputable and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
-def _solve_with_cap(atoms: list[Atom], room: int, cap: int, buckets: int) -> Plan | None:
-    """Knapsack DP: memory in units of room/buckets bytes, each use rounded up, so a plan always
-    fits; with room <= buckets a unit is one byte and the DP is exact."""
-    if room <= 0:
+    as_is = model_peak(atoms, [])
+    if as_is <= allowance:
+        return Plan([], 0, as_is)
+    if allowance <= 0:
         return None
-    buckets = int(min(buckets, room))
-    unit = room / buckets
-    inf = np.iinfo(np.int64).max // 4
+    buckets = int(min(buckets, allowance))
+    unit = allowance / buckets
+
+    def units(nbytes: int) -> int:
+        return int(np.ceil(nbytes / unit - 1e-9))
+
     n = len(atoms)
-    # cost[i][m]: least FLOPs covering atoms[:i] with m memory units used; choice[i][m] how.
-    cost = np.full((n + 1, buckets + 1), inf, dtype=np.int64)
-    choice = np.full((n + 1, buckets + 1, 2), -1, dtype=np.int64)  # (previous atom index, checkpointed 0/1)
+    # Step 2. cost[i, m]: least FLOPs covering atoms[:i] holding m units; how[i, m]: (previous i, kind).
+    cost = np.full((n + 1, buckets + 1), INF, dtype=np.int64)
+    how = np.full((n + 1, buckets + 1, 2), -1, dtype=np.int64)
     cost[0, 0] = 0
     for i in range(n):
         row = cost[i]
-        if row.min() >= inf:
+        if row.min() >= INF:
             continue
-        # Atom i kept as it is.
-        _relax(cost, choice, i, i + 1, row, int(np.ceil(atoms[i].kept / unit - 1e-9)), 0, 0)
-        # Atoms i..j-1 checkpointed as one segment.
-        if atoms[i].recomputable:
-            kept = flops = grad = 0
-            for j in range(i + 1, n + 1):
-                if not atoms[j - 1].recomputable:
-                    break
-                kept += atoms[j - 1].kept
-                flops += atoms[j - 1].flops
-                grad = max(grad, atoms[j - 1].grad)
-                if kept + 2 * grad > cap:  # grows with j: no longer segment fits either
-                    break
-                _relax(cost, choice, i, j, row, int(np.ceil(atoms[i].cross / unit - 1e-9)), flops, 1)
+        _relax(cost[i + 1], how[i + 1], row, units(atoms[i].kept), buckets, 0, (i, PLAIN))
+        if not atoms[i].recomputable:
+            continue
+        kept = flops = sel = sel_flops = 0
+        cross = atoms[i].cross
+        for j in range(i + 1, n + 1):
+            if not atoms[j - 1].recomputable:
+                break
+            kept += atoms[j - 1].kept
+            flops += atoms[j - 1].flops
+            sel += atoms[j - 1].sel
+            sel_flops += atoms[j - 1].sel_flops
+            if units(cross + kept) > buckets:  # grows with j: no longer segment fits either
+                break
+            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept), flops, (i, FULL))
+            if sel:
+                _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept),
+                       flops - sel_flops, (i, SELECTIVE))
+    # Step 3
     final = cost[n]
-    if final.min() >= inf:
+    if final.min() >= INF:
         return None
     m = int(np.argmin(final))  # least FLOPs; argmin takes the least memory among ties
     flops_total = int(final[m])
-    segments, i = [], n
+    chosen, i = [], n
     while i > 0:
-        prev, ckpt = choice[i, m]
-        if ckpt:
-            segments.append((atoms[prev].start, atoms[i - 1].stop))
-        m -= _units_used(atoms, prev, i, ckpt, unit)
-        i = int(prev)
-    segments.reverse()
-    used = sum(a.kept for a in atoms) - sum(a.kept for s in segments for a in atoms if s[0] <= a.start < s[1])
-    used += sum(next(a.cross for a in atoms if a.start == s[0]) for s in segments)
-    return Plan(segments, flops_total, used + (cap if segments else 0))
+        prev, kind = (int(v) for v in how[i, m])
+        if kind == PLAIN:
+            m -= units(atoms[prev].kept)
+        else:
+            run_sel = sum(a.sel for a in atoms[prev:i]) if kind == SELECTIVE else 0
+            m -= units(atoms[prev].cross + run_sel)
+            chosen.append((prev, i, kind))
+        i = prev
+    chosen.reverse()
+    segments = [Segment(atoms[a].start, atoms[b - 1].stop, kind == SELECTIVE) for a, b, kind in chosen]
+    return Plan(segments, flops_total, model_peak(atoms, chosen))
 
 
-def _units_used(atoms, prev, i, ckpt, unit) -> int:
-    if ckpt:
-        return int(np.ceil(atoms[prev].cross / unit - 1e-9))
-    return int(np.ceil(atoms[prev].kept / unit - 1e-9))
-
-
-def _relax(cost, choice, i, j, row, units, flops, ckpt):
-    if units > row.shape[0] - 1:
+def _relax(target_cost, target_how, row, add_units, limit, flops, how):
+    """target[m + add_units] = min(target, row[m] + flops) for every m <= limit."""
+    size = row.shape[0]
+    if limit < 0 or add_units >= size:
         return
-    shifted = np.full_like(row, np.iinfo(np.int64).max // 4)
-    shifted[units:] = row[: row.shape[0] - units] + flops
-    better = shifted < cost[j]
-    cost[j] = np.where(better, shifted, cost[j])
-    choice[j][better] = (i, ckpt)
+    top = min(limit, size - 1 - add_units)
+    candidate = row[: top + 1] + flops
+    candidate[row[: top + 1] >= INF] = INF
+    window = slice(add_units, add_units + top + 1)
+    better = candidate < target_cost[window]
+    target_cost[window] = np.where(better, candidate, target_cost[window])
+    target_how[window][better] = how

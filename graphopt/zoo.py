@@ -147,8 +147,8 @@ def mlp(batch=32, width=64, depth=3):
     return MLP(width, depth), (torch.randn(batch, width),), {}
 
 
-def convnet(batch=4, channels=16, size=16):
-    return ConvNet(channels), (torch.randn(batch, 3, size, size),), {}
+def convnet(batch=4, channels=16, size=16, blocks=2):
+    return ConvNet(channels, blocks), (torch.randn(batch, 3, size, size),), {}
 
 
 def gpt(batch=4, seq=32, layers=2, dim=64, heads=4, vocab=256, targets=True):

@@ -1,5 +1,8 @@
 """The recompute pass: measured peak under budget_gb, gradients equal to eager, clear errors."""
+import copy
+
 import pytest
+import torch
 
 import graphopt
 from graphopt import zoo
@@ -27,6 +30,20 @@ def test_gpt_fits_budget_with_equal_gradients(f):
     assert record.stats["segments"] > 0 and record.stats["recompute_flops"] > 0
     assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-5)
     assert list(opt.state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_convnet_with_batchnorm_fits_half_budget(frontend):
+    model, args, kwargs = ZOO["convnet"]()
+    reference = copy.deepcopy(model)
+    budget_gb = _budget(model, args, kwargs, 0.5)
+    opt = graphopt.optimize(model, args, budget_gb=budget_gb, frontend=frontend)
+    assert opt.graphopt_report.passes[-1].stats["segments"] > 0
+    assert measure_step(opt, args, kwargs) <= budget_gb * GB  # one step: statistics updated once
+    reference(*args).sum().backward()
+    for (name, got), want in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(got, want), name
+    assert_same_step(reference, opt, args, kwargs, exact=False, tol=1e-5)
 
 
 def test_mlp_fits_half_budget():
@@ -75,7 +92,7 @@ def test_plan_is_in_the_dumps_and_deterministic(tmp_path):
 
 ZOO = {
     "gpt": lambda: zoo.gpt(batch=8, seq=64, layers=4),
-    "convnet": lambda: zoo.convnet(batch=16, size=32),
+    "convnet": lambda: zoo.convnet(batch=16, size=32, blocks=6),
     "hf_gpt2": lambda: zoo.hf_gpt2(batch=4, seq=64, layers=4),
     "hf_bert": lambda: zoo.hf_bert(batch=4, seq=64, layers=4),
 }

@@ -3,17 +3,18 @@
 Algorithm:
   1. Estimate the step's peak as it is (memory.estimate_peak). Within budget: nothing to do.
      In inference only the forward runs and recompute cannot help: over budget is an error.
-  2. Per node, from one recorded FakeTensor forward (saved.py): the bytes it keeps for
-     backward, the bytes live across it, its FLOPs (ops.flops) and whether it may run twice
-     (checkpointing.recomputable).
-  3. Solve (solver.py) for the least recompute FLOPs whose predicted activations fit the
-     budget less the resident part (parameters, buffers, inputs, parameter gradients, the
-     largest gradient in flight).
-  4. Rewrite the chosen segments through torch.utils.checkpoint (checkpointing.py).
-  5. Check the rewritten graph with the full estimate. Over budget: verify the plan for the
-     smallest allowance the solver can meet; if even that is over, BudgetError names its
-     peak as the smallest budget that works. Otherwise bisect between the two for the
-     largest allowance whose plan fits (least recompute).
+  2. State writes that read no computed value move up (they would cut segments). Per node,
+     from one recorded FakeTensor forward (saved.py): the bytes it keeps for backward, the
+     bytes live across it, its FLOPs (ops.flops), whether
+     it may run twice (checkpointing.recomputable), and what a selective segment keeps of it.
+  3. Candidate plans (solver.py): the least recompute FLOPs for each of CANDIDATES
+     activation allowances, from the least the solver can meet to none; the distinct plans
+     by increasing FLOPs. The solver's model ranks plans; it is not exact.
+  4. The full estimate of each plan it looks at (rewritten through torch.utils.checkpoint,
+     checkpointing.py, then undone) decides: the plan with most FLOPs must fit, or
+     BudgetError names the smallest estimated peak as the least budget that works. Then a
+     bisection over the candidates finds the least-FLOPs plan that fits.
+  5. Rewrite with that plan.
   6. Mark every node kept, recomputed or boundary (a segment's inputs), and report.
 """
 from __future__ import annotations
@@ -27,17 +28,18 @@ from ..dump import note
 from ..errors import BudgetError
 from ..memory import GB, estimate_peak
 from ..saved import record_step
-from ..solver import make_atoms, solve
+from ..solver import make_atoms, model_peak, solve
 from ..trace import annotate
 from .base import Option, Pass, PassContext, PassResult
 from .registry import register
 
-BISECTIONS = 6
+CANDIDATES = 16  # allowances tried; the estimate checks about log2 of them
+LOOK_BELOW = 3   # cheaper candidates checked after the bisection
 
 
 def _least_allowance(atoms) -> int:
     """Smallest activation allowance the solver can meet, by bisection."""
-    lo, hi = 0, sum(a.kept for a in atoms)
+    lo, hi = 0, model_peak(atoms, [])
     while hi - lo > max(hi // 256, 1):
         mid = (lo + hi) // 2
         if solve(atoms, mid) is None:
@@ -45,6 +47,19 @@ def _least_allowance(atoms) -> int:
         else:
             hi = mid
     return hi
+
+
+def _candidates(atoms) -> list:
+    """The solver's plans for allowances from the least it can meet to what needs no
+    recompute, distinct, by increasing recompute FLOPs (and so, roughly, decreasing peak)."""
+    low, high = _least_allowance(atoms), model_peak(atoms, [])
+    plans = {}
+    for k in range(CANDIDATES):
+        allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
+        plan = solve(atoms, allowance)
+        if plan is not None and plan.segments:
+            plans.setdefault(tuple(plan.segments), plan)
+    return sorted(plans.values(), key=lambda p: (p.recompute_flops, p.predicted_peak))
 
 
 def _positive(value) -> float:
@@ -61,8 +76,31 @@ def _fraction(value) -> float:
     return value
 
 
+def _hoist_state_writes(gm: torch.fx.GraphModule) -> int:
+    """Move each node that cannot be recomputed but reads only placeholders and attributes
+    (torch.export's num_batches_tracked.add_(1) beside each batch norm) up to where its inputs
+    exist, when no node in between reads them: segments are then not cut around it."""
+    moved = 0
+    nodes = list(gm.graph.nodes)
+    for k, n in enumerate(nodes):
+        if n.op not in ("call_function", "call_method") or recomputable(n, gm) is None or n.users:
+            continue
+        inputs = n.all_input_nodes
+        if not inputs or any(i.op not in ("placeholder", "get_attr") for i in inputs):
+            continue
+        place = max(nodes.index(i) for i in inputs)
+        if any(i in m.all_input_nodes for m in nodes[place + 1:k] for i in inputs):
+            continue
+        if place + 1 < k:
+            nodes[place].append(n)
+            nodes.insert(place + 1, nodes.pop(k))
+            moved += 1
+    return moved
+
+
 def _node_facts(gm: torch.fx.GraphModule, facts):
-    """Per node in graph order: bytes kept for backward, bytes live after it, FLOPs, recomputable."""
+    """Per node in graph order: bytes kept for backward, bytes live after it, FLOPs, recomputable,
+    and the bytes and FLOPs of its output when a selective segment keeps it."""
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     saved_storages = {s.storage for items in facts.saved.values() for s in items if s.source == "node"}
@@ -87,8 +125,9 @@ def _node_facts(gm: torch.fx.GraphModule, facts):
         live_after.append(running)
     flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
     ok = [recomputable(n, gm) is None for n in nodes]
-    grads = [facts.grad_bytes.get(n.name, 0) for n in nodes]
-    return nodes, kept, live_after, flops, ok, grads
+    sel = [facts.policy_bytes.get(n.name, 0) for n in nodes]
+    sel_flops = [f if b else 0 for f, b in zip(flops, sel)]
+    return nodes, kept, live_after, flops, ok, sel, sel_flops
 
 
 @register
@@ -118,57 +157,54 @@ class Recompute(Pass):
         if before.peak_bytes <= budget:
             return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0})
         # Step 2
+        if _hoist_state_writes(gm):
+            gm.recompile()
         facts = record_step(gm, inputs)
-        nodes, kept, live_after, flops, ok, grads = _node_facts(gm, facts)
-        atoms = make_atoms(kept, live_after, flops, ok, grads)
-        resident = sum(v for k, v in before.breakdown.items() if k not in ("activations", "gradients", "transient"))
-        resident += sum(p.untyped_storage().nbytes() for p in gm.parameters() if p.requires_grad) \
-            - before.breakdown.get("parameter gradients", 0)
-        resident += 2 * max(facts.grad_bytes.values(), default=0)
-        # Steps 3 to 5: the solver's model guides, the full estimate decides.
-        def attempt(allowance: int):
-            """Plan for `allowance`, rewrite, estimate; returns (plan, peak) and leaves gm rewritten."""
-            plan = solve(atoms, allowance) if allowance > 0 else None
-            if plan is None:
-                return None, None
-            nonlocal last
-            segment_nodes = {n for a, b in plan.segments for n in nodes[a:b]}
-            for n in nodes:  # before the rewrite: segment copies share these notes
-                if n.op.startswith("call"):
-                    note(n, "recompute", "recomputed" if n in segment_nodes else "kept")
-            checkpoint_segments(gm, [nodes[a:b] for a, b in plan.segments])
+        nodes, kept, live_after, flops, ok, sel, sel_flops = _node_facts(gm, facts)
+        atoms = make_atoms(kept, live_after, flops, ok, sel, sel_flops)
+        # Step 3
+        candidates = _candidates(atoms)
+
+        # Steps 4 and 5: the solver's model proposes, the full estimate decides.
+        def rewrite(plan):
+            checkpoint_segments(gm, [nodes[s.start:s.stop] for s in plan.segments],
+                                [s.selective for s in plan.segments])
             annotate(gm, inputs)
-            last = estimate_peak(gm, inputs)
-            return plan, last.peak_bytes
 
         def undo():
             inline_segments(gm)
             annotate(gm, inputs)
             nodes[:] = list(gm.graph.nodes)  # the inlined copies, in the same order
 
-        last = before
-        high = budget - resident
-        plan, peak = attempt(high)
-        if peak is None or peak > budget:
-            if peak is not None:
+        estimates = {}
+
+        def fits(k: int) -> bool:
+            if k not in estimates:
+                rewrite(candidates[k])
+                estimates[k] = estimate_peak(gm, inputs)
                 undo()
-            low = _least_allowance(atoms)
-            plan, peak = attempt(low)
-            if peak is None or peak > budget:
-                # The smallest plan found, with its own breakdown (before it, the plain step's).
-                raise self._error(budget_gb, peak or before.peak_bytes, last.breakdown, inference=False)
-            for _ in range(BISECTIONS):  # largest allowance that still fits: least recompute
-                mid = (low + high) // 2
-                if high - low <= max(high // 64, 1):
-                    break
-                undo()
-                trial, trial_peak = attempt(mid)
-                if trial_peak is not None and trial_peak <= budget:
-                    low, plan, peak = mid, trial, trial_peak
-                else:
-                    high = mid
-                    undo()
-                    plan, peak = attempt(low)
+            return estimates[k].peak_bytes <= budget
+
+        if not candidates or not fits(len(candidates) - 1):
+            smallest = min(estimates.values(), key=lambda e: e.peak_bytes, default=before)
+            raise self._error(budget_gb, smallest.peak_bytes, smallest.breakdown, inference=False)
+        lo, hi = 0, len(candidates) - 1  # candidates[hi] fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        # The estimate falls with FLOPs only roughly: a few cheaper plans get their own look.
+        for k in range(hi - 1, max(hi - 1 - LOOK_BELOW, -1), -1):
+            hi = k if fits(k) else hi
+        plan, last = candidates[hi], estimates[hi]
+        peak = last.peak_bytes
+        decision = {}
+        for s in plan.segments:
+            for n in nodes[s.start:s.stop]:
+                decision[n] = "kept" if s.selective and facts.policy_bytes.get(n.name) else "recomputed"
+        for n in nodes:  # before the rewrite: segment copies share these notes
+            if n.op.startswith("call"):
+                note(n, "recompute", decision.get(n, "kept"))
+        rewrite(plan)
         # Step 6
         for n in gm.graph.nodes:
             if isinstance(n.target, RecomputeSegment):
@@ -184,7 +220,8 @@ class Recompute(Pass):
             **stats,
             "predicted_peak_bytes": peak,
             "segments": len(plan.segments),
-            "recomputed_nodes": sum(b - a for a, b in plan.segments),
+            "selective_segments": sum(s.selective for s in plan.segments),
+            "recomputed_nodes": sum(v == "recomputed" for v in decision.values()),
             "recompute_flops": plan.recompute_flops,
             "recompute_overhead_pct": round(100 * plan.recompute_flops / max(step_flops, 1), 1),
         })
