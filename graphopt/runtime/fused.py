@@ -1,0 +1,230 @@
+"""Running a fused elementwise group: autograd-aware, each kernel compiled once per structural key.
+
+1. FusedOp(group)(*inputs) (or fused_call(group, *inputs)) applies an autograd.Function: its forward
+   runs the group and saves only the group's inputs; its backward computes every input gradient in
+   one pass, recomputing the intermediates.
+2. Where it runs: CUDA tensors run the generated Triton kernels; CPU (and other) tensors run the
+   torch reference (codegen/reference.py), except under TRITON_INTERPRET=1, where CPU tensors run the
+   Triton kernels in Triton's interpreter: that is how CI tests the codegen. Fake and meta tensors
+   only get outputs of the right shapes and dtypes.
+3. Kernels are cached in a module-level dict by their Spec (ops, params, dtypes, layout patterns,
+   merged rank, offset width), never by sizes: a new batch size reuses the kernel.
+4. Outputs are allocated contiguous at their eager shapes; the grid is cdiv(n, BLOCK).
+5. A broadcast input's gradient comes back at the full shape in fp32 and is summed down to the
+   input's shape, then cast to its dtype.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..codegen.backward import KERNEL as BACKWARD
+from ..codegen.backward import backward_source
+from ..codegen.compile import load
+from ..codegen.forward import KERNEL as FORWARD
+from ..codegen.forward import forward_source
+from ..codegen.group import Group, differentiable
+from ..codegen.layout import MAX_BLOCK, contiguous_strides
+from ..codegen.reference import reference_source
+from ..codegen.spec import Plan, plan_backward, plan_forward
+
+GPU_BLOCK = 1024
+_KERNELS: dict = {}  # (Spec, interpreted) -> the Triton kernel
+_REFERENCES: dict = {}  # (Spec of the backward, or forward) -> the torch reference module
+STATS = Counter()  # kernel cache "hits" and "misses"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cache_info() -> dict:
+    return {"hits": STATS["hits"], "misses": STATS["misses"], "kernels": len(_KERNELS)}
+
+
+def clear_cache() -> None:
+    _KERNELS.clear()
+    _REFERENCES.clear()
+    STATS.clear()
+
+
+def _shape_only(tensors) -> bool:
+    return any(t.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(t) for t in tensors)
+
+
+def _runs_kernel(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def _block(n: int, device: torch.device) -> int:
+    if device.type == "cpu":  # the interpreter runs programs one after another: few, large blocks
+        return min(MAX_BLOCK, max(16, 1 << (n - 1).bit_length()))
+    return GPU_BLOCK
+
+
+def _kernel(plan: Plan, name: str, render):
+    key = (plan.spec, interpreting())
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        STATS["misses"] += 1
+        kernel = _KERNELS[key] = getattr(load(render(), "_interpreted" if key[1] else ""), name)
+    else:
+        STATS["hits"] += 1
+    return kernel
+
+
+def _launch(kernel, plan: Plan, tensors, device: torch.device) -> None:
+    n = plan.layout.numel
+    block = _block(n, device)
+    grid = (triton_cdiv(n, block),)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[grid](*tensors, *plan.scalar_args(), BLOCK=block)
+    else:
+        kernel[grid](*tensors, *plan.scalar_args(), BLOCK=block)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _device(inputs) -> torch.device:
+    """The device the group runs on: a 0-dim CPU tensor may ride along with CUDA ones, as in eager."""
+    devices = {t.device for t in inputs if not (t.dim() == 0 and t.device.type == "cpu")}
+    if len(devices) > 1:
+        raise ValueError(f"fused group inputs are on several devices {sorted(map(str, devices))}; move them to one")
+    return devices.pop() if devices else inputs[0].device
+
+
+class _Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, *inputs):
+        ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
+        ctx.op = op
+        outputs, dtypes = op.forward(inputs)
+        ctx.save_for_backward(*inputs)
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, dtypes) if not differentiable(d)])
+        return tuple(outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:]))
+
+
+class FusedOp:
+    """A fused group as a callable: one tensor for a one-output group, else a tuple in group.outputs order.
+    It has a __name__, so an FX call_function node can target it."""
+
+    def __init__(self, group: Group):
+        self.group = group if isinstance(group, Group) else Group(*group)
+        self.__name__ = "fused_" + "_".join(s.op for s in self.group.steps)[:80]
+        self.__qualname__ = self.__name__
+
+    def __repr__(self) -> str:
+        return f"FusedOp({self.group.describe()})"
+
+    def __call__(self, *inputs):
+        if len(inputs) != len(self.group.inputs):
+            raise TypeError(f"{self.__name__} takes {len(self.group.inputs)} tensors, got {len(inputs)}")
+        for k, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.__name__}: input {k} is {type(t).__name__}; group inputs are tensors "
+                                "(put Python numbers into the steps as scalar args)")
+        outputs = _Function.apply(self, *inputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # the two halves of the autograd.Function, on plain tensors
+
+    def forward(self, inputs) -> tuple[list[torch.Tensor], list[torch.dtype]]:
+        plan = plan_forward(self.group, inputs)
+        device = _device(inputs)
+        dtypes = [plan.dtypes[j] for j in self.group.outputs]
+        shapes = [plan.shapes[j] for j in self.group.outputs]
+        if _shape_only(inputs) or plan.layout.numel == 0:
+            return [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)], dtypes
+        if not _runs_kernel(device):
+            values = self._reference(plan).reference_forward(*inputs)
+            return [torch.empty(s, dtype=d, device=device).copy_(v) for v, d, s in zip(values, dtypes, shapes)], dtypes
+        outputs = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
+        loaded = [inputs[int(o.name[1:])].to(device) for o in plan.spec.operands if o.name.startswith("x")]
+        kernel = _kernel(plan, FORWARD, lambda: forward_source(self.group, plan.spec, plan.dtypes))
+        _launch(kernel, plan, loaded + outputs, device)
+        return outputs, dtypes
+
+    def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
+        plan, program = plan_backward(self.group, inputs, grads, needs)
+        device = _device(inputs)
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        if not program.grads:
+            return result
+        if _shape_only(list(inputs) + [g for g in grads if g is not None]) or plan.layout.numel == 0:
+            for k in program.grads:
+                result[k] = torch.zeros(inputs[k].shape, dtype=inputs[k].dtype, device=device)
+            return result
+        if not _runs_kernel(device):
+            values = self._reference(plan, program).reference_backward(*inputs, *grads)
+            for k, v in zip(program.grads, values):
+                result[k] = v.to(inputs[k].dtype)
+            return result
+        operands = {o.name: o for o in plan.spec.operands}
+        buffers = {k: torch.empty(inputs[k].shape if operands[f"d{k}"].dtype == inputs[k].dtype
+                                  and math.prod(inputs[k].shape) == plan.layout.numel else plan.full,
+                                  dtype=operands[f"d{k}"].dtype, device=device) for k in program.grads}
+        tensors = ([inputs[k].to(device) for k in program.inputs] + [grads[i].to(device) for _, i in program.seeds]
+                   + [buffers[k] for k in program.grads])
+        kernel = _kernel(plan, BACKWARD, lambda: backward_source(self.group, plan.spec, program))
+        _launch(kernel, plan, tensors, device)
+        for k, buffer in buffers.items():
+            result[k] = buffer.sum_to_size(inputs[k].shape).to(inputs[k].dtype)
+        return result
+
+    def _reference(self, plan: Plan, program=None):
+        key = plan.spec
+        module = _REFERENCES.get(key)
+        if module is None:
+            module = _REFERENCES[key] = load(reference_source(self.group, plan.dtypes, program))
+        return module
+
+
+def fused_call(group: Group, *inputs):
+    """Run `group` on `inputs` (see FusedOp)."""
+    return FusedOp(group)(*inputs)
+
+
+def _meta(shape, dtype, strides=None) -> torch.Tensor:
+    shape = tuple(shape)
+    return torch.empty_strided(shape, tuple(strides) if strides else contiguous_strides(shape), dtype=dtype,
+                               device="meta")
+
+
+def example(group: Group, shapes, dtypes, strides=None):
+    """Meta inputs, and for the backward the incoming gradients (contiguous, one per float output) and
+    which inputs want one (the float ones)."""
+    group = group if isinstance(group, Group) else Group(*group)
+    inputs = [_meta(s, d, strides[k] if strides else None) for k, (s, d) in enumerate(zip(shapes, dtypes))]
+    plan = plan_forward(group, inputs)
+    grads = [_meta(plan.shapes[j], plan.dtypes[j]) if differentiable(plan.dtypes[j]) else None
+             for j in group.outputs]
+    return group, inputs, plan, grads, [differentiable(d) for d in dtypes]
+
+
+def source(group: Group, shapes, dtypes, strides=None) -> tuple[str, str | None]:
+    """The forward and backward Triton sources for inputs of these shapes, dtypes (and strides,
+    default contiguous); backward is None when no input gets a gradient."""
+    group, inputs, plan, grads, needs = example(group, shapes, dtypes, strides)
+    forward = forward_source(group, plan.spec, plan.dtypes)
+    bplan, program = plan_backward(group, inputs, grads, needs)
+    return forward, (backward_source(group, bplan.spec, program) if program.grads else None)
+
+
+def repro_script(group: Group, shapes, dtypes) -> str:
+    """A standalone script: random inputs of these shapes and dtypes, the kernels, the torch reference."""
+    from ..codegen.repro import render
+    group, inputs, plan, grads, needs = example(group, shapes, dtypes)
+    bplan, program = plan_backward(group, inputs, grads, needs)
+    return render(group, plan, bplan, program, [tuple(s) for s in shapes], list(dtypes))

@@ -1,0 +1,510 @@
+"""Fused groups run end to end: every registry elementwise op and random elementwise DAGs, forward and
+backward, through the generated Triton kernels (in Triton's interpreter) and the CPU torch reference,
+against eager torch."""
+import math
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit decides at decoration
+
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings
+
+from graphopt.codegen import Group, Step
+from graphopt.codegen import layout as layout_module
+from graphopt.ops import canonical_ops
+from graphopt.runtime import FusedOp, cache_info, fused_call, repro_script
+
+pytest.importorskip("triton")
+# the interpreter evaluates masked-off lanes too (log of 0 there): numpy warns, the stores are masked
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+aten = torch.ops.aten
+GEN = torch.Generator()
+X, Y = (4, 1, 6), (1, 5, 6)  # broadcasting shapes
+
+
+@pytest.fixture(autouse=True)
+def seeded(request):
+    GEN.manual_seed(sum(map(ord, request.node.name)))
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def mode(request, monkeypatch):
+    """kernel: the generated Triton kernels in the interpreter; reference: the CPU torch reference."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if request.param == "kernel" else "0")
+    return request.param
+
+
+def randn(*shape, scale=1.0):
+    return torch.randn(shape, generator=GEN) * scale
+
+
+def rand(*shape, lo=0.0, hi=1.0):
+    return torch.rand(*shape, generator=GEN) * (hi - lo) + lo
+
+
+def away_from_zero(*shape):
+    return torch.where(randn(*shape) < 0, -1.0, 1.0) * rand(*shape, lo=0.2, hi=3.0)
+
+
+def ints(*shape, lo=-3, hi=4):
+    return torch.randint(lo, hi, shape, generator=GEN).float()
+
+
+def with_values(t, *values):
+    """Some entries set exactly to `values`: the kinks, where a gradient must take autograd's side."""
+    t = t.clone()
+    for i, v in enumerate(values):
+        t.view(-1)[i::5 * len(values)] = v
+    return t
+
+
+UNARY = lambda: (with_values(randn(*X, scale=3), 0.0),)
+BINARY = lambda: (randn(*X, scale=2), randn(*Y, scale=2))
+# (op, eager torch, operands (tensors or Python scalars), params)
+CASES = [
+    ("add", lambda x, y, alpha: torch.add(x, y, alpha=alpha), BINARY, {"alpha": 0.5}),
+    ("add", lambda x, y, alpha: torch.add(x, y, alpha=alpha), lambda: (randn(*X), 3), {"alpha": 1}),
+    ("sub", lambda x, y, alpha: torch.sub(x, y, alpha=alpha), BINARY, {"alpha": -2}),
+    ("mul", torch.mul, BINARY, {}),
+    ("mul", torch.mul, lambda: (randn(*X), -1.5), {}),
+    ("div", torch.div, lambda: (randn(*X), away_from_zero(*Y)), {}),
+    ("div", torch.div, lambda: (1.0, away_from_zero(*Y)), {}),
+    ("div_trunc", lambda x, y: torch.div(x, y, rounding_mode="trunc"), lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
+    ("div_floor", lambda x, y: torch.div(x, y, rounding_mode="floor"), lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
+    ("remainder", torch.remainder, lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
+    ("fmod", torch.fmod, lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
+    ("pow", torch.pow, lambda: (rand(*X, lo=0.1, hi=3), randn(*Y, scale=2)), {}),
+    ("pow", torch.pow, lambda: (randn(4, 6, scale=2), ints(4, 6)), {}),
+    ("pow", torch.pow, lambda: (2.5, randn(*X)), {}),
+    *[("pow_scalar", torch.pow, lambda: (randn(*X, scale=2),), {"exponent": e}) for e in (2, 3, -1, 0)],
+    ("pow_scalar", torch.pow, lambda: (rand(*X, lo=0.05, hi=4),), {"exponent": 0.5}),
+    ("addcmul", lambda x, y, z, value: torch.addcmul(x, y, z, value=value), lambda: (randn(*X), randn(*Y), randn(6)), {"value": 0.3}),
+    ("addcdiv", lambda x, y, z, value: torch.addcdiv(x, y, z, value=value), lambda: (randn(*X), randn(*Y), away_from_zero(6)), {"value": 2}),
+    ("neg", torch.neg, UNARY, {}),
+    ("abs", torch.abs, UNARY, {}),
+    ("sign", torch.sign, UNARY, {}),
+    ("reciprocal", torch.reciprocal, lambda: (away_from_zero(*X),), {}),
+    ("square", torch.square, UNARY, {}),
+    ("sqrt", torch.sqrt, lambda: (rand(*X, lo=0.01, hi=9),), {}),
+    ("rsqrt", torch.rsqrt, lambda: (rand(*X, lo=0.01, hi=9),), {}),
+    ("exp", torch.exp, lambda: (randn(*X, scale=3),), {}),
+    ("expm1", torch.expm1, lambda: (randn(*X, scale=2),), {}),
+    ("log", torch.log, lambda: (rand(*X, lo=0.01, hi=20),), {}),
+    ("log1p", torch.log1p, lambda: (rand(*X, lo=-0.95, hi=20),), {}),
+    ("log2", torch.log2, lambda: (rand(*X, lo=0.01, hi=20),), {}),
+    ("log10", torch.log10, lambda: (rand(*X, lo=0.01, hi=20),), {}),
+    ("sin", torch.sin, UNARY, {}),
+    ("cos", torch.cos, UNARY, {}),
+    ("tanh", torch.tanh, lambda: (randn(*X, scale=3),), {}),
+    ("sigmoid", torch.sigmoid, lambda: (randn(*X, scale=5),), {}),
+    ("erf", torch.erf, UNARY, {}),
+    ("floor", torch.floor, lambda: (randn(*X, scale=4),), {}),
+    ("ceil", torch.ceil, lambda: (randn(*X, scale=4),), {}),
+    ("trunc", torch.trunc, lambda: (randn(*X, scale=4),), {}),
+    ("round", torch.round, lambda: (with_values(randn(*X, scale=4), 0.5, 1.5, -2.5),), {}),
+    ("relu", torch.relu, UNARY, {}),
+    ("relu6", F.relu6, lambda: (with_values(randn(*X, scale=5), 0.0, 6.0),), {}),
+    ("hardtanh", F.hardtanh, lambda: (with_values(randn(*X, scale=2), -0.5, 0.75),), {"min_val": -0.5, "max_val": 0.75}),
+    ("leaky_relu", F.leaky_relu, UNARY, {"negative_slope": 0.2}),
+    ("elu", lambda x, alpha, scale, input_scale: aten.elu(x, alpha, scale, input_scale), UNARY,
+     {"alpha": 1.3, "scale": 1.1, "input_scale": 0.7}),
+    ("gelu", F.gelu, lambda: (randn(*X, scale=3),), {}),
+    ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), lambda: (randn(*X, scale=2),), {}),
+    ("silu", F.silu, lambda: (randn(*X, scale=4),), {}),
+    ("mish", F.mish, lambda: (randn(*X, scale=4),), {}),
+    ("softplus", F.softplus, lambda: (randn(*X, scale=3),), {"beta": 2.0, "threshold": 3.0}),
+    ("hardsigmoid", F.hardsigmoid, lambda: (with_values(randn(*X, scale=4), -3.0, 3.0),), {}),
+    ("hardswish", F.hardswish, lambda: (with_values(randn(*X, scale=4), -3.0, 3.0),), {}),
+    ("clamp", torch.clamp, lambda: (with_values(randn(*X, scale=2), -0.5, 0.75), -0.5, 0.75), {}),
+    ("clamp", torch.clamp, lambda: (randn(4, 5, 6, scale=2), randn(*Y), randn(6)), {}),
+    ("clamp_min", torch.clamp_min, lambda: (randn(*X), randn(*Y)), {}),
+    ("clamp_max", torch.clamp_max, lambda: (with_values(randn(*X), 0.25), 0.25), {}),
+    ("maximum", torch.maximum, lambda: (ints(*X), ints(*Y)), {}),  # ties split the gradient
+    ("minimum", torch.minimum, lambda: (ints(*X), ints(*Y)), {}),
+    ("where", torch.where, lambda: (randn(*X) > 0, randn(*Y), randn(*X)), {}),
+    ("where", torch.where, lambda: (randn(*X) > 0, randn(*Y), 0.0), {}),
+    ("masked_fill", torch.masked_fill, lambda: (randn(*X), randn(*Y) > 0, -math.inf), {}),
+    ("masked_fill", torch.masked_fill, lambda: (randn(*X), randn(*Y) > 0, randn()), {}),
+    *[(name, getattr(torch, name), lambda: (ints(*X), ints(*Y)), {}) for name in ("eq", "ne", "lt", "le", "gt", "ge")],
+    ("gt", torch.gt, lambda: (randn(*X), 0.5), {}),
+    *[(name, getattr(torch, name), lambda: (randn(*X) > 0, ints(*Y, lo=-1, hi=2)), {})
+      for name in ("logical_and", "logical_or", "logical_xor")],
+    ("logical_not", torch.logical_not, lambda: (ints(*X, lo=-1, hi=2),), {}),
+    *[(name, getattr(torch, name), lambda: (with_values(randn(*X, scale=1e38), math.nan, math.inf, -math.inf),), {})
+      for name in ("isnan", "isinf", "isfinite")],
+    *[("to_dtype", lambda x, dtype: x.to(dtype), UNARY, {"dtype": d})
+      for d in (torch.float16, torch.bfloat16, torch.int32, torch.bool)],
+    ("to_dtype", lambda x, dtype: x.to(dtype), lambda: (torch.randint(-5, 5, X, generator=GEN),), {"dtype": torch.float32}),
+]
+CASE_IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+# where fp32 cannot do better than an absolute error (see tests/test_ops.py): 1 + erf cancels for x << 0,
+# x - floor(x / y) * y rounds at x's magnitude, fused multiply-adds round differently where terms cancel
+ATOL = {"gelu": 1e-6, "remainder": 1e-5, "fmod": 1e-5, "addcmul": 1e-6, "addcdiv": 1e-6}
+EAGER = {name: fn for name, fn, _, _ in reversed(CASES)}
+
+
+def fusable():
+    return {n for n, o in canonical_ops().items()
+            if o.kind == "elementwise" and o.triton and not o.inplace_of and not o.out_variant_of}
+
+
+def test_every_fusable_op_has_a_case():
+    assert fusable() - {c[0] for c in CASES} == set()
+
+
+def as64(v):
+    return v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+
+def assert_close_to_any(ours, refs, rtol, atol, what):
+    for ref in refs:
+        if ours.dtype == torch.bool or not ours.is_floating_point():
+            if torch.equal(ours, ref.to(ours.dtype)):
+                return
+        elif torch.allclose(ours.double(), ref.double(), rtol=rtol, atol=atol, equal_nan=True):
+            return
+    worst = (ours.double() - ref.double()).abs().nan_to_num(0).max()
+    raise AssertionError(f"{what} disagrees with eager torch (max abs diff {worst})\nours {ours}\ntorch {ref}")
+
+
+def single_step(name, operands, params):
+    tensors = [o for o in operands if isinstance(o, torch.Tensor)]
+    refs, k = [], 0
+    for o in operands:
+        if isinstance(o, torch.Tensor):
+            refs.append(("input", k))
+            k += 1
+        else:
+            refs.append(o)
+    return Group(inputs=[f"t{i}" for i in range(len(tensors))], steps=[Step(name, tuple(refs), params)],
+                 outputs=[0], origin=[name]), tensors
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_op_forward_and_backward_equal_eager(case, mode):
+    name, fn, make, params = case
+    operands = make()
+    group, tensors = single_step(name, operands, params)
+    op = canonical_ops()[name]
+    differentiable = {id(t) for i, t in enumerate(operands) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      and op.derivatives[i] is not None}
+    leaves = [t.clone().requires_grad_(id(t) in differentiable) for t in tensors]
+    swap = dict(zip(map(id, tensors), leaves))
+    eager_operands = [swap.get(id(o), o) if isinstance(o, torch.Tensor) else o for o in operands]
+
+    ours = fused_call(group, *leaves)
+    eager = fn(*eager_operands, **params)
+    exact = fn(*map(as64, eager_operands), **params)
+    assert ours.shape == eager.shape and ours.dtype == eager.dtype
+    assert_close_to_any(ours.detach(), [eager.detach(), exact.detach()], 1e-5, ATOL.get(name, 0), "forward")
+
+    wants = [leaf for leaf in leaves if leaf.requires_grad]
+    if not wants or not ours.requires_grad:
+        assert not eager.requires_grad
+        return
+    g = randn(*ours.shape)
+    got = torch.autograd.grad(ours, wants, g)
+    expected = torch.autograd.grad(eager, wants, g, allow_unused=True)
+    expected64 = torch.autograd.grad(exact, wants, g.double(), allow_unused=True)
+    for leaf, a, b, c in zip(wants, got, expected, expected64):
+        assert a.shape == leaf.shape and a.dtype == leaf.dtype
+        b = torch.zeros_like(leaf) if b is None else b
+        c = torch.zeros_like(leaf).double() if c is None else c
+        # gradients sum over broadcast dims: fp32 sums in another order differ by a few ulps of the sum
+        assert_close_to_any(a, [b, c], 1e-5, ATOL.get(name, 1e-6), "gradient")
+
+
+# ---------------------------------------------------------------- layouts, dtypes, several outputs
+
+def bias_gelu_scale():
+    """x + b -> gelu -> * 2.0; the sum is a second output (an intermediate used outside the group)."""
+    return Group(inputs=["x", "b"], steps=[Step("add", (("input", 0), ("input", 1))), Step("gelu", (("step", 0),)),
+                                           Step("mul", (("step", 1), 2.0))], outputs=[2, 0], origin=["add", "gelu", "mul"])
+
+
+def eager_bias_gelu_scale(x, b):
+    s = x + b
+    return F.gelu(s) * 2.0, s
+
+
+# (rtol, atol) per stored dtype: bf16 and fp16 round once on store, or where eager rounds in between
+TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+
+
+def check_group(group, eager, leaves, views=None, tol=None, grads=None):
+    """Outputs and input gradients of the fused group equal eager's. Each input is views[k](leaves[k])
+    (a permuted, expanded, sliced view), so gradients flow back through the view; `grads` picks the
+    outputs that get an incoming gradient; `tol` overrides TOL per dtype."""
+    tol = {**TOL, **(tol or {})}
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in leaves]
+    inputs = [view(leaf) for view, leaf in zip(views, leaves)] if views else leaves
+    ours = fused_call(group, *inputs)
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    theirs = eager(*inputs)
+    theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.requires_grad == b.requires_grad
+        torch.testing.assert_close(a, b, **dict(zip(("rtol", "atol"), tol.get(a.dtype, (0, 0)))))
+    picked = [i for i in range(len(ours)) if (grads is None or i in grads) and ours[i].requires_grad]
+    gs = [randn(*ours[i].shape).to(ours[i].dtype) for i in picked]
+    wants = [leaf for leaf in leaves if leaf.requires_grad]
+    got = torch.autograd.grad([ours[i] for i in picked], wants, gs, allow_unused=True)
+    expected = torch.autograd.grad([theirs[i] for i in picked], wants, gs, allow_unused=True)
+    for leaf, a, b in zip(wants, got, expected):
+        a = torch.zeros_like(leaf) if a is None else a
+        b = torch.zeros_like(leaf) if b is None else b
+        assert a.shape == leaf.shape and a.dtype == leaf.dtype
+        torch.testing.assert_close(a, b, **dict(zip(("rtol", "atol"), tol[a.dtype])))
+
+
+def test_bias_gelu_scale_with_an_intermediate_output(mode):
+    check_group(bias_gelu_scale(), eager_bias_gelu_scale, [randn(4, 6), randn(6)])
+
+
+@pytest.mark.parametrize("which", [[0], [1]])
+def test_a_missing_output_gradient_counts_as_zero(which):
+    check_group(bias_gelu_scale(), eager_bias_gelu_scale, [randn(4, 6), randn(6)], grads=which)
+
+
+def test_an_output_smaller_than_the_group_counts_its_gradient_once(mode):
+    """exp(b) is returned at b's shape though the kernel runs over x's: its incoming gradient must
+    not be added once per row of x."""
+    group = Group(["x", "b"], [Step("exp", (("input", 1),)), Step("mul", (("input", 0), ("step", 0)))], [1, 0])
+    check_group(group, lambda x, b: (x * torch.exp(b), torch.exp(b)), [randn(3, 4, 5), randn(4, 1)])
+
+
+LAYOUTS = {  # leaves, and the views that make the group's inputs from them
+    "transposed": ([(6, 5, 4), (6, 1, 4)], [lambda t: t.permute(2, 1, 0)] * 2),
+    "expanded": ([(4, 1, 6), (1, 5, 1)], [lambda t: t.expand(4, 5, 6), lambda t: t.expand(1, 5, 6)]),
+    "sliced": ([(4, 5, 12), (5, 6)], [lambda t: t[..., ::2], lambda t: t]),
+    "zero-dim": ([(4, 5, 6), ()], [lambda t: t] * 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_non_contiguous_and_broadcast_inputs(layout, mode):
+    """Inputs reach the kernel as they are: permuted strides, stride 0, gaps, 0-dim."""
+    shapes, views = LAYOUTS[layout]
+    group = Group(["x", "y"], [Step("mul", (("input", 0), ("input", 1))), Step("silu", (("step", 0),)),
+                               Step("sub", (("step", 1), ("input", 1)))], [2])
+    check_group(group, lambda a, b: F.silu(a * b) - b, [randn(*s) for s in shapes], views)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_compute_in_fp32_and_store_in_their_dtype(dtype, mode):
+    """A single op, so eager rounds exactly once too: the result is torch's to the last bit but for
+    ties, and the broadcast input's gradient is summed in fp32 before the cast."""
+    group = Group(["x", "b"], [Step("add", (("input", 0), ("input", 1))), Step("tanh", (("step", 0),))], [1])
+    x, b = randn(4, 16).to(dtype), randn(16).to(dtype)
+    check_group(group, lambda x, b: torch.tanh(x.float() + b.float()).to(dtype), [x, b])
+
+
+def test_scalars_promote_weakly_and_dtypes_mix(mode):
+    """half * 3 stays half; half + a 0-dim float32 tensor stays half; half + float32 is float32;
+    a comparison is bool and not differentiable; a cast to bf16 rounds there."""
+    group = Group(["h", "s", "f"], [Step("mul", (("input", 0), 3)), Step("add", (("step", 0), ("input", 1))),
+                                    Step("add", (("step", 1), ("input", 2))), Step("gt", (("step", 2), 0.0)),
+                                    Step("to_dtype", (("step", 2),), {"dtype": torch.bfloat16})],
+                  [1, 2, 3, 4])
+
+    def eager(h, s, f):
+        a = h * 3 + s
+        b = a + f
+        return a, b, b > 0.0, b.to(torch.bfloat16)
+    h, s, f = randn(3, 8).half(), randn(), randn(3, 8)
+    # eager rounds h * 3 to half before adding s; the kernel does not
+    check_group(group, eager, [h, s, f], tol={torch.float32: (2e-3, 2e-3), torch.float16: (2e-3, 2e-3)})
+
+
+def test_where_and_masked_fill_on_bool_masks(mode):
+    group = Group(["x", "m", "y"], [Step("masked_fill", (("input", 0), ("input", 1), -1e4)),
+                                    Step("where", (("input", 1), ("input", 2), ("step", 0))),
+                                    Step("logical_not", (("input", 1),))], [1, 2])
+    check_group(group, lambda x, m, y: (torch.where(m, y, x.masked_fill(m, -1e4)), torch.logical_not(m)),
+                [randn(4, 6), randn(6) > 0, randn(4, 1)])
+
+
+def test_integer_inputs_enter_through_a_cast(mode):
+    group = Group(["i", "x"], [Step("to_dtype", (("input", 0),), {"dtype": torch.float32}),
+                               Step("mul", (("step", 0), ("input", 1)))], [1])
+    check_group(group, lambda i, x: i.to(torch.float32) * x, [torch.randint(-9, 9, (5, 3), generator=GEN), randn(3)])
+
+
+def test_empty_tensors(mode):
+    check_group(bias_gelu_scale(), eager_bias_gelu_scale, [randn(0, 6), randn(6)])
+
+
+def test_int64_offsets(monkeypatch):
+    """The 64-bit index path, on small tensors: the limit it switches at is lowered."""
+    monkeypatch.setattr(layout_module, "INT32_LIMIT", 8)
+    monkeypatch.setattr(layout_module, "MAX_BLOCK", 0)
+    from graphopt.runtime import source
+    assert "tl.program_id(0).to(tl.int64)" in source(bias_gelu_scale(), [(4, 6), (6,)], [torch.float32] * 2)[0]
+    check_group(bias_gelu_scale(), eager_bias_gelu_scale, [randn(4, 6), randn(6)])
+
+
+def test_a_new_batch_size_reuses_the_kernels():
+    op = FusedOp(bias_gelu_scale())
+    x = randn(4, 6).requires_grad_()
+    torch.autograd.grad(op(x, randn(6))[0].sum(), x)
+    before = cache_info()
+    x = randn(9, 6).requires_grad_()
+    torch.autograd.grad(op(x, randn(6))[0].sum(), x)
+    after = cache_info()
+    assert after["misses"] == before["misses"] and after["hits"] == before["hits"] + 2
+    op(randn(9, 6).t().contiguous().t(), randn(6))  # another layout: another kernel
+    assert cache_info()["misses"] == after["misses"] + 1
+
+
+def test_fake_and_meta_tensors_get_shapes_and_dtypes_only():
+    from torch._subclasses import FakeTensorMode
+    group = bias_gelu_scale()
+    with FakeTensorMode():
+        out, s = fused_call(group, torch.empty(4, 6, dtype=torch.float16), torch.empty(6))
+    assert out.shape == s.shape == (4, 6) and out.dtype == torch.float32
+    out, s = fused_call(group, torch.empty(2, 6, device="meta"), torch.empty(6, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 6)
+
+
+def test_repro_script_runs_standalone(tmp_path):
+    group = bias_gelu_scale()
+    path = tmp_path / "repro.py"
+    path.write_text(repro_script(group, [(4, 6), (6,)], [torch.bfloat16, torch.float32]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, str(path)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count(": ok") == 4  # two outputs, two input gradients
+
+
+# ---------------------------------------------------------------- random elementwise DAGs
+
+DAG_UNARY = ["neg", "abs", "sigmoid", "tanh", "sin", "cos", "erf", "gelu", "gelu_tanh", "silu", "mish", "softplus",
+             "elu", "leaky_relu", "relu", "hardswish", "hardsigmoid", "square"]
+DAG_BINARY = ["add", "sub", "mul", "maximum", "minimum"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MAKE_LAYOUT = {  # the leaf's shape for an input of `shape`, and the view from leaf to input
+    "contiguous": (lambda shape: shape, lambda t, shape: t),
+    "transposed": (lambda shape: shape[::-1], lambda t, shape: t.permute(tuple(reversed(range(t.dim()))))),
+    "expanded": (lambda shape: tuple(1 if i == 0 else n for i, n in enumerate(shape)), lambda t, shape: t.expand(shape)),
+    "sliced": (lambda shape: shape[:-1] + (2 * shape[-1],) if shape else shape, lambda t, shape: t[..., ::2] if shape else t),
+}
+
+
+@st.composite
+def dags(draw):
+    """A random group: inputs of random broadcast shapes, dtypes and layouts; steps drawn from unary,
+    binary, scalar, select (where on a comparison of inputs) and cast kinds; fan-out through any
+    earlier value; the last step and some intermediates as outputs."""
+    full = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    inputs = []
+    for _ in range(draw(st.integers(1, 3))):
+        shape = tuple(n if draw(st.booleans()) else 1 for n in full)[draw(st.integers(0, len(full))):]
+        inputs.append((shape, draw(st.sampled_from(DTYPES)), draw(st.sampled_from(list(MAKE_LAYOUT)))))
+    values, steps = [("input", k) for k in range(len(inputs))], []
+    pick = lambda: draw(st.sampled_from(values))
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["unary", "unary", "binary", "binary", "scalar", "select", "cast"]))
+        if kind == "unary":
+            steps.append(Step(draw(st.sampled_from(DAG_UNARY)), (pick(),)))
+        elif kind == "binary":
+            steps.append(Step(draw(st.sampled_from(DAG_BINARY)), (pick(), pick())))
+        elif kind == "scalar":
+            scalar = draw(st.sampled_from([2, -1, 0.5, -1.25, 3.0]))
+            op = draw(st.sampled_from(["add", "sub", "mul", "clamp_min"]))
+            args = (scalar, pick()) if op != "clamp_min" and draw(st.booleans()) else (pick(), scalar)
+            steps.append(Step(op, args))
+        elif kind == "select":
+            # compared values are inputs, exact in every precision, so eager and fused pick the same side
+            a, b = draw(st.sampled_from(values[:len(inputs)])), draw(st.sampled_from(values[:len(inputs)] + [0.0]))
+            steps.append(Step("gt", (a, b)))
+            steps.append(Step("where", (("step", len(steps) - 1), pick(), pick())))
+        else:
+            steps.append(Step("to_dtype", (pick(),), {"dtype": draw(st.sampled_from(DTYPES))}))
+        values.append(("step", len(steps) - 1))
+    last = len(steps) - 1
+    outputs = [j for j in range(last) if draw(st.integers(0, 3)) == 0] + [last]
+    return inputs, Group([f"in{k}" for k in range(len(inputs))], steps, outputs, origin=["hypothesis"])
+
+
+def run_eager(group, inputs, exact=False):
+    """Every step's value, by eager torch; exact: float casts go to fp64 (the truth has no rounding)."""
+    values = []
+    for step in group.steps:
+        args = [(inputs if a[0] == "input" else values)[a[1]] if isinstance(a, tuple) else a for a in step.args]
+        params = step.params
+        if exact and step.op == "to_dtype" and params["dtype"].is_floating_point:
+            params = {"dtype": torch.float64}
+        values.append(EAGER[step.op](*args, **params))
+    return values
+
+
+def within_error_of_eager(ours, eager, truth, rtol, what):
+    """ours is as close to the fp64 truth as eager is (twice its error), or within rtol of the truth,
+    relative to the tensor's largest value."""
+    if ours.dtype == torch.bool:
+        assert torch.equal(ours, eager), what
+        return
+    ours, eager, truth = ours.double(), eager.double(), truth.double()
+    scale = truth.abs().max() if truth.numel() else 0
+    allowed = 2 * (eager - truth).abs() + rtol * (truth.abs() + scale) + 1e-6
+    bad = (ours - truth).abs() > allowed
+    assert not bad.any(), f"{what}: ours {ours[bad][:4]} eager {eager[bad][:4]} fp64 {truth[bad][:4]}"
+
+
+def check_dag(inputs, group):
+    leaves = [torch.randn(MAKE_LAYOUT[layout][0](shape), generator=GEN).to(dtype).requires_grad_()
+              for shape, dtype, layout in inputs]
+    views = [lambda t, s=shape, layout=layout: MAKE_LAYOUT[layout][1](t, s) for shape, _, layout in inputs]
+    leaves64 = [leaf.detach().double().requires_grad_() for leaf in leaves]
+    truth_values = run_eager(group, [v(t) for v, t in zip(views, leaves64)], exact=True)
+    assume(all(torch.isfinite(v).all() and v.abs().max() < 1e3 for v in truth_values
+               if v.numel() and v.is_floating_point()))
+
+    ours = fused_call(group, *[v(t) for v, t in zip(views, leaves)])
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    eager_values = run_eager(group, [v(t) for v, t in zip(views, leaves)])
+    eager = [eager_values[j] for j in group.outputs]
+    truth = [truth_values[j] for j in group.outputs]
+    # a value computed through bf16 (a cast, a bf16 input) carries bf16's error whatever it is stored in
+    rtol = max(TOL[v.dtype][0] for v in eager_values + [leaf.detach() for leaf in leaves] if v.is_floating_point())
+    for i, (a, b, c) in enumerate(zip(ours, eager, truth)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.requires_grad == b.requires_grad, i
+        within_error_of_eager(a.detach(), b.detach(), c.detach(), rtol, f"output {i}")
+
+    picked = [i for i, o in enumerate(ours) if o.requires_grad]
+    if not picked:
+        return
+    gs = [torch.randn(ours[i].shape, generator=GEN).to(ours[i].dtype) for i in picked]
+    got = torch.autograd.grad([ours[i] for i in picked], leaves, gs, allow_unused=True)
+    expected = torch.autograd.grad([eager[i] for i in picked], leaves, gs, allow_unused=True)
+    exact = torch.autograd.grad([truth[i] for i in picked], leaves64, [g.double() for g in gs], allow_unused=True)
+    for k, (leaf, a, b, c) in enumerate(zip(leaves, got, expected, exact)):
+        zeros = torch.zeros_like(leaf)
+        a, b, c = (zeros if t is None else t for t in (a, b, c))
+        assert a.shape == leaf.shape and a.dtype == leaf.dtype
+        within_error_of_eager(a, b, c, rtol, f"gradient of input {k}")
+
+
+DAG_SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much]}
+
+
+@settings(max_examples=200, **DAG_SETTINGS)
+@given(dag=dags())
+def test_random_dags_equal_eager_in_the_triton_interpreter(dag):
+    check_dag(*dag)
+
+
+@settings(max_examples=50, **DAG_SETTINGS)
+@given(dag=dags())
+def test_random_dags_equal_eager_on_the_cpu_reference(dag):
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        check_dag(*dag)
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
