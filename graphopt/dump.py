@@ -5,6 +5,7 @@
       kk-name.py                     code of the GraphModule after pass kk, with source locations
       kk-name.txt                    node table: shape, dtype, bytes and every pass's annotations
       kk-name.diff                   unified diff of kk-name.py against the previous dump
+      kk-name.*                      what the pass adds (recompute: memory.png)
       summary.md                     a row per pass (also for passes that changed nothing)
       kernels/                       generated kernel sources
       final.svg                      the final graph, when pydot and Graphviz are installed
@@ -108,6 +109,17 @@ class Dumper:
             )
             stem.with_suffix(".diff").write_text("".join(diff))
         self._previous = code
+
+    def artifacts(self, index: int, name: str, files: dict[str, str | bytes]) -> None:
+        for rel, content in files.items():
+            if rel.startswith("kernels/"):
+                path = self.kernels / _slug(rel[len("kernels/"):])
+            else:
+                path = self.dir / f"{index:02d}-{_slug(name)}.{_slug(rel)}"
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                path.write_text(content)
 
     def summary(self, report: Report) -> None:
         (self.dir / "summary.md").write_text(report.to_markdown())

@@ -24,6 +24,9 @@ class PassResult:
     graph_module: torch.fx.GraphModule
     changed: bool
     stats: dict[str, Any] = field(default_factory=dict)
+    # Files for the dumps (written only when dumping): "kernels/..." go to the kernels
+    # directory, other names next to the pass's own dump, as kk-name.<name>.
+    artifacts: dict[str, str | bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ class PassManager:
                     )
             if self.dumper and result.changed:
                 self.dumper.graph(index, p.name, gm)
+            if self.dumper and result.artifacts:
+                self.dumper.artifacts(index, p.name, result.artifacts)
         if self.dumper:
             self.dumper.summary(report)
         return gm
