@@ -35,7 +35,12 @@ def _check_number(name: str, value, kind, positive=True):
         raise OptionError(f"{name} must be positive, got {value!r}.")
 
 
-def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None) -> list[Pass]:
+# optimize() arguments that refine a pass another argument asks for: argument -> (that argument, option)
+REFINEMENTS = {"profile": ("budget_gb", "profile"), "calibrate": ("budget_gb", "calibrate")}
+
+
+def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
+                   calibrate=False) -> list[Pass]:
     """The pass list for optimize(): the given (or default) passes plus those the arguments ask for."""
     _check_number("budget_gb", budget_gb, numbers.Real)
     _check_number("stages", stages, numbers.Integral)
@@ -43,6 +48,13 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None) 
         raise OptionError(f"precision must be one of {', '.join(PRECISIONS)} (or None), got {precision!r}.")
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
     requested = {"precision": None if precision == "fp32" else precision, "budget_gb": budget_gb, "stages": stages}
+    refinements = {"profile": profile, "calibrate": calibrate}
+    for arg, value in refinements.items():
+        if not isinstance(value, bool):
+            raise OptionError(f"{arg} must be True or False, got {value!r}.")
+        base = REFINEMENTS[arg][0]
+        if value and requested[base] is None:
+            raise OptionError(f"{arg}=True refines the plan that {base}= asks for: give {base} too.")
     names = {p.name for p in pipeline}
     for arg, (pass_name, option) in ARGUMENT_PASSES.items():
         value = requested[arg]
@@ -55,7 +67,8 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None) 
             )
         if pass_name in names:
             raise OptionError(f"give {arg} either as optimize({arg}=...) or in the {pass_name!r} pass of the pipeline, not both.")
-        pipeline.append(passes_pkg.get(pass_name)(**{option: value}))
+        extra = {opt: refinements[a] for a, (base, opt) in REFINEMENTS.items() if base == arg and refinements[a]}
+        pipeline.append(passes_pkg.get(pass_name)(**{option: value}, **extra))
     return pipeline
 
 
@@ -69,6 +82,8 @@ def optimize(
     precision: str | None = None,
     stages: int | None = None,
     train: bool | None = None,
+    profile: bool = False,
+    calibrate: bool = False,
     frontend: str = "auto",
     dump_dir: str | os.PathLike | None = None,
     verify: bool = False,
@@ -81,6 +96,8 @@ def optimize(
     arguments; `.graphopt_report` holds the per-pass summary.
 
     budget_gb: peak memory of one training step, in GB of 10**9 bytes (recompute pass).
+    profile: with budget_gb, cost recomputation by each node's measured time, not its FLOPs.
+    calibrate: with budget_gb, run one real step and plan again while it measures over budget.
     precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass).
     train: build for a training step (True) or inference (False); default model.training.
       The model is put in that mode, and the result refuses to run in the other.
@@ -94,7 +111,8 @@ def optimize(
         raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
     if train is not None and not isinstance(train, bool):
         raise OptionError(f"train must be True, False or None, got {train!r}.")
-    pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages)
+    pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages, profile=profile,
+                              calibrate=calibrate)
     settings = dict(pipeline=pipeline, frontend=frontend, verify=verify,
                     dump_dir=dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP"))
     if train is not None:

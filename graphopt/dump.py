@@ -110,8 +110,12 @@ class Dumper:
             stem.with_suffix(".diff").write_text("".join(diff))
         self._previous = code
 
-    def artifacts(self, index: int, name: str, files: dict[str, str | bytes]) -> None:
+    def artifacts(self, index: int, name: str, files: dict) -> None:
         for rel, content in files.items():
+            if callable(content):  # made only now that it is needed
+                content = content()
+            if content is None:
+                continue
             if rel.startswith("kernels/"):
                 path = self.kernels / _slug(rel[len("kernels/"):])
             else:

@@ -1,4 +1,6 @@
-"""Choose recompute segments: the least recompute FLOPs whose predicted peak fits a budget.
+"""Choose recompute segments: the least recompute cost whose predicted peak fits a budget.
+
+Cost is FLOPs, or measured time with profile=True: the solver only adds it up.
 
 The graph order is cut into segments, each kept as it is or checkpointed, fully or
 selectively. With
@@ -22,10 +24,10 @@ Algorithm:
      by crossing bytes) and around every node that cannot be recomputed.
   2. A dynamic program over atoms and prefix memory, in `buckets` units of the allowance
      (each use rounded up: a plan never exceeds the allowance; with allowance <= buckets a
-     unit is a byte and the program is exact): the least recompute FLOPs covering the first
+     unit is a byte and the program is exact): the least recompute cost covering the first
      i atoms with m units held. A run of recomputable atoms may be one checkpointed segment,
      full or selective, where its backward fits: m + its rerun <= allowance.
-  3. The plan of least FLOPs, ties broken by least memory. Deterministic: the same graph and
+  3. The plan of least cost, ties broken by least memory. Deterministic: the same graph and
      budget give the same plan.
 """
 from __future__ import annotations
@@ -44,10 +46,10 @@ class Atom:
     stop: int           # one past the last node index
     kept: int           # bytes its nodes save for backward when it is not checkpointed
     cross: int          # bytes live across its start
-    flops: int          # recompute cost
+    cost: int           # recompute cost
     recomputable: bool
     sel: int = 0        # bytes of the outputs a selective checkpoint keeps
-    sel_flops: int = 0  # FLOPs of those outputs' nodes, which a selective checkpoint does not rerun
+    sel_cost: int = 0   # cost of those outputs' nodes, which a selective checkpoint does not rerun
 
 
 @dataclass(frozen=True)
@@ -60,24 +62,24 @@ class Segment:
 @dataclass
 class Plan:
     segments: list[Segment]
-    recompute_flops: int
+    recompute_cost: int
     predicted_peak: int   # activation bytes by the model above
 
 
-def make_atoms(kept: list[int], live_after: list[int], flops: list[int], recomputable: list[bool],
-               sel: list[int] | None = None, sel_flops: list[int] | None = None, max_cuts: int = 96) -> list[Atom]:
+def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomputable: list[bool],
+               sel: list[int] | None = None, sel_cost: list[int] | None = None, max_cuts: int = 96) -> list[Atom]:
     """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
-    sel[i], sel_flops[i]: output bytes and FLOPs of node i when a selective checkpoint keeps it."""
+    sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it."""
     n = len(kept)
-    sel, sel_flops = sel or [0] * n, sel_flops or [0] * n
+    sel, sel_cost = sel or [0] * n, sel_cost or [0] * n
     forced = {0, n}
     for i, ok in enumerate(recomputable):
         if not ok:
             forced.update((i, i + 1))
     free_cuts = sorted((live_after[i - 1], i) for i in range(1, n) if i not in forced)
     cuts = sorted(forced | {i for _, i in free_cuts[:max_cuts]})
-    return [Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(flops[a:b]), all(recomputable[a:b]),
-                 sum(sel[a:b]), sum(sel_flops[a:b]))
+    return [Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(cost[a:b]), all(recomputable[a:b]),
+                 sum(sel[a:b]), sum(sel_cost[a:b]))
             for a, b in zip(cuts, cuts[1:])]
 
 
@@ -100,7 +102,7 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
 
 
 def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
-    """The least-FLOPs plan whose predicted activation memory fits `allowance` bytes; None if none does."""
+    """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does."""
     as_is = model_peak(atoms, [])
     if as_is <= allowance:
         return Plan([], 0, as_is)
@@ -113,7 +115,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
         return int(np.ceil(nbytes / unit - 1e-9))
 
     n = len(atoms)
-    # Step 2. cost[i, m]: least FLOPs covering atoms[:i] holding m units; how[i, m]: (previous i, kind).
+    # Step 2. cost[i, m]: least cost covering atoms[:i] holding m units; how[i, m]: (previous i, kind).
     cost = np.full((n + 1, buckets + 1), INF, dtype=np.int64)
     how = np.full((n + 1, buckets + 1, 2), -1, dtype=np.int64)
     cost[0, 0] = 0
@@ -124,27 +126,27 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
         _relax(cost[i + 1], how[i + 1], row, units(atoms[i].kept), buckets, 0, (i, PLAIN))
         if not atoms[i].recomputable:
             continue
-        kept = flops = sel = sel_flops = 0
+        kept = spent = sel = sel_cost = 0
         cross = atoms[i].cross
         for j in range(i + 1, n + 1):
             if not atoms[j - 1].recomputable:
                 break
             kept += atoms[j - 1].kept
-            flops += atoms[j - 1].flops
+            spent += atoms[j - 1].cost
             sel += atoms[j - 1].sel
-            sel_flops += atoms[j - 1].sel_flops
+            sel_cost += atoms[j - 1].sel_cost
             if units(cross + kept) > buckets:  # grows with j: no longer segment fits either
                 break
-            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept), flops, (i, FULL))
+            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept), spent, (i, FULL))
             if sel:
                 _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept),
-                       flops - sel_flops, (i, SELECTIVE))
+                       spent - sel_cost, (i, SELECTIVE))
     # Step 3
     final = cost[n]
     if final.min() >= INF:
         return None
-    m = int(np.argmin(final))  # least FLOPs; argmin takes the least memory among ties
-    flops_total = int(final[m])
+    m = int(np.argmin(final))  # least cost; argmin takes the least memory among ties
+    cost_total = int(final[m])
     chosen, i = [], n
     while i > 0:
         prev, kind = (int(v) for v in how[i, m])
@@ -157,16 +159,16 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
         i = prev
     chosen.reverse()
     segments = [Segment(atoms[a].start, atoms[b - 1].stop, kind == SELECTIVE) for a, b, kind in chosen]
-    return Plan(segments, flops_total, model_peak(atoms, chosen))
+    return Plan(segments, cost_total, model_peak(atoms, chosen))
 
 
-def _relax(target_cost, target_how, row, add_units, limit, flops, how):
-    """target[m + add_units] = min(target, row[m] + flops) for every m <= limit."""
+def _relax(target_cost, target_how, row, add_units, limit, spent, how):
+    """target[m + add_units] = min(target, row[m] + spent) for every m <= limit."""
     size = row.shape[0]
     if limit < 0 or add_units >= size:
         return
     top = min(limit, size - 1 - add_units)
-    candidate = row[: top + 1] + flops
+    candidate = row[: top + 1] + spent
     candidate[row[: top + 1] >= INF] = INF
     window = slice(add_units, add_units + top + 1)
     better = candidate < target_cost[window]

@@ -32,12 +32,13 @@ def test_gpt_fits_budget_with_equal_gradients(f):
     assert list(opt.state_dict()) == list(model.state_dict())
 
 
-@pytest.mark.parametrize("frontend", ["fx", "export"])
-def test_convnet_with_batchnorm_fits_half_budget(frontend):
+@pytest.mark.parametrize("frontend, measured", [("fx", False), ("export", True)])
+def test_convnet_with_batchnorm_fits_half_budget(frontend, measured):
     model, args, kwargs = ZOO["convnet"]()
     reference = copy.deepcopy(model)
     budget_gb = _budget(model, args, kwargs, 0.5)
-    opt = graphopt.optimize(model, args, budget_gb=budget_gb, frontend=frontend)
+    # Profiling and calibrating run the model: its batch-norm statistics must not move.
+    opt = graphopt.optimize(model, args, budget_gb=budget_gb, frontend=frontend, profile=measured, calibrate=measured)
     assert opt.graphopt_report.passes[-1].stats["segments"] > 0
     assert measure_step(opt, args, kwargs) <= budget_gb * GB  # one step: statistics updated once
     reference(*args).sum().backward()
@@ -131,3 +132,48 @@ def test_plan_is_guarded_to_its_shapes_and_lazy_form_replans():
     lazy = graphopt.optimize(model, budget_gb=budget_gb * 2)
     lazy(*bigger[0], **bigger[1])  # planned for the shapes it is called with
     assert lazy.graphopt_report.passes[-1].name.startswith("recompute")
+
+
+def test_profiled_costs_and_calibration_keep_the_step_within_budget(tmp_path):
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=2)
+    budget_gb = _budget(model, args, kwargs, 0.5)
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb, profile=True, calibrate=True,
+                            dump_dir=tmp_path)
+    # Measuring and profiling leave no trace: same buffers, same random stream, no gradients.
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["cost_by"] == "measured time" and stats["recompute_ms"] > 0
+    assert stats["calibration_rounds"] >= 1 and stats["measured_peak_bytes"] <= budget_gb * GB
+    assert measure_step(opt, args, kwargs) <= budget_gb * GB
+    k = len(opt.graphopt_report.passes)
+    png = (tmp_path / f"{k:02d}-recompute.memory.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    curves = (tmp_path / f"{k:02d}-recompute.memory.csv").read_text().splitlines()
+    assert {line.split(",")[0] for line in curves[1:]} == {"as traced", "with recompute"}
+
+
+def test_calibration_tightens_a_plan_the_estimate_lets_over_budget():
+    # No headroom: plans aim at the budget itself, so the estimate's few percent of error
+    # can put the real step over; calibration must then re-plan under a measured budget.
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    for f in (0.3, 0.5, 0.7):
+        budget_gb = _budget(model, args, kwargs, f)
+        spec = f"normalize,cse,dce,recompute{{budget_gb={budget_gb} headroom=0 calibrate=true}}"
+        try:
+            opt = graphopt.optimize(model, args, example_kwargs=kwargs, passes=spec)
+        except graphopt.BudgetError as err:
+            assert "as measured" in str(err) or "by the estimate" in str(err)
+            continue
+        assert measure_step(opt, args, kwargs) <= budget_gb * GB
+
+
+def test_profile_and_calibrate_need_a_budget():
+    model, args, kwargs = zoo.mlp()
+    with pytest.raises(graphopt.OptionError, match="give budget_gb too"):
+        graphopt.optimize(model, args, calibrate=True)
+    with pytest.raises(graphopt.OptionError, match="True or False"):
+        graphopt.optimize(model, args, budget_gb=1.0, profile="yes")

@@ -48,7 +48,7 @@ def _segmentations(atoms):
 
 
 def _cost(atoms, segments):
-    return sum(atoms[k].flops - (atoms[k].sel_flops if selective else 0)
+    return sum(atoms[k].cost - (atoms[k].sel_cost if selective else 0)
                for a, b, selective in segments for k in range(a, b))
 
 
@@ -77,7 +77,7 @@ def test_matches_brute_force_on_small_instances():
         assert plan is not None
         # Segments are node ranges; atoms here are one node each.
         chosen = [(s.start, s.stop, s.selective) for s in plan.segments]
-        assert plan.recompute_flops == expected == _cost(atoms, chosen), (atoms, allowance, plan)
+        assert plan.recompute_cost == expected == _cost(atoms, chosen), (atoms, allowance, plan)
         assert _model_peak(atoms, chosen) == plan.predicted_peak <= allowance
         checked += 1
         selective += any(s.selective for s in plan.segments)
@@ -87,7 +87,7 @@ def test_matches_brute_force_on_small_instances():
 def test_no_recompute_when_everything_fits():
     atoms = [Atom(i, i + 1, 10, 2, 5, True) for i in range(4)]
     plan = solve(atoms, 40)
-    assert plan.segments == [] and plan.recompute_flops == 0
+    assert plan.segments == [] and plan.recompute_cost == 0
 
 
 def test_two_thousand_nodes_solve_fast_and_deterministically():
@@ -104,7 +104,7 @@ def test_two_thousand_nodes_solve_fast_and_deterministically():
     assert plan is not None and plan.segments
     assert elapsed < 2.0, elapsed
     again = solve(make_atoms(kept, live, flops, ok), sum(kept) // 2)
-    assert again.segments == plan.segments and again.recompute_flops == plan.recompute_flops
+    assert again.segments == plan.segments and again.recompute_cost == plan.recompute_cost
 
 
 def test_atoms_keep_unrecomputable_nodes_alone():

@@ -24,9 +24,10 @@ class PassResult:
     graph_module: torch.fx.GraphModule
     changed: bool
     stats: dict[str, Any] = field(default_factory=dict)
-    # Files for the dumps (written only when dumping): "kernels/..." go to the kernels
-    # directory, other names next to the pass's own dump, as kk-name.<name>.
-    artifacts: dict[str, str | bytes] = field(default_factory=dict)
+    # Files for the dumps, by name: "kernels/..." go to the kernels directory, other names
+    # next to the pass's own dump, as kk-name.<name>. A value may be a function returning
+    # the content (or None for no file): it is called only when dumping.
+    artifacts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

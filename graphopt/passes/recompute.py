@@ -5,36 +5,44 @@ Algorithm:
      In inference only the forward runs and recompute cannot help: over budget is an error.
   2. State writes that read no computed value move up (they would cut segments). Per node,
      from one recorded FakeTensor forward (saved.py): the bytes it keeps for backward, the
-     bytes live across it, its FLOPs (ops.flops), whether
-     it may run twice (checkpointing.recomputable), and what a selective segment keeps of it.
-  3. Candidate plans (solver.py): the least recompute FLOPs for each of CANDIDATES
-     activation allowances, from the least the solver can meet to none; the distinct plans
-     by increasing FLOPs. The solver's model ranks plans; it is not exact.
-  4. The full estimate of each plan it looks at (rewritten through torch.utils.checkpoint,
-     checkpointing.py, then undone) decides: the plan with most FLOPs must fit, or
-     BudgetError names the smallest estimated peak as the least budget that works. Then a
-     bisection over the candidates finds the least-FLOPs plan that fits.
-  5. Rewrite with that plan.
-  6. Mark every node kept, recomputed or boundary (a segment's inputs), and report.
+     bytes live across it, whether it may run twice (checkpointing.recomputable), what a
+     selective segment keeps of it, and its recompute cost: FLOPs (ops.flops), or with
+     profile=True its measured forward time (cost.py).
+  3. Candidate plans (solver.py): the least recompute cost for each of CANDIDATES activation
+     allowances, from the least the solver can meet to none; the distinct plans by
+     increasing cost. The solver's model ranks plans; it is not exact.
+  4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
+     checkpointing.py, then undone) decides: the costliest plan must fit, or BudgetError
+     names the smallest estimated peak as the least budget that works. A bisection over the
+     candidates, then a look at a few cheaper ones, finds the cheapest plan that fits.
+  5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
+     model state restored) and, while it measures over budget, plan again for a budget
+     lowered by the overshoot (at most CALIBRATIONS times).
+  6. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
+     before and after, recompute cost in FLOPs and as a share of the step, and a picture of
+     predicted memory through the step, before and after (kk-recompute.memory.png).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from .. import ops
 from ..checkpointing import RecomputeSegment, checkpoint_segments, inline_segments, recomputable
+from ..cost import recompute_costs
 from ..dump import note
 from ..errors import BudgetError
-from ..memory import GB, estimate_peak
+from ..memory import GB, Estimate, estimate_peak, measure_step
+from ..plot import memory_csv, memory_png
 from ..saved import record_step
 from ..solver import make_atoms, model_peak, solve
 from ..trace import annotate
-from .base import Option, Pass, PassContext, PassResult
+from ..verify import preserved_state
+from .base import Option, Pass, PassContext, PassResult, to_bool
 from .registry import register
 
-CANDIDATES = 16  # allowances tried; the estimate checks about log2 of them
-LOOK_BELOW = 3   # cheaper candidates checked after the bisection
+CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
+LOOK_BELOW = 3    # cheaper candidates checked after the bisection
+CALIBRATIONS = 3  # re-plans after a measured step over budget
 
 
 def _least_allowance(atoms) -> int:
@@ -51,7 +59,7 @@ def _least_allowance(atoms) -> int:
 
 def _candidates(atoms) -> list:
     """The solver's plans for allowances from the least it can meet to what needs no
-    recompute, distinct, by increasing recompute FLOPs (and so, roughly, decreasing peak)."""
+    recompute, distinct, by increasing recompute cost (and so, roughly, decreasing peak)."""
     low, high = _least_allowance(atoms), model_peak(atoms, [])
     plans = {}
     for k in range(CANDIDATES):
@@ -59,7 +67,7 @@ def _candidates(atoms) -> list:
         plan = solve(atoms, allowance)
         if plan is not None and plan.segments:
             plans.setdefault(tuple(plan.segments), plan)
-    return sorted(plans.values(), key=lambda p: (p.recompute_flops, p.predicted_peak))
+    return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
 
 
 def _positive(value) -> float:
@@ -99,8 +107,8 @@ def _hoist_state_writes(gm: torch.fx.GraphModule) -> int:
 
 
 def _node_facts(gm: torch.fx.GraphModule, facts):
-    """Per node in graph order: bytes kept for backward, bytes live after it, FLOPs, recomputable,
-    and the bytes and FLOPs of its output when a selective segment keeps it."""
+    """Per node in graph order: bytes kept for backward, bytes live after it, recomputable, and
+    the bytes a selective segment keeps of it."""
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     saved_storages = {s.storage for items in facts.saved.values() for s in items if s.source == "node"}
@@ -123,11 +131,9 @@ def _node_facts(gm: torch.fx.GraphModule, facts):
     for i in range(len(nodes)):
         running += delta[i]
         live_after.append(running)
-    flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
     ok = [recomputable(n, gm) is None for n in nodes]
     sel = [facts.policy_bytes.get(n.name, 0) for n in nodes]
-    sel_flops = [f if b else 0 for f, b in zip(flops, sel)]
-    return nodes, kept, live_after, flops, ok, sel, sel_flops
+    return nodes, kept, live_after, ok, sel
 
 
 @register
@@ -139,102 +145,162 @@ class Recompute(Pass):
         "budget_gb": Option(None, _positive, "peak memory of one training step, in GB of 10**9 bytes"),
         # The estimate is within a few percent of a measured step, not exact: plans aim below.
         "headroom": Option(0.05, _fraction, "fraction of the budget kept free for estimate error, in [0, 0.5)"),
+        "profile": Option(False, to_bool, "cost recompute by each node's measured time instead of its FLOPs"),
+        "calibrate": Option(False, to_bool, "measure one real step and plan again while it is over budget"),
     }
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         budget_gb = self.settings["budget_gb"]
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
-        budget = int(budget_gb * GB * (1 - self.settings["headroom"]))
+        limit = int(budget_gb * GB)
+        target = int(limit * (1 - self.settings["headroom"]))
         inputs = ctx.flat_inputs(gm)
         # Step 1
         before = estimate_peak(gm, inputs)
-        stats = {"budget_bytes": int(budget_gb * GB), "planned_for_bytes": budget, "peak_before_bytes": before.peak_bytes}
+        stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
         if not ctx.train:
-            if before.peak_bytes > budget:
+            if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
             return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes})
-        if before.peak_bytes <= budget:
-            return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0})
+        if before.peak_bytes <= target:
+            return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0},
+                              _pictures({"as traced": before}, limit))
         # Step 2
         if _hoist_state_writes(gm):
             gm.recompile()
         facts = record_step(gm, inputs)
-        nodes, kept, live_after, flops, ok, sel, sel_flops = _node_facts(gm, facts)
-        atoms = make_atoms(kept, live_after, flops, ok, sel, sel_flops)
+        nodes, kept, live_after, ok, sel = _node_facts(gm, facts)
+        flops = recompute_costs(gm, nodes)
+        cost = recompute_costs(gm, nodes, inputs) if self.settings["profile"] else flops
+        atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)])
         # Step 3
-        candidates = _candidates(atoms)
-
-        # Steps 4 and 5: the solver's model proposes, the full estimate decides.
-        def rewrite(plan):
-            checkpoint_segments(gm, [nodes[s.start:s.stop] for s in plan.segments],
-                                [s.selective for s in plan.segments])
-            annotate(gm, inputs)
-
-        def undo():
-            inline_segments(gm)
-            annotate(gm, inputs)
-            nodes[:] = list(gm.graph.nodes)  # the inlined copies, in the same order
-
-        estimates = {}
-
-        def fits(k: int) -> bool:
-            if k not in estimates:
-                rewrite(candidates[k])
-                estimates[k] = estimate_peak(gm, inputs)
-                undo()
-            return estimates[k].peak_bytes <= budget
-
-        if not candidates or not fits(len(candidates) - 1):
-            smallest = min(estimates.values(), key=lambda e: e.peak_bytes, default=before)
-            raise self._error(budget_gb, smallest.peak_bytes, smallest.breakdown, inference=False)
-        lo, hi = 0, len(candidates) - 1  # candidates[hi] fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-        # The estimate falls with FLOPs only roughly: a few cheaper plans get their own look.
-        for k in range(hi - 1, max(hi - 1 - LOOK_BELOW, -1), -1):
-            hi = k if fits(k) else hi
-        plan, last = candidates[hi], estimates[hi]
-        peak = last.peak_bytes
-        decision = {}
-        for s in plan.segments:
-            for n in nodes[s.start:s.stop]:
-                decision[n] = "kept" if s.selective and facts.policy_bytes.get(n.name) else "recomputed"
-        for n in nodes:  # before the rewrite: segment copies share these notes
-            if n.op.startswith("call"):
-                note(n, "recompute", decision.get(n, "kept"))
-        rewrite(plan)
+        search = _Search(gm, inputs, nodes, _candidates(atoms))
+        # Steps 4 and 5
+        plan, after = search.cheapest_within(target)
+        if plan is None:
+            raise self._error(budget_gb, after.peak_bytes, after.breakdown, inference=False)
+        search.rewrite(plan)
+        if self.settings["calibrate"]:
+            for round_ in range(1, CALIBRATIONS + 1):
+                measured = _measure(gm, ctx)
+                stats.update(measured_peak_bytes=measured, calibration_rounds=round_)
+                if measured <= limit:
+                    break
+                target -= measured - limit
+                search.undo()
+                plan, after = search.cheapest_within(target)
+                if plan is None:
+                    raise self._error(budget_gb, after.peak_bytes + measured - limit, after.breakdown,
+                                      inference=False, measured=True)
+                search.rewrite(plan)
+            else:
+                stats["measured_peak_bytes"] = _measure(gm, ctx)
+                if stats["measured_peak_bytes"] > limit:
+                    raise self._error(budget_gb, stats["measured_peak_bytes"], after.breakdown,
+                                      inference=False, measured=True)
         # Step 6
+        decision = search.decisions(plan, facts)
         for n in gm.graph.nodes:
             if isinstance(n.target, RecomputeSegment):
-                note(n, "recompute", f"segment {n.target.index}")
+                note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
                 for i in n.all_input_nodes:
                     if i.op.startswith("call"):
                         note(i, "recompute", "boundary")
         # The plan fits the budget for these shapes; other shapes would run correctly but
         # could exceed it, so the result asks for the planned shapes (the lazy form re-plans).
         ctx.facts["shape_specialized"] = f"its recompute plan fits budget_gb={budget_gb:g} for them"
-        step_flops = 3 * sum(flops)  # forward + backward, about twice the forward
-        return PassResult(gm, True, {
-            **stats,
-            "predicted_peak_bytes": peak,
+        recomputed = [i for i, n in enumerate(nodes) if decision.get(n) == "recomputed"]
+        stats.update({
+            "predicted_peak_bytes": after.peak_bytes,
             "segments": len(plan.segments),
             "selective_segments": sum(s.selective for s in plan.segments),
-            "recomputed_nodes": sum(v == "recomputed" for v in decision.values()),
-            "recompute_flops": plan.recompute_flops,
-            "recompute_overhead_pct": round(100 * plan.recompute_flops / max(step_flops, 1), 1),
+            "recomputed_nodes": len(recomputed),
+            "recompute_flops": sum(flops[i] for i in recomputed),
+            # forward + backward: about three forwards
+            "recompute_overhead_pct": round(100 * plan.recompute_cost / max(3 * sum(cost), 1), 1),
+            "cost_by": "measured time" if self.settings["profile"] else "FLOPs",
         })
+        if self.settings["profile"]:
+            stats["recompute_ms"] = round(plan.recompute_cost / 1e6, 3)
+        return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit))
 
-    def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool) -> BudgetError:
+    def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
+               measured: bool = False) -> BudgetError:
         minimum = int(minimum / (1 - self.settings["headroom"]))
         parts = {k: v for k, v in breakdown.items() if v}
         detail = ", ".join(f"{k} {v / GB:.3f} GB" for k, v in parts.items())
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
+        how = "as measured" if measured else "by the estimate"
         return BudgetError(
-            f"budget_gb={budget_gb:g} is below the {minimum / GB:.3f} GB that {what} needs at least "
+            f"budget_gb={budget_gb:g} is below the {minimum / GB:.3f} GB that {what} needs at least, {how} "
             f"({detail}). Raise budget_gb to {minimum / GB:.3f} or more, halve activations with "
             "precision='bf16', or split the model over devices with stages=N.",
             min_budget_gb=minimum / GB, breakdown=parts,
         )
 
+
+class _Search:
+    """Candidate plans, each rewritten into gm and estimated at most once."""
+
+    def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], candidates: list):
+        self.gm, self.inputs, self.nodes, self.candidates = gm, inputs, nodes, candidates
+        self.estimates: dict[int, Estimate] = {}
+
+    def rewrite(self, plan) -> None:
+        checkpoint_segments(self.gm, [self.nodes[s.start:s.stop] for s in plan.segments],
+                            [s.selective for s in plan.segments])
+        annotate(self.gm, self.inputs)
+
+    def undo(self) -> None:
+        inline_segments(self.gm)
+        annotate(self.gm, self.inputs)
+        self.nodes[:] = list(self.gm.graph.nodes)  # the inlined copies, in the same order
+
+    def estimate(self, k: int) -> Estimate:
+        if k not in self.estimates:
+            self.rewrite(self.candidates[k])
+            self.estimates[k] = estimate_peak(self.gm, self.inputs)
+            self.undo()
+        return self.estimates[k]
+
+    def cheapest_within(self, target: int):
+        """(plan, estimate) of the cheapest candidate estimated within target; (None, the
+        smallest estimate seen) when even the costliest is over."""
+        fits = lambda k: self.estimate(k).peak_bytes <= target  # noqa: E731
+        last = len(self.candidates) - 1
+        if last < 0 or not fits(last):
+            seen = [self.estimates[k] for k in sorted(self.estimates)]
+            return None, min(seen, key=lambda e: e.peak_bytes) if seen else None
+        lo, hi = 0, last  # candidates[hi] fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        # The estimate falls with cost only roughly: a few cheaper plans get their own look.
+        for k in range(hi - 1, max(hi - 1 - LOOK_BELOW, -1), -1):
+            hi = k if fits(k) else hi
+        return self.candidates[hi], self.estimates[hi]
+
+    def decisions(self, plan, facts) -> dict:
+        """Per node of the graph before the rewrite: kept or recomputed; also noted on the nodes
+        (their copies in the segments share the notes)."""
+        decision = {}
+        for s in plan.segments:
+            for n in self.nodes[s.start:s.stop]:
+                decision[n] = "kept" if s.selective and facts.policy_bytes.get(n.name) else "recomputed"
+        for n in self.nodes:
+            if n.op.startswith("call"):
+                note(n, "recompute", decision.get(n, "kept"))
+        return decision
+
+
+def _measure(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
+    """Measured peak of one real training step; the model's buffers, gradients and RNG as before."""
+    cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in ctx.flat_inputs(gm))
+    with preserved_state(gm), torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        return measure_step(gm, ctx.example_args, ctx.example_kwargs)
+
+
+def _pictures(curves: dict, budget_bytes: int) -> dict:
+    """Dump files, made only when dumping."""
+    return {"memory.png": lambda: memory_png(curves, budget_bytes), "memory.csv": lambda: memory_csv(curves)}
