@@ -175,7 +175,7 @@ class Recompute(Pass):
         cost = recompute_costs(gm, nodes, inputs) if self.settings["profile"] else flops
         atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)])
         # Step 3
-        search = _Search(gm, inputs, nodes, _candidates(atoms))
+        search = _Search(gm, inputs, nodes, sel, _candidates(atoms))
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -200,7 +200,6 @@ class Recompute(Pass):
                     raise self._error(budget_gb, stats["measured_peak_bytes"], after.breakdown,
                                       inference=False, measured=True)
         # Step 6
-        decision = search.decisions(plan, facts)
         for n in gm.graph.nodes:
             if isinstance(n.target, RecomputeSegment):
                 note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
@@ -210,7 +209,7 @@ class Recompute(Pass):
         # The plan fits the budget for these shapes; other shapes would run correctly but
         # could exceed it, so the result asks for the planned shapes (the lazy form re-plans).
         ctx.facts["shape_specialized"] = f"its recompute plan fits budget_gb={budget_gb:g} for them"
-        recomputed = [i for i, n in enumerate(nodes) if decision.get(n) == "recomputed"]
+        recomputed = [i for i, n in enumerate(nodes) if search.decision.get(n) == "recomputed"]
         stats.update({
             "predicted_peak_bytes": after.peak_bytes,
             "segments": len(plan.segments),
@@ -243,11 +242,14 @@ class Recompute(Pass):
 class _Search:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
-    def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], candidates: list):
-        self.gm, self.inputs, self.nodes, self.candidates = gm, inputs, nodes, candidates
+    def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
+                 candidates: list):
+        self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
         self.estimates: dict[int, Estimate] = {}
+        self.decision: dict[torch.fx.Node, str] = {}
 
     def rewrite(self, plan) -> None:
+        self._decide(plan)  # before the rewrite: the nodes' copies in the segments share the notes
         checkpoint_segments(self.gm, [self.nodes[s.start:s.stop] for s in plan.segments],
                             [s.selective for s in plan.segments])
         annotate(self.gm, self.inputs)
@@ -281,17 +283,16 @@ class _Search:
             hi = k if fits(k) else hi
         return self.candidates[hi], self.estimates[hi]
 
-    def decisions(self, plan, facts) -> dict:
-        """Per node of the graph before the rewrite: kept or recomputed; also noted on the nodes
-        (their copies in the segments share the notes)."""
-        decision = {}
+    def _decide(self, plan) -> None:
+        """Per node: kept or recomputed, noted on it. By position, not name: undoing a rewrite
+        renames nodes."""
+        self.decision = {}
         for s in plan.segments:
-            for n in self.nodes[s.start:s.stop]:
-                decision[n] = "kept" if s.selective and facts.policy_bytes.get(n.name) else "recomputed"
+            for i in range(s.start, s.stop):
+                self.decision[self.nodes[i]] = "kept" if s.selective and self.sel[i] else "recomputed"
         for n in self.nodes:
             if n.op.startswith("call"):
-                note(n, "recompute", decision.get(n, "kept"))
-        return decision
+                note(n, "recompute", self.decision.get(n, "kept"))
 
 
 def _measure(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
