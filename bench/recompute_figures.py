@@ -20,26 +20,28 @@ from graphopt.trace import placeholder_values
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# Small enough for a 2-core CPU; on a GPU, large enough that kernels, not launches, take the time.
+# zoo builder arguments: small enough for a 2-core CPU; on a GPU, large enough that kernels,
+# not launches, take the time.
 MODELS = {
     "cpu": {
-        "mlp": lambda: zoo.mlp(batch=512, width=256, depth=8),
-        "convnet": lambda: zoo.convnet(batch=16, size=32, blocks=6),
-        "gpt": lambda: zoo.gpt(batch=8, seq=64, layers=4),
+        "mlp": {"batch": 512, "width": 256, "depth": 8},
+        "convnet": {"batch": 16, "size": 32, "blocks": 6},
+        "gpt": {"batch": 8, "seq": 64, "layers": 4},
     },
     "cuda": {
-        "mlp": lambda: zoo.mlp(batch=8192, width=2048, depth=8),
-        "convnet": lambda: zoo.convnet(batch=64, channels=64, size=64, blocks=8),
-        "gpt": lambda: zoo.gpt(batch=16, seq=512, layers=8, dim=512, heads=8, vocab=8192),
+        "mlp": {"batch": 8192, "width": 2048, "depth": 8},
+        "convnet": {"batch": 64, "channels": 64, "size": 64, "blocks": 8},
+        "gpt": {"batch": 16, "seq": 512, "layers": 8, "dim": 512, "heads": 8, "vocab": 8192},
     },
 }
+SIZES = MODELS["cuda" if DEVICE == "cuda" else "cpu"]
 
 
-def build(name: str, device: str = DEVICE):
+def build(name: str):
     torch.manual_seed(0)
-    model, args, kwargs = MODELS["cuda" if device == "cuda" else "cpu"][name]()
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return model.to(device), tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+    model, args, kwargs = getattr(zoo, name)(**SIZES[name])
+    move = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return model.to(DEVICE), tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
 
 def _estimate(module, args, kwargs):

@@ -13,7 +13,7 @@ import recompute_figures as rf
 from conftest import rounds
 
 
-@pytest.mark.parametrize("name", rf.MODELS["cpu"])
+@pytest.mark.parametrize("name", rf.SIZES)
 def test_estimate_error(benchmark, quick, figures, name):
     if quick and name != "mlp":
         pytest.skip("quick mode runs one model")
@@ -21,7 +21,7 @@ def test_estimate_error(benchmark, quick, figures, name):
 
 
 @pytest.mark.parametrize("f", [0.3, 0.5, 0.7])
-@pytest.mark.parametrize("name", rf.MODELS["cpu"])
+@pytest.mark.parametrize("name", rf.SIZES)
 def test_recompute_budgets(benchmark, quick, figures, name, f):
     if quick and (f != 0.5 or name != "gpt"):
         pytest.skip("quick mode runs the GPT at f = 0.5")

@@ -1,0 +1,88 @@
+"""The recompute pass's whole measurement in one call, for a GPU machine (CPU works too, slowly).
+
+    python bench/gpu_recompute.py --out bench/results          # writes recompute-<device>-<date>.{json,md}
+
+Needs only torch (and numpy, networkx) importable: graphopt is taken from this checkout.
+Figures: estimate error per zoo model; measured peak / budget, recompute share and step time
+at f = 0.3, 0.5, 0.7 (GPT also against checkpointing every block by hand); the GPT at the
+hand-written plan's measured peak; solver time at 2,000 nodes. See recompute_figures.py.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import torch  # noqa: E402
+
+import recompute_figures as rf  # noqa: E402
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(HERE / "results"), help="directory for the .json and .md files")
+    parser.add_argument("--steps", type=int, default=20, help="timed training steps per configuration (median)")
+    options = parser.parse_args()
+
+    started = time.perf_counter()
+    rows = {"estimate_error": {}, "budgets": {}, "at_hand_memory": None, "solver_s_2000_nodes": None}
+    for name in rf.SIZES:
+        rows["estimate_error"][name] = rf.estimate_error(name)
+        print("estimate", name, rows["estimate_error"][name], flush=True)
+        for f in (0.3, 0.5, 0.7):
+            rows["budgets"][f"{name} f={f}"] = rf.budget_run(name, f, options.steps)
+            print("budget", name, f, rows["budgets"][f"{name} f={f}"], flush=True)
+    rows["at_hand_memory"] = rf.at_hand_memory(options.steps)
+    print("at hand memory", rows["at_hand_memory"], flush=True)
+    rows["solver_s_2000_nodes"] = round(min(rf.solver_time(2000) for _ in range(3)), 3)
+
+    device, date = device_name(), datetime.date.today().isoformat()
+    result = {"device": device, "date": date, "torch": torch.__version__, "models": rf.SIZES,
+              "seconds": round(time.perf_counter() - started, 1), **rows}
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"recompute-{re.sub(r'[^A-Za-z0-9]+', '-', device).strip('-').lower()}-{date}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
+    print(f"wrote {stem}.json and .md")
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# recompute on {result['device']} ({result['date']}, torch {result['torch']})", "",
+             "| model | estimate MB | measured MB | error |", "|---|---|---|---|"]
+    for name, r in result["estimate_error"].items():
+        lines.append(f"| {name} | {r['estimate_mb']} | {r['measured_mb']} | {r['error_pct']:+}% |")
+    lines += ["", "| model, f | result | measured / budget | recompute % of step | step time vs none | "
+              "hand: measured / budget | FLOPs vs hand | hand: step time vs none |", "|---|---|---|---|---|---|---|---|"]
+    for key, r in result["budgets"].items():
+        if r["result"] != "fits":
+            lines.append(f"| {key} | BudgetError (min {r['min_budget_mb']} MB vs {r['budget_mb']} MB) | | | | | | |")
+            continue
+        lines.append(f"| {key} | fits ({r['segments']} segments, {r['selective']} selective) | "
+                     f"{r['measured_over_budget']} | {r['recompute_pct']} | {r['step_time_vs_plain']}x | "
+                     f"{r.get('hand_measured_over_budget', '')} | {r.get('recompute_flops_over_hand', '')} | "
+                     f"{r.get('hand_step_time_vs_plain', '')} |")
+    h = result["at_hand_memory"]
+    lines += ["", f"GPT at the hand-checkpointed plan's measured peak ({h['hand_peak_mb']} MB): measured "
+              f"{h['measured_over_hand']} of it, recompute FLOPs {h['recompute_flops_over_hand']} of hand's, "
+              f"step time {h['step_time_over_hand']}x hand's.", "",
+              f"Solver: {result['solver_s_2000_nodes']} s at 2,000 nodes.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
