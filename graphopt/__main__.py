@@ -59,7 +59,8 @@ def _optimize(args) -> int:
                          "or have the factory return (model, args, kwargs).")
     train = {"train": True, "eval": False}.get(args.mode)
     opt = optimize(model, inputs, example_kwargs=kwargs or None, passes=args.passes, budget_gb=args.budget_gb,
-                   precision=args.precision, stages=args.stages, train=train, frontend=args.frontend,
+                   profile=args.profile, calibrate=args.calibrate, precision=args.precision, stages=args.stages,
+                   train=train, frontend=args.frontend,
                    dump_dir=args.dump, verify=args.verify)
     print(opt.graphopt_report.to_text())
     if args.dump:
@@ -86,6 +87,8 @@ def main(argv=None) -> int:
     opt.add_argument("--inputs", help="Python expression for the example inputs (torch is in scope)")
     opt.add_argument("--passes", default=None, help=passes_help)
     opt.add_argument("--budget-gb", type=float, default=None, help="peak memory budget of a training step, GB (10^9 bytes)")
+    opt.add_argument("--profile", action="store_true", help="with --budget-gb: cost recompute by measured node times")
+    opt.add_argument("--calibrate", action="store_true", help="with --budget-gb: measure a real step and re-plan if over")
     opt.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None)
     opt.add_argument("--stages", type=int, default=None, help="number of pipeline stages")
     opt.add_argument("--mode", choices=["train", "eval"], default=None, help="build for training or inference (default: the model's mode)")
