@@ -93,23 +93,21 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_stat
 
 
 def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_grads: set[int],
-              segment: bool = False, selective: bool = False) -> None:
+              segment: bool = False) -> None:
     """Forward then backward of gm. For a recompute segment (segment=True) its inputs are
     already resident, the gradients of its inputs and outputs belong to the caller, and its
-    outputs are not held: the recompute keeps only what the segment's backward needs. A
-    selective segment's kept outputs were counted by the caller: the recompute reuses them."""
+    outputs are not held: the recompute keeps only what the segment's backward needs."""
     nodes = list(gm.graph.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     made, last_use = facts.lifetimes(nodes)
-    cached = facts.policy_storages if selective else set()
-    size = {key: 0 if key in cached else nbytes for key, (_, nbytes) in made.items()}  # storages nodes make
+    size = {key: nbytes for key, (_, nbytes) in made.items()}  # storages graph nodes make
     needed_by: dict[int, set[str]] = {}  # storage -> nodes whose backward still needs it
     internal: dict[str, int] = {}
     for name, items in facts.saved.items():
         for s in {s.storage: s for s in items}.values():
             if s.source == "node":
                 needed_by.setdefault(s.storage, set()).add(name)
-            elif s.source == "internal" and s.storage not in cached:
+            elif s.source == "internal":
                 internal[name] = internal.get(name, 0) + s.nbytes
     returned = output_tensors(gm)
     held = set() if segment else {key for m in returned for key, _ in facts.storages.get(m.name, [])}
@@ -145,8 +143,10 @@ def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_gra
         if n.name not in grads or n.op in ("placeholder", "get_attr"):
             continue
         if n.name in facts.segments:  # runs its forward again, then its own backward
+            if n.target.selective:  # what it kept passes to the rerun, which frees it as it goes
+                live.add("activations", -internal.pop(n.name, 0), f"backward {n.name}: kept outputs to the rerun")
             inner = _Live()
-            _simulate(n.target.module, facts.segments[n.name], inner, param_grads, True, n.target.selective)
+            _simulate(n.target.module, facts.segments[n.name], inner, param_grads, True)
             live.add("recomputed", inner.peak, f"backward {n.name}: recompute and backward")
             live.add("recomputed", -inner.peak, f"backward {n.name}: done")
             live.add("parameter gradients", inner.bytes.get("parameter gradients", 0), f"backward {n.name}: parameter gradients")

@@ -11,7 +11,7 @@ from graphopt.trace import placeholder_values
 # Sized so activations dominate parameters.
 SIZED = {
     "mlp": lambda: zoo.mlp(batch=512, width=256, depth=4),
-    "convnet": lambda: zoo.convnet(batch=16, size=32),
+    "convnet": lambda: zoo.convnet(batch=16, size=32, blocks=6),
     "gpt": lambda: zoo.gpt(batch=8, seq=64, layers=2),
     "two_heads": lambda: zoo.two_heads("dataclass", batch=2048, dim=64),
 }
@@ -56,15 +56,16 @@ def test_estimate_allocates_nothing_on_meta_models():
     assert estimate.peak_bytes > 4 * 4096 * 8192 * 4  # four saved activations at least
 
 
+@pytest.mark.parametrize("selective", [False, True])
 @pytest.mark.parametrize("layers", [2, 4])
-def test_estimate_follows_recompute_segments(layers):
+def test_estimate_follows_recompute_segments(layers, selective):
     from graphopt.checkpointing import checkpoint_segments
     from graphopt.trace import annotate
 
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=layers)
     plain = graphopt.trace(model, args, kwargs)
     gm = graphopt.trace(model, args, kwargs)
-    gm = checkpoint_segments(gm, zoo.block_segments(gm))
+    gm = checkpoint_segments(gm, zoo.block_segments(gm), [selective] * layers)
     annotate(gm, placeholder_values(gm, args, kwargs))
     estimate = estimate_peak(gm, placeholder_values(gm, args, kwargs))
     measured = measure_step(gm, args, kwargs)
