@@ -1,0 +1,149 @@
+"""inplace: run elementwise ops in place, into an input whose storage is dead afterwards.
+
+Algorithm:
+  1. Record one FakeTensor forward (saved.py): which node's output owns each storage, the
+     last node that reads each storage (views included), and, in training, every storage
+     autograd saves for backward. The graph's returned tensors are live to the end.
+  2. Each elementwise node with an in-place twin (registry: OpInfo.inplace) is a candidate
+     to write into its first operand x. It is rewritten when
+       a. x is a tensor made by a call node of this graph (not an input, parameter or buffer,
+          nor a view of one), and the result has x's shape, dtype and strides (no broadcast,
+          no promotion);
+       b. x's storage is not read after this node (no later use of x or of a view of it),
+          is not returned, and no other operand of the node shares it;
+       c. in training, autograd saves nothing in x's storage: no node's backward, this
+          node's included, needs the values the write would destroy. Measured, not guessed:
+          sigmoid saves its output, so relu on sigmoid's output stays out of place.
+     In inference (train=False) nothing is saved for backward, so c does not apply: ops whose
+     backward would need their input (mul, silu, sigmoid's output read by a later op...) may
+     write in place too.
+  3. Rewrite each into aten's in-place twin (ops.twins.inplace_call), in graph order; its
+     result replaces the node's. Nodes keep their metadata: an in-place result has the
+     shape, dtype and strides it had.
+  4. Report the rewritten ops, the estimated peak before and after (memory.estimate_peak),
+     and each candidate left alone with its reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .. import ops
+from ..dump import note
+from ..memory import estimate_peak, output_tensors
+from ..meta import tensor_info
+from ..ops.twins import inplace_call
+from ..purity import state_effect
+from ..saved import StepFacts, record_step
+from .base import Pass, PassContext, PassResult
+from .registry import register
+
+
+@dataclass
+class _Step:
+    """What one recorded forward says (step 1)."""
+
+    facts: StepFacts
+    order: dict       # node -> position
+    last_use: dict    # storage -> position of the last node that reads it
+    returned: set     # storages the graph returns
+    saved: set        # storages autograd saves for backward
+    inputs: set       # names of the placeholders
+
+    @classmethod
+    def record(cls, gm: torch.fx.GraphModule, inputs: list) -> _Step:
+        facts = record_step(gm, inputs)
+        nodes = list(gm.graph.nodes)
+        _, last_use = facts.lifetimes(nodes)
+        return cls(facts, {n: i for i, n in enumerate(nodes)}, last_use,
+                   {k for m in output_tensors(gm) for k, _ in facts.storages.get(m.name, [])},
+                   {s.storage for items in facts.saved.values() for s in items},
+                   {n.name for n in nodes if n.op == "placeholder"})
+
+
+def _why_not(n: torch.fx.Node, gm: torch.fx.GraphModule, step: _Step, train: bool):
+    """(None, call) when node n may write into its first operand; (reason, None) otherwise."""
+    if state_effect(n, gm):
+        return "changes state", None
+    bound = ops.bind(n, gm)
+    call = inplace_call(bound) if bound is not None else None
+    if call is None:
+        return "aten has no in-place form of it", None
+    x = bound.operands[0]
+    if not isinstance(x, torch.fx.Node):
+        return "its first operand is not a graph tensor", None
+    # Step 2a
+    keys = step.facts.storages.get(x.name, [])
+    if len(keys) != 1:
+        return "its first operand is not a single tensor", None
+    key = keys[0][0]
+    kind, owner = step.facts.owner.get(key, ("state", ""))
+    if kind != "node" or owner in step.inputs:
+        return "its first operand is a graph input, parameter or buffer (or a view of one)", None
+    mine, theirs = tensor_info(n), tensor_info(x)
+    if mine is None or theirs is None or (mine.shape, mine.dtype, mine.stride) != (theirs.shape, theirs.dtype, theirs.stride):
+        return "its result differs from its first operand in shape, dtype or strides", None
+    # Step 2b
+    if step.last_use.get(key, -1) > step.order[n] or key in step.returned:
+        return f"{x.name} (or a view of it) is used later", None
+    others = [o for o in bound.operands[1:] if isinstance(o, torch.fx.Node)]
+    if any(k == key for o in others for k, _ in step.facts.storages.get(o.name, [])):
+        return "another operand shares its first operand's storage", None
+    # Step 2c
+    if train and key in step.saved:
+        return f"autograd saves {x.name} (or a view of it) for backward", None
+    return None, call
+
+
+@register
+class Inplace(Pass):
+    """Run elementwise ops in place when their input's storage is dead and autograd allows it."""
+
+    name = "inplace"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        inputs = ctx.flat_inputs(gm)
+        # Step 1
+        step = _Step.record(gm, inputs)
+        # Step 2
+        rewrites, skipped = [], {}
+        for n in list(gm.graph.nodes):
+            if n.op not in ("call_function", "call_method", "call_module"):
+                continue
+            op = ops.lookup(n, gm)
+            if op is None or op.kind != "elementwise" or not op.inplace:
+                continue
+            why, call = _why_not(n, gm, step, ctx.train)
+            if why:
+                skipped[n.name] = why
+                note(n, "inplace", f"no: {why}")
+            else:
+                rewrites.append((n, op, call))
+        if not rewrites:
+            return PassResult(gm, False, {"rewritten": {}, "skipped": skipped})
+        before = estimate_peak(gm, inputs).peak_bytes
+        # Step 3
+        done, replaced = {}, {}
+        for n, op, (target, args, kwargs) in rewrites:
+            # arguments were bound before earlier rewrites replaced their nodes
+            current = lambda a: replaced.get(a, a)  # noqa: E731
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(target, torch.fx.map_arg(args, current),
+                                             torch.fx.map_arg(kwargs, current))
+            replaced[n] = new
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            gm.graph.erase_node(n)
+            new.name = n.name
+            note(new, "inplace", f"{op.name} -> {op.inplace}")
+            done[new.name] = f"{op.name} -> {op.inplace}"
+        gm.graph.lint()
+        gm.recompile()
+        # Step 4
+        after = estimate_peak(gm, inputs).peak_bytes
+        return PassResult(gm, True, {
+            "rewritten": done, "skipped": skipped, "peak_before_bytes": before, "predicted_peak_bytes": after,
+            "saved_bytes": before - after,
+        })
