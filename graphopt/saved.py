@@ -68,6 +68,33 @@ class StepFacts:
         return made, last
 
 
+    def kept_and_live(self, nodes: list[torch.fx.Node]) -> tuple[list[int], list[int]]:
+        """Per node: bytes it keeps for backward (its outputs that some backward needs, and what
+        its own kernel saves), and bytes live across the gap after it (made by an earlier or
+        this node, used by a later one). Inputs are left out: resident whatever a plan does."""
+        index = {n.name: i for i, n in enumerate(nodes)}
+        saved_storages = {s.storage for items in self.saved.values() for s in items if s.source == "node"}
+        kept = [0] * len(nodes)
+        for name, items in self.saved.items():
+            if name in index:
+                kept[index[name]] += sum({s.storage: s.nbytes for s in items if s.source == "internal"}.values())
+        made, last_use = self.lifetimes(nodes)
+        made = {key: (i, nbytes) for key, (i, nbytes) in made.items() if nodes[i].op != "placeholder"}
+        delta = [0] * (len(nodes) + 1)  # a difference array over the gaps
+        for key, (start, nbytes) in made.items():
+            if key in saved_storages:
+                kept[start] += nbytes
+            end = last_use.get(key, start)
+            if end > start:
+                delta[start] += nbytes
+                delta[end] -= nbytes
+        live_after, running = [], 0
+        for i in range(len(nodes)):
+            running += delta[i]
+            live_after.append(running)
+        return kept, live_after
+
+
 class _Recorder(torch.fx.Interpreter):
     """Runs the graph, remembering which node made each storage and keeping every tensor alive
     (a freed fake storage's address is reused, which would misattribute later tensors)."""

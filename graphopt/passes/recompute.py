@@ -110,27 +110,7 @@ def _node_facts(gm: torch.fx.GraphModule, facts):
     """Per node in graph order: bytes kept for backward, bytes live after it, recomputable, and
     the bytes a selective segment keeps of it."""
     nodes = list(gm.graph.nodes)
-    index = {n.name: i for i, n in enumerate(nodes)}
-    saved_storages = {s.storage for items in facts.saved.values() for s in items if s.source == "node"}
-    kept = [0] * len(nodes)
-    for name, items in facts.saved.items():
-        kept[index[name]] += sum({s.storage: s.nbytes for s in items if s.source == "internal"}.values())
-    made, last_use = facts.lifetimes(nodes)
-    # Inputs are resident whatever the plan (counted with the parameters).
-    made_at = {key: (i, nbytes) for key, (i, nbytes) in made.items() if nodes[i].op != "placeholder"}
-    for key, (i, nbytes) in made_at.items():
-        if key in saved_storages:
-            kept[i] += nbytes
-    delta = [0] * (len(nodes) + 1)  # bytes live across the gap after node i, by difference array
-    for key, (start, nbytes) in made_at.items():
-        end = last_use.get(key, start)
-        if end > start:
-            delta[start] += nbytes
-            delta[end] -= nbytes
-    live_after, running = [], 0
-    for i in range(len(nodes)):
-        running += delta[i]
-        live_after.append(running)
+    kept, live_after = facts.kept_and_live(nodes)
     ok = [recomputable(n, gm) is None for n in nodes]
     sel = [facts.policy_bytes.get(n.name, 0) for n in nodes]
     return nodes, kept, live_after, ok, sel
