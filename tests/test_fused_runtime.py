@@ -1,6 +1,7 @@
 """Fused groups run end to end: every registry elementwise op and random elementwise DAGs, forward and
 backward, through the generated Triton kernels (in Triton's interpreter) and the CPU torch reference,
 against eager torch."""
+import copy
 import math
 import os
 import subprocess
@@ -17,7 +18,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from graphopt.codegen import Group, Step
 from graphopt.codegen import layout as layout_module
 from graphopt.ops import canonical_ops
-from graphopt.runtime import FusedOp, cache_info, fused_call, repro_script
+from graphopt.runtime import (
+    FusedOp,
+    cache_info,
+    fused_call,
+    launch_count,
+    repro_script,
+    running_fused,
+)
 
 pytest.importorskip("triton")
 # the interpreter evaluates masked-off lanes too (log of 0 there): numpy warns, the stores are masked
@@ -359,6 +367,34 @@ def test_a_new_batch_size_reuses_the_kernels():
     assert after["misses"] == before["misses"] and after["hits"] == before["hits"] + 2
     op(randn(9, 6).t().contiguous().t(), randn(6))  # another layout: another kernel
     assert cache_info()["misses"] == after["misses"] + 1
+
+
+def test_each_run_counts_one_launch_and_its_own_torch_calls_are_marked(mode):
+    """What a dispatch-level kernel counter needs: the runs, and which ops happen inside one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Inside(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(running_fused())
+            return func(*args, **(kwargs or {}))
+    op, x = FusedOp(bias_gelu_scale()), randn(4, 6).requires_grad_()
+    before = launch_count()
+    with Inside():
+        out, _ = op(x, randn(6))
+        torch.autograd.grad(out.sum(), x)
+    assert launch_count() == before + 2  # the forward and the backward
+    assert any(seen) and not all(seen) and not running_fused()
+
+
+def test_a_copied_fused_op_plans_again():
+    op = FusedOp(bias_gelu_scale())
+    x, b = randn(4, 6), randn(6)
+    op(x, b)
+    twin = copy.deepcopy(op)
+    assert twin.group == op.group and not twin._memo
+    torch.testing.assert_close(twin(x, b), op(x, b))
 
 
 def test_fake_and_meta_tensors_get_shapes_and_dtypes_only():

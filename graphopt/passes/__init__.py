@@ -7,7 +7,7 @@ from .base import Option, Pass, PassContext, PassResult
 from .registry import available, get, parse_pipeline, register
 
 # Importing a pass module registers it; only implemented passes are listed.
-from . import normalize, cse, dce, recompute  # noqa: E402,F401
+from . import normalize, cse, dce, recompute, fuse  # noqa: E402,F401
 from . import inplace  # noqa: E402,F401
 
 __all__ = ["Option", "Pass", "PassContext", "PassResult", "available", "get", "parse_pipeline", "register"]

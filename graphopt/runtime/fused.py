@@ -8,16 +8,24 @@
    Triton kernels in Triton's interpreter: that is how CI tests the codegen. Fake and meta tensors
    only get outputs of the right shapes and dtypes.
 3. Kernels are cached in a module-level dict by their Spec (ops, params, dtypes, layout patterns,
-   merged rank, offset width), never by sizes: a new batch size reuses the kernel.
+   merged rank, offset width), never by sizes: a new batch size reuses the kernel. Each FusedOp also
+   remembers its plans and kernels by its inputs' dtypes, shapes and strides, so a repeated call
+   skips the planning (Python time a small tensor would notice).
 4. Outputs are allocated contiguous at their eager shapes; the grid is cdiv(n, BLOCK).
 5. A broadcast input's gradient comes back at the full shape in fp32 and is summed down to the
    input's shape, then cast to its dtype.
+6. Each forward and each backward that computes counts as one launch (launch_count()); the torch
+   calls a run makes inside (allocations, the CPU reference) run under running_fused(), so a
+   dispatch-level op counter can tell them from the graph's own ops.
 """
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -29,13 +37,17 @@ from ..codegen.forward import KERNEL as FORWARD
 from ..codegen.forward import forward_source
 from ..codegen.group import Group, differentiable
 from ..codegen.layout import MAX_BLOCK, contiguous_strides
+from ..codegen.program import Backward
 from ..codegen.reference import reference_source
 from ..codegen.spec import Plan, plan_backward, plan_forward
 
 GPU_BLOCK = 1024
+MAX_PLANS = 64  # input signatures each FusedOp remembers (then it starts over)
 _KERNELS: dict = {}  # (Spec, interpreted) -> the Triton kernel
 _REFERENCES: dict = {}  # (Spec of the backward, or forward) -> the torch reference module
-STATS = Counter()  # kernel cache "hits" and "misses"
+STATS = Counter()  # kernel cache "hits" and "misses", and "launches"
+_INSIDE = threading.local()  # .depth: how many fused runs this thread is inside
+_GENERATION = [0]  # bumped by clear_cache()
 
 
 def interpreting() -> bool:
@@ -46,14 +58,40 @@ def cache_info() -> dict:
     return {"hits": STATS["hits"], "misses": STATS["misses"], "kernels": len(_KERNELS)}
 
 
+def launch_count() -> int:
+    """Forward and backward runs of fused groups so far (shape-only runs on fake tensors excepted)."""
+    return STATS["launches"]
+
+
+def running_fused() -> bool:
+    """Whether this thread is inside a fused group's run: its torch calls are the group's, not the graph's."""
+    return getattr(_INSIDE, "depth", 0) > 0
+
+
+@contextmanager
+def _inside():
+    _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _INSIDE.depth -= 1
+
+
 def clear_cache() -> None:
     _KERNELS.clear()
     _REFERENCES.clear()
     STATS.clear()
+    _GENERATION[0] += 1  # every FusedOp forgets its remembered plans and kernels
+
+
+def _signature(tensors) -> tuple:
+    return tuple(None if t is None else (t.dtype, t.shape, t.stride()) for t in tensors)
 
 
 def _shape_only(tensors) -> bool:
-    return any(t.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(t) for t in tensors)
+    # a plain tensor is never fake: skip is_fake's unwrapping on the common path
+    return any(t.device.type == "meta" or (type(t) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(t))
+               for t in tensors)
 
 
 def _runs_kernel(device: torch.device) -> bool:
@@ -77,15 +115,15 @@ def _kernel(plan: Plan, name: str, render):
     return kernel
 
 
-def _launch(kernel, plan: Plan, tensors, device: torch.device) -> None:
+def _launch(kernel, plan: Plan, tensors, device: torch.device, scalars: list) -> None:
     n = plan.layout.numel
     block = _block(n, device)
     grid = (triton_cdiv(n, block),)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            kernel[grid](*tensors, *plan.scalar_args(), BLOCK=block)
+            kernel[grid](*tensors, *scalars, BLOCK=block)
     else:
-        kernel[grid](*tensors, *plan.scalar_args(), BLOCK=block)
+        kernel[grid](*tensors, *scalars, BLOCK=block)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -116,6 +154,20 @@ class _Function(torch.autograd.Function):
         return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:]))
 
 
+@dataclass
+class _Prepared:
+    """What calls with one input signature need, worked out on the first of them."""
+
+    plan: Plan
+    program: Backward | None  # the backward's gradient program; None for the forward
+    outputs: list = field(default_factory=list)  # forward: (shape, dtype) of each output
+    loaded: list = field(default_factory=list)  # forward: the inputs the kernel loads, in signature order
+    compiled: dict = field(default_factory=dict)  # interpreting (bool) -> kernel; "reference" -> torch module
+
+    def __post_init__(self):
+        self.scalars = self.plan.scalar_args()  # launch arguments after the pointers
+
+
 class FusedOp:
     """A fused group as a callable: one tensor for a one-output group, else a tuple in group.outputs order.
     It has a __name__, so an FX call_function node can target it."""
@@ -124,6 +176,40 @@ class FusedOp:
         self.group = group if isinstance(group, Group) else Group(*group)
         self.__name__ = "fused_" + "_".join(s.op for s in self.group.steps)[:80]
         self.__qualname__ = self.__name__
+        self._memo: dict = {}  # (kind, input signature) -> _Prepared
+        self._generation = _GENERATION[0]
+
+    def __getstate__(self):
+        return {"group": self.group}  # kernels do not pickle (deepcopy of a GraphModule): plan again
+
+    def __setstate__(self, state):
+        self.__init__(state["group"])
+
+    def _remembered(self, key, make) -> _Prepared:
+        if self._generation != _GENERATION[0] or len(self._memo) >= MAX_PLANS:
+            self._memo.clear()
+            self._generation = _GENERATION[0]
+        entry = self._memo.get(key)
+        if entry is None:
+            entry = self._memo[key] = make()
+        return entry
+
+    def _prepare_forward(self, inputs) -> _Prepared:
+        plan = plan_forward(self.group, inputs)
+        return _Prepared(plan, None, outputs=[(plan.shapes[j], plan.dtypes[j]) for j in self.group.outputs],
+                         loaded=[int(o.name[1:]) for o in plan.spec.operands if o.name.startswith("x")])
+
+    def _prepare_backward(self, inputs, grads, needs) -> _Prepared:
+        return _Prepared(*plan_backward(self.group, inputs, grads, needs))
+
+    def _kernel_for(self, entry: _Prepared, name, render):
+        mode = interpreting()
+        kernel = entry.compiled.get(mode)
+        if kernel is None:
+            kernel = entry.compiled[mode] = _kernel(entry.plan, name, render)
+        else:
+            STATS["hits"] += 1
+        return kernel
 
     def __repr__(self) -> str:
         return f"FusedOp({self.group.describe()})"
@@ -135,29 +221,43 @@ class FusedOp:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{self.__name__}: input {k} is {type(t).__name__}; group inputs are tensors "
                                 "(put Python numbers into the steps as scalar args)")
-        outputs = _Function.apply(self, *inputs)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            outputs = _Function.apply(self, *inputs)
+        else:  # nothing to differentiate: skip the autograd.Function (its Python costs a small tensor time)
+            outputs = tuple(self.forward(inputs)[0])
         return outputs[0] if len(outputs) == 1 else outputs
 
     # the two halves of the autograd.Function, on plain tensors
 
     def forward(self, inputs) -> tuple[list[torch.Tensor], list[torch.dtype]]:
-        plan = plan_forward(self.group, inputs)
-        device = _device(inputs)
-        dtypes = [plan.dtypes[j] for j in self.group.outputs]
-        shapes = [plan.shapes[j] for j in self.group.outputs]
-        if _shape_only(inputs) or plan.layout.numel == 0:
-            return [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)], dtypes
-        if not _runs_kernel(device):
-            values = self._reference(plan).reference_forward(*inputs)
-            return [torch.empty(s, dtype=d, device=device).copy_(v) for v, d, s in zip(values, dtypes, shapes)], dtypes
-        outputs = [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
-        loaded = [inputs[int(o.name[1:])].to(device) for o in plan.spec.operands if o.name.startswith("x")]
-        kernel = _kernel(plan, FORWARD, lambda: forward_source(self.group, plan.spec, plan.dtypes))
-        _launch(kernel, plan, loaded + outputs, device)
-        return outputs, dtypes
+        with _inside():
+            return self._forward(inputs)
 
     def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
-        plan, program = plan_backward(self.group, inputs, grads, needs)
+        with _inside():
+            return self._backward(inputs, grads, needs)
+
+    def _forward(self, inputs):
+        entry = self._remembered(("forward", _signature(inputs)), lambda: self._prepare_forward(inputs))
+        plan = entry.plan
+        device = _device(inputs)
+        dtypes = [d for _, d in entry.outputs]
+        if _shape_only(inputs) or plan.layout.numel == 0:
+            return [torch.empty(s, dtype=d, device=device) for s, d in entry.outputs], dtypes
+        STATS["launches"] += 1
+        if not _runs_kernel(device):
+            values = self._reference(entry).reference_forward(*inputs)
+            return [torch.empty(s, dtype=d, device=device).copy_(v) for v, (s, d) in zip(values, entry.outputs)], dtypes
+        outputs = [torch.empty(s, dtype=d, device=device) for s, d in entry.outputs]
+        loaded = [inputs[k].to(device) for k in entry.loaded]
+        kernel = self._kernel_for(entry, FORWARD, lambda: forward_source(self.group, plan.spec, plan.dtypes))
+        _launch(kernel, plan, loaded + outputs, device, entry.scalars)
+        return outputs, dtypes
+
+    def _backward(self, inputs, grads, needs):
+        key = ("backward", _signature(inputs), _signature(grads), tuple(needs))
+        entry = self._remembered(key, lambda: self._prepare_backward(inputs, grads, needs))
+        plan, program = entry.plan, entry.program
         device = _device(inputs)
         result: list[torch.Tensor | None] = [None] * len(inputs)
         if not program.grads:
@@ -166,8 +266,9 @@ class FusedOp:
             for k in program.grads:
                 result[k] = torch.zeros(inputs[k].shape, dtype=inputs[k].dtype, device=device)
             return result
+        STATS["launches"] += 1
         if not _runs_kernel(device):
-            values = self._reference(plan, program).reference_backward(*inputs, *grads)
+            values = self._reference(entry).reference_backward(*inputs, *grads)
             for k, v in zip(program.grads, values):
                 result[k] = v.to(inputs[k].dtype)
             return result
@@ -177,17 +278,20 @@ class FusedOp:
                                   dtype=operands[f"d{k}"].dtype, device=device) for k in program.grads}
         tensors = ([inputs[k].to(device) for k in program.inputs] + [grads[i].to(device) for _, i in program.seeds]
                    + [buffers[k] for k in program.grads])
-        kernel = _kernel(plan, BACKWARD, lambda: backward_source(self.group, plan.spec, program))
-        _launch(kernel, plan, tensors, device)
+        kernel = self._kernel_for(entry, BACKWARD, lambda: backward_source(self.group, plan.spec, program))
+        _launch(kernel, plan, tensors, device, entry.scalars)
         for k, buffer in buffers.items():
             result[k] = buffer.sum_to_size(inputs[k].shape).to(inputs[k].dtype)
         return result
 
-    def _reference(self, plan: Plan, program=None):
-        key = plan.spec
-        module = _REFERENCES.get(key)
+    def _reference(self, entry: _Prepared):
+        module = entry.compiled.get("reference")
         if module is None:
-            module = _REFERENCES[key] = load(reference_source(self.group, plan.dtypes, program))
+            plan = entry.plan
+            module = _REFERENCES.get(plan.spec)
+            if module is None:
+                module = _REFERENCES[plan.spec] = load(reference_source(self.group, plan.dtypes, entry.program))
+            entry.compiled["reference"] = module
         return module
 
 

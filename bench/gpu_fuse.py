@@ -1,0 +1,269 @@
+"""The fuse pass on elementwise chains: eager vs graphopt vs torch.compile, in one run, one command.
+
+    python bench/gpu_fuse.py                 # on a GPU: the full matrix
+    python bench/gpu_fuse.py --out DIR       # where the results go (default $OUT, else bench/results)
+
+Chains of 2, 4 and 8 elementwise ops (bias add, GELU, scale, SiLU, shift, tanh, gate, sigmoid) on
+2^20 .. 2^26 elements, float32 and bfloat16, forward and forward+backward. Each is timed for eager,
+graphopt (the fuse pass on the traced chain) and torch.compile (default mode), next to a
+device-to-device copy of the input measured in the same run: achieved bandwidth is reported as a
+fraction of the copy's, counting the bytes an ideal fused kernel moves (forward: read x, write y;
+backward: read x and dy, write dx; the bias is small). First call: with fresh on-disk caches for
+Triton and Inductor, and each tool warmed up once on another function (imports, worker pools), the
+time from graphopt's optimize() to its first finished training step against torch.compile's.
+
+Without CUDA it runs a reduced CPU mode (small sizes, no torch.compile; graphopt runs its torch
+reference) so the script itself can be checked anywhere. Writes fuse-<device>-<date>.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __name__ == "__main__":
+    # fresh compiler caches, so first calls compile for real: set before torch and triton read them
+    _cache = tempfile.mkdtemp(prefix="graphopt-bench-")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_cache, "triton"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_cache, "inductor"))
+    os.environ.setdefault("GRAPHOPT_KERNEL_DIR", os.path.join(_cache, "graphopt"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphopt
+from graphopt import runtime
+
+# each step maps (h, x, b) -> h; a chain of length k runs the first k
+STEPS = (
+    ("bias", lambda h, x, b: h + b),
+    ("gelu", lambda h, x, b: F.gelu(h)),
+    ("scale", lambda h, x, b: h * 1.5),
+    ("silu", lambda h, x, b: F.silu(h)),
+    ("shift", lambda h, x, b: h + 0.25),
+    ("tanh", lambda h, x, b: torch.tanh(h)),
+    ("gate", lambda h, x, b: h * x),
+    ("sigmoid", lambda h, x, b: torch.sigmoid(h)),
+)
+LENGTHS = (2, 4, 8)
+GPU_SIZES = tuple(2**e for e in (20, 22, 24, 26))
+CPU_SIZES = (2**12, 2**14)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COLUMNS = 1024  # the bias is one row: x is (n / COLUMNS, COLUMNS)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+class Chain(nn.Module):
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+
+    def forward(self, x, b):
+        h = x
+        for _, step in STEPS[:self.length]:
+            h = step(h, x, b)
+        return h
+
+
+def describe(length: int) -> str:
+    return " -> ".join(name for name, _ in STEPS[:length])
+
+
+def make_inputs(n: int, dtype, device, backward: bool):
+    gen = torch.Generator(device=device).manual_seed(n)
+    x = torch.randn(n // COLUMNS, COLUMNS, device=device, generator=gen).to(dtype).requires_grad_(backward)
+    b = torch.randn(COLUMNS, device=device, generator=gen).to(dtype).requires_grad_(backward)
+    g = torch.randn(n // COLUMNS, COLUMNS, device=device, generator=gen).to(dtype)
+    return x, b, g
+
+
+def runner(module, x, b, g, backward: bool):
+    if backward:
+        return lambda: torch.autograd.grad(module(x, b), (x, b), g)
+    return lambda: module(x, b)
+
+
+def timer(device):
+    """Seconds per call: Triton's do_bench (median, L2 flushed between runs) on CUDA, else the fastest of
+    a few wall-clock rounds (a shared CPU's interference only ever adds time)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+    def wall(fn, rounds=7):
+        fn()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+    return wall
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fuse(module, x, b) -> torch.nn.Module:
+    opt = graphopt.optimize(module, (x, b), passes="fuse", train=True)
+    kernels = opt.graphopt_report.passes[-1].stats["kernels"]
+    if kernels != 1:
+        raise RuntimeError(f"the fuse pass made {kernels} kernels of the chain {describe(module.length)}; expected 1")
+    return opt
+
+
+def max_error(got, want) -> float:
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    return max(float((a.float() - w.float()).abs().max() / (w.float().abs().max() + 1e-12)) for a, w in zip(got, want))
+
+
+def measure(length: int, n: int, dtype, backward: bool, device, compiled=None, time_fn=None) -> dict:
+    """One row: seconds per call for copy, eager, graphopt (and torch.compile), bandwidth fractions."""
+    time_fn = time_fn or timer(device)
+    module = Chain(length)
+    x, b, g = make_inputs(n, dtype, device, backward)
+    opt = fuse(module, x, b)
+    eager_run, fused_run = runner(module, x, b, g, backward), runner(opt, x, b, g, backward)
+    error = max_error(fused_run(), eager_run())
+    if error > TOLERANCE[dtype]:
+        raise AssertionError(f"graphopt's {describe(length)} differs from eager by {error:.3g} (relative) at "
+                             f"{n} elements, {dtype}")
+    seconds = {"copy": time_fn(lambda: x.detach().clone()), "eager": time_fn(eager_run), "graphopt": time_fn(fused_run)}
+    if compiled is not None:
+        seconds["compile"] = time_fn(runner(compiled, x, b, g, backward))
+    size = x.element_size() * n
+    ideal = size * (5 if backward else 2)  # forward: x in, y out; backward: x and dy in, dx out
+    copy_bandwidth = 2 * size / seconds["copy"]
+    row = {"chain": length, "ops": describe(length), "elements": n, "dtype": str(dtype).replace("torch.", ""),
+           "pass": "fwd+bwd" if backward else "fwd", "max_rel_error": error}
+    for method, s in seconds.items():
+        row[f"{method}_us"] = round(s * 1e6, 2)
+        if method != "copy":
+            row[f"{method}_of_copy_bw"] = round(ideal / s / copy_bandwidth, 3)
+    if "compile" in seconds:
+        row["graphopt_over_compile_time"] = round(seconds["graphopt"] / seconds["compile"], 3)
+    row["graphopt_speedup_over_eager"] = round(seconds["eager"] / seconds["graphopt"], 2)
+    return row
+
+
+def first_call(length: int, device, with_compile: bool) -> dict:
+    """Seconds from nothing to a finished first training step (kernels compiled on the way)."""
+    module = Chain(length)
+    x, b, g = make_inputs(2**20 if device.type == "cuda" else CPU_SIZES[0], torch.float32, device, True)
+    runtime.clear_cache()
+    sync(device)
+    start = time.perf_counter()
+    opt = fuse(module, x, b)
+    runner(opt, x, b, g, True)()
+    sync(device)
+    row = {"chain": length, "graphopt_first_step_s": round(time.perf_counter() - start, 4)}
+    if with_compile:
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        runner(torch.compile(module), x, b, g, True)()
+        sync(device)
+        row["compile_first_step_s"] = round(time.perf_counter() - start, 3)
+        row["compile_over_graphopt"] = round(row["compile_first_step_s"] / row["graphopt_first_step_s"], 1)
+    return row
+
+
+def warm_up(device, with_compile: bool) -> None:
+    """Each tool's one-time start-up (imports, FakeTensor machinery, Inductor's workers), on another function."""
+    x = torch.randn(64, 8, device=device, requires_grad=True)
+    module = nn.Sequential(nn.Tanh(), nn.Sigmoid())
+    fuse_pass = graphopt.optimize(module, (x,), passes="fuse", train=True)
+    torch.autograd.grad(fuse_pass(x).sum(), x)
+    if with_compile:
+        torch.autograd.grad(torch.compile(module)(x).sum(), x)
+    runtime.clear_cache()
+    torch._dynamo.reset()
+    sync(device)
+
+
+def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_compile=None, log=print) -> dict:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with_compile = device.type == "cuda" if with_compile is None else with_compile
+    sizes = sizes or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
+    warm_up(device, with_compile)
+    first = [first_call(length, device, with_compile) for length in lengths]  # before the chains' kernels exist
+    for row in first:
+        log(row)
+    rows, time_fn = [], timer(device)
+    for length in lengths:
+        for backward in (False, True):
+            compiled = torch.compile(Chain(length)) if with_compile else None
+            for dtype in dtypes:
+                for n in sizes:
+                    row = measure(length, n, DTYPES[dtype], backward, device, compiled, time_fn)
+                    log(row)
+                    rows.append(row)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    return {"device": name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": _version("triton"), "mode": "gpu" if device.type == "cuda" else "cpu (reduced, no torch.compile)",
+            "first_call": first, "rows": rows}
+
+
+def _version(package: str) -> str:
+    try:
+        return __import__(package).__version__
+    except ImportError:
+        return "not installed"
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# fuse benchmark: {result['device']}, {result['date']}", "",
+             f"torch {result['torch']}, triton {result['triton']}, mode: {result['mode']}", "",
+             "## first training step (seconds, from optimize() / torch.compile() to a finished backward)", ""]
+    first_cols = list(result["first_call"][0])
+    lines += _table(first_cols, result["first_call"])
+    lines += ["", "## time per call and bandwidth as a fraction of a device copy", ""]
+    cols = [c for c in result["rows"][0] if c not in ("ops", "max_rel_error")]
+    lines += _table(cols, result["rows"])
+    lines += ["", "chains: " + "; ".join(f"{k}: {describe(k)}" for k in LENGTHS)]
+    return "\n".join(lines) + "\n"
+
+
+def _table(cols, rows) -> list[str]:
+    return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows])
+
+
+def write(result: dict, out_dir) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"fuse-{re.sub(r'[^A-Za-z0-9]+', '-', result['device']).strip('-').lower()}-{result['date']}"
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    md_path.write_text(markdown(result))
+    return json_path, md_path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"),
+                        help="directory for the JSON and markdown results (default: $OUT, else bench/results)")
+    parser.add_argument("--sizes", help="comma-separated log2 element counts (default: 20,22,24,26 on GPU)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    args = parser.parse_args(argv)
+    sizes = tuple(2 ** int(e) for e in args.sizes.split(",")) if args.sizes else None
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # a shared CPU's idle worker threads stall small parallel ops by milliseconds
+    result = run(sizes=sizes, with_compile=False if args.no_compile else None)
+    for path in write(result, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

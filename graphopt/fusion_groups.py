@@ -1,0 +1,327 @@
+"""Which elementwise nodes can run as one fused kernel (an analysis: it reads the graph, never mutates).
+
+Algorithm:
+  1. Classify every call node. A member candidate is pure (purity.py), elementwise with a Triton
+     template in the registry (or a dropout that is the identity: train=False or p=0), bound to
+     tensor nodes and Python scalars, contiguous in eager (a kernel writes contiguous tensors),
+     and accepted by codegen as a one-step group at its operands' dtypes with eager's result
+     dtype and shape. Every other node gets the reason it stays out.
+     An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
+     node that may write memory gets that tensor: the fused result is a copy.
+  2. Walk the graph in order and merge each candidate's group with the groups of its candidate
+     producers, unless the contracted graph (networkx) would get a cycle (a path from one group to
+     the other through a node outside both), or a node that may write memory would lie between
+     the group's first and last node: the fused kernel reads all its inputs at one point.
+  3. Groups with fewer than two ops that compute are dropped (an identity dropout computes
+     nothing). Each remaining group becomes a codegen Group: inputs are the outside tensors it
+     reads, steps its nodes in graph order (an identity dropout is no step: it aliases its input),
+     outputs the nodes used outside it. codegen.supports() has the last word.
+  4. For each group: the forward memory traffic it saves (eager reads and writes of every node
+     minus the fused kernel's reads of inputs and writes of outputs, from TensorInfo.nbytes), and
+     for each neighbouring node left out, the reason; the same reasons for each candidate left
+     alone.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx
+
+from . import codegen, ops
+from .codegen.layout import contiguous_strides
+from .meta import TensorInfo, tensor_info
+from .purity import CALLS, state_effect
+
+CYCLE = "would create a cycle (path {path})"
+
+
+@dataclass
+class Member:
+    """A node that may join a group: its op and its operands in canonical order."""
+
+    node: torch.fx.Node
+    op: str
+    operands: tuple  # fx Nodes (tensors) and Python scalars
+    params: dict
+    identity: bool = False  # a dropout that returns its input
+
+
+@dataclass
+class FusionGroup:
+    nodes: list[torch.fx.Node]  # graph order
+    inputs: list[torch.fx.Node]
+    outputs: list[torch.fx.Node]  # the step each one is stored from: group.outputs, same order
+    aliases: dict  # identity member -> the input node it returns (it needs no kernel output)
+    group: codegen.Group
+    bytes_saved: int
+    not_fused: dict[str, str] = field(default_factory=dict)  # neighbour node name -> reason
+
+    def ops(self) -> list[str]:
+        return [s.op for s in self.group.steps]
+
+
+@dataclass
+class Fusion:
+    groups: list[FusionGroup]
+    declined: list[dict]  # {"nodes", "ops", "reason"} for groups codegen refused
+    reasons: dict  # node -> why it cannot be a member (step 1)
+    alone: dict[str, dict[str, str]]  # candidate left in a group of one -> {neighbour: why not with it}
+
+
+def example(info: TensorInfo) -> torch.Tensor:
+    """A meta tensor with the node's shape, dtype and strides: what codegen decides on."""
+    return torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device="meta")
+
+
+def _is_dropout_identity(op, params) -> bool:
+    # a random op with a `train` switch is a dropout: the registry says so by its params
+    return "train" in params and len(op.operands) == 1 and op.output == "tensor" and (
+        params["train"] is False or params.get("p") == 0)
+
+
+def _contiguous(info: TensorInfo) -> bool:
+    expected = contiguous_strides(info.shape)
+    return all(size == 1 or s == e for size, s, e in zip(info.shape, info.stride, expected))
+
+
+def _reads_attribute(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is getattr  # x.shape, x.dtype: metadata only
+
+
+def may_write(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether the node may write a tensor: a mutating op, or an opaque call that is given one."""
+    if node.op not in CALLS or _reads_attribute(node):
+        return False
+    op = ops.lookup(node, gm)
+    if op is not None:
+        return op.mutates
+    return any(tensor_info(v) is not None for v in node.all_input_nodes)  # Python arithmetic on sizes: no
+
+
+def _written_values(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """Values a node that may write memory gets, with that node's name."""
+    written = {}
+    for node in gm.graph.nodes:
+        if may_write(node, gm):
+            for value in node.all_input_nodes:
+                written.setdefault(value, node.name)
+    return written
+
+
+def _one_step(op: str, operands, params) -> tuple[codegen.Group, list[torch.fx.Node]]:
+    inputs = list(dict.fromkeys(v for v in operands if isinstance(v, torch.fx.Node)))
+    args = tuple(("input", inputs.index(v)) if isinstance(v, torch.fx.Node) else v for v in operands)
+    return codegen.Group([n.name for n in inputs], [codegen.Step(op, args, params)], [0]), inputs
+
+
+def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Member | str:
+    """Step 1 for one call node: a Member, or the reason it cannot be one."""
+    if _reads_attribute(node):
+        return "reads a tensor attribute"
+    effect = state_effect(node, gm)
+    if effect is not None:
+        return effect
+    bound = ops.bind(node, gm)
+    op = ops.lookup(node, gm)
+    if op.random:
+        if bound is None or not _is_dropout_identity(op, bound.params):
+            return "random in training (it draws a mask)" if bound and "train" in bound.params else \
+                f"random ({op.name} draws from the RNG)"
+    elif op.kind != "elementwise":
+        return f"not elementwise ({op.kind})"
+    elif op.triton is None:
+        return f"no template ({op.name} has no Triton expression in the registry)"
+    if bound is None:
+        return f"its arguments do not bind to {op.name}'s operands and literal params"
+    info = tensor_info(node)
+    if not isinstance(info, TensorInfo):
+        return "no tensor metadata (annotate the graph first)"
+    if op.aliases or op.random:  # here: a no-op cast or an identity dropout can return its input itself
+        for value in node.all_input_nodes + [node]:
+            if value in written:
+                return f"it may return its input itself, and {written[value]} may write {value.name}"
+    tensors = [v for v in bound.operands if isinstance(v, torch.fx.Node)]
+    for v in tensors:
+        if not isinstance(tensor_info(v), TensorInfo):
+            return f"operand {v.name} is not a tensor (a value computed at run time)"
+    if not _contiguous(info):
+        return f"eager makes it with strides {info.stride}; a fused kernel writes contiguous tensors"
+    if op.random:
+        source = tensor_info(tensors[0])
+        if (source.shape, source.dtype) != (info.shape, info.dtype):
+            return "dropout that changes shape or dtype"
+        return Member(node, op.name, tuple(bound.operands), {}, identity=True)
+    group, inputs = _one_step(op.name, bound.operands, bound.params)
+    examples = [example(tensor_info(v)) for v in inputs]
+    reason = codegen.supports(group, examples)
+    if reason is not None:
+        return f"declined by codegen: {reason}"
+    dtype = codegen.step_dtypes(group, examples)[0]
+    shape = tuple(codegen.step_shapes(group, [t.shape for t in examples])[0])
+    if (dtype, shape) != (info.dtype, info.shape):
+        return f"codegen would make {dtype}{list(shape)} where eager makes {info.dtype}{list(info.shape)}"
+    return Member(node, op.name, tuple(bound.operands), dict(bound.params))
+
+
+def _path(q: nx.DiGraph, a, b, names) -> list[str] | None:
+    """A path a -> x -> ... -> b through some x outside a and b, as node names; None when there is none."""
+    for s in q.successors(a):
+        if s != b and nx.has_path(q, s, b):
+            return [names[v] for v in nx.shortest_path(q, s, b)[:-1]]
+    return None
+
+
+def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.Node]], dict]:
+    """Step 2: groups of member nodes, and why neighbouring members were not merged."""
+    q = nx.DiGraph()
+    order = list(gm.graph.nodes)
+    for node in order:
+        q.add_node(node)
+        for user in node.users:
+            q.add_edge(node, user)
+    writers = [i for i, n in enumerate(order) if may_write(n, gm)]
+    span = {n: (i, i) for i, n in enumerate(order) if n in members}  # a root's first and last position
+    parent = {n: n for n in members}  # union-find: a group's root is its vertex in q
+
+    def root(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    names = {n: n.name for n in gm.graph.nodes}
+    refused = {}
+    for node in gm.graph.nodes:
+        if node not in members:
+            continue
+        for producer in node.all_input_nodes:
+            if producer not in members:
+                continue
+            a, b = root(producer), root(node)
+            if a == b:
+                continue
+            lo, hi = min(span[a][0], span[b][0]), max(span[a][1], span[b][1])
+            k = bisect.bisect_right(writers, lo)
+            if k < len(writers) and writers[k] < hi:
+                refused[(producer, node)] = f"{order[writers[k]].name} may write memory between them"
+                continue
+            path = _path(q, a, b, names)
+            if path is not None:
+                refused[(producer, node)] = CYCLE.format(path=" -> ".join([producer.name, *path, node.name]))
+                continue
+            nx.contracted_nodes(q, a, b, self_loops=False, copy=False)
+            parent[b] = a
+            span[a] = (lo, hi)
+    groups: dict = {}
+    for node in gm.graph.nodes:
+        if node in members:
+            groups.setdefault(root(node), []).append(node)
+    return list(groups.values()), refused
+
+
+def _traffic(member: Member) -> int:
+    """Bytes eager reads and writes for one node; an identity dropout returns its input untouched."""
+    if member.identity:
+        return 0
+    reads = sum(tensor_info(v).nbytes for v in dict.fromkeys(member.operands) if isinstance(v, torch.fx.Node))
+    return reads + tensor_info(member.node).nbytes
+
+
+def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
+    """Step 3 for one group: its codegen Group, or the reason codegen gives for declining it."""
+    inside = set(nodes)
+    inputs: list[torch.fx.Node] = []
+    refs: dict = {}  # member -> its value inside the group: ("input", k) or ("step", j)
+    steps = []
+    aliases = {}
+
+    def ref(value):
+        if not isinstance(value, torch.fx.Node):
+            return value
+        if value in inside:
+            return refs[value]
+        if value not in inputs:
+            inputs.append(value)
+        return ("input", inputs.index(value))
+
+    for node in nodes:
+        m = members[node]
+        if m.identity:
+            refs[node] = ref(m.operands[0])
+            continue
+        steps.append(codegen.Step(m.op, tuple(ref(v) for v in m.operands), m.params))
+        refs[node] = ("step", len(steps) - 1)
+    outputs, stored = [], []
+    for node in nodes:
+        if not any(user not in inside for user in node.users):
+            continue
+        kind, index = refs[node]
+        if kind == "input":
+            aliases[node] = inputs[index]
+        elif index not in stored:
+            stored.append(index)
+            outputs.append(node)
+        else:  # an identity of a value already stored: the same tensor, as in eager
+            aliases[node] = outputs[stored.index(index)]
+    if not stored:
+        return "dead code: nothing outside the group uses its results"
+    group = codegen.Group([n.name for n in inputs], steps, stored, origin=[n.name for n in nodes])
+    reason = codegen.supports(group, [example(tensor_info(v)) for v in inputs])
+    if reason is not None:
+        return f"declined by codegen: {reason}"
+    eager = sum(_traffic(members[n]) for n in nodes)
+    fused = sum(tensor_info(v).nbytes for v in inputs) + sum(tensor_info(n).nbytes for n in outputs)
+    return FusionGroup(nodes, inputs, outputs, aliases, group, eager - fused)
+
+
+def _neighbours(nodes: list, reasons: dict, refused: dict) -> dict[str, str]:
+    """Step 4: each call node next to the nodes but not among them, with the reason."""
+    out = {}
+    for node in nodes:
+        edges = [(p, node) for p in node.all_input_nodes] + [(node, u) for u in node.users]
+        for a, b in edges:
+            other = b if a is node else a
+            if other in nodes or other.op not in CALLS or other.name in out:
+                continue
+            # a candidate on the other side was refused on this very edge (step 2 tries every one)
+            reason = reasons.get(other) or refused.get((a, b))
+            if reason is not None:
+                out[other.name] = reason
+    return out
+
+
+def find_groups(gm: torch.fx.GraphModule) -> Fusion:
+    """Groups of elementwise nodes that can become one fused kernel each (see the module docstring)."""
+    # Step 1
+    written = _written_values(gm)
+    members, reasons = {}, {}
+    for node in gm.graph.nodes:
+        if node.op not in CALLS:
+            continue
+        found = classify(node, gm, written)
+        if isinstance(found, Member):
+            members[node] = found
+        else:
+            reasons[node] = found
+    # Step 2
+    node_groups, refused = _merge(gm, members)
+    # Step 3
+    groups, declined, single = [], [], []
+    for nodes in node_groups:
+        if sum(not members[n].identity for n in nodes) < 2:
+            single += [n for n in nodes if not members[n].identity]
+            continue
+        built = build(nodes, members)
+        if isinstance(built, str):
+            declined.append({"nodes": [n.name for n in nodes], "ops": [members[n].op for n in nodes],
+                             "reason": built})
+        else:
+            groups.append(built)
+    # Step 4
+    for g in groups:
+        g.not_fused = _neighbours(g.nodes, reasons, refused)
+    alone = {n.name: _neighbours([n], reasons, refused) for n in single}
+    return Fusion(groups, declined, reasons, alone)

@@ -1,0 +1,152 @@
+"""fuse: run each group of elementwise ops as one generated Triton kernel, forward and backward.
+
+Algorithm:
+  1. Find the groups (graphopt.fusion_groups: maximal connected groups of registry elementwise
+     ops that keep the graph acyclic and that codegen accepts) and why their neighbours stay out.
+  2. Place each group: its node must come after every input and before every outside use of an
+     output. Members are removed, so that is the spot after the last member, or else just before
+     the first outside use; when an input is only computed after that use, the group is left
+     alone with that reason (fusing it would need the graph reordered). No node that may write
+     memory lies between a group's members (fusion_groups step 2), so no read moves past a write.
+  3. Insert one call_function node targeting a FusedOp (runtime/fused.py), plus an
+     operator.getitem node per output when there are several; copy the members' metadata onto
+     them; point every outside use at them (an identity dropout's uses at what it returns) and
+     erase the members.
+  4. Report each group (ops, nodes, bytes of forward memory traffic saved, neighbours left out
+     and why), each declined group and each elementwise op left alone (with its neighbours'
+     reasons) as stats; note the decisions on the nodes; hand the kernels' sources, a repro
+     script per group and a readable fusion report to the dumps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch.fx
+
+from ..dump import note
+from ..fusion_groups import FusionGroup, find_groups
+from ..meta import ANNOTATED, KEY, tensor_info
+from ..runtime import FusedOp, repro_script, source
+from .base import Pass, PassContext, PassResult
+from .registry import register
+
+COPIED_META = ("val", "tensor_meta", KEY, ANNOTATED, "stack_trace")
+
+
+def _outside_users(group: FusionGroup) -> list[torch.fx.Node]:
+    inside = set(group.nodes)
+    return [u for n in group.outputs + [a for a, t in group.aliases.items() if t not in group.inputs]
+            for u in n.users if u not in inside]
+
+
+def _anchor(group: FusionGroup, position: dict) -> tuple[torch.fx.Node | None, str | None]:
+    """Step 2: the node to insert the fused call before, or the reason there is none."""
+    first_use = min(_outside_users(group), key=position.__getitem__)
+    last_input = max(group.inputs, key=position.__getitem__, default=None)
+    if last_input is not None and position[last_input] > position[first_use]:
+        return None, (f"{first_use.name} uses the group's result before its input {last_input.name} is "
+                      "computed; fusing would need the graph reordered")
+    after_last = group.nodes[-1].next
+    return (after_last if position[after_last] <= position[first_use] else first_use), None
+
+
+def _copy_meta(dst: torch.fx.Node, srcs: list[torch.fx.Node]) -> None:
+    for key in COPIED_META:
+        values = [s.meta.get(key) for s in srcs]
+        if any(v is None for v in values):
+            continue
+        dst.meta[key] = values[0] if len(srcs) == 1 or key in (ANNOTATED, "stack_trace") else tuple(values)
+
+
+def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node, label: str, replaced: dict):
+    """Step 3 for one group: returns the fused call node; records what replaced each member in `replaced`."""
+    graph = gm.graph
+    with graph.inserting_before(anchor):
+        call = graph.call_function(FusedOp(group.group), tuple(group.inputs))
+        _copy_meta(call, group.outputs)
+        note(call, "fuse", label)
+        results = [call]
+        if len(group.outputs) > 1:
+            results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(group.outputs))]
+            for i, (result, node) in enumerate(zip(results, group.outputs)):
+                _copy_meta(result, [node])
+                note(result, "fuse", f"{label} output {i}")
+    for result, node in zip(results, group.outputs):
+        node.replace_all_uses_with(result)
+        replaced[node] = result
+    for alias, target in group.aliases.items():
+        replaced[alias] = results[group.outputs.index(target)] if target in group.outputs else target
+        alias.replace_all_uses_with(replaced[alias])
+    for node in reversed(group.nodes):
+        graph.erase_node(node)
+    return call
+
+
+def _kernel_files(name: str, group: FusionGroup) -> dict[str, str]:
+    infos = [tensor_info(n) for n in group.inputs]
+    shapes, dtypes = [i.shape for i in infos], [i.dtype for i in infos]
+    forward, backward = source(group.group, shapes, dtypes, [i.stride for i in infos])
+    inputs = ", ".join(f"{n.name} {i.short()}" for n, i in zip(group.inputs, infos))
+    header = (f"# {name}: {group.group.describe()}\n# FX nodes: {', '.join(n.name for n in group.nodes)}\n"
+              f"# inputs: {inputs}\n# outputs: {', '.join(n.name for n in group.outputs)}\n\n")
+    return {f"kernels/{name}.py": header + forward + ("\n\n" + backward if backward else ""),
+            f"kernels/{name}_repro.py": repro_script(group.group, shapes, dtypes)}
+
+
+def _report(groups: list[dict], declined: list[dict], alone: dict) -> str:
+    lines = ["# fusion report", ""]
+    for g in groups:
+        lines.append(f"## {g['name']}: {' -> '.join(g['ops'])}")
+        lines.append(f"nodes: {', '.join(g['nodes'])}; saves {g['bytes_saved']} bytes of forward traffic")
+        lines += [f"- {n} not fused: {r}" for n, r in g["not_fused"].items()]
+        lines.append("")
+    for d in declined:
+        lines.append(f"## declined: {', '.join(d['nodes'])}\n{d['reason']}\n")
+    for name, reasons in alone.items():
+        lines.append(f"## alone: {name}")
+        lines += [f"- {n} not fused: {r}" for n, r in reasons.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+@register
+class Fuse(Pass):
+    """Fuse groups of elementwise ops into generated Triton kernels."""
+
+    name = "fuse"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        # Step 1
+        fusion = find_groups(gm)
+        declined = list(fusion.declined)
+        done, files = [], {}
+        replaced: dict = {}  # a member of a group already fused -> the node that now gives its value
+        for found in fusion.groups:
+            # an input (or an alias's target) a group fused earlier computed now comes from its node
+            group = dataclasses.replace(found, inputs=[replaced.get(n, n) for n in found.inputs],
+                                        aliases={a: replaced.get(t, t) for a, t in found.aliases.items()})
+            # Step 2
+            anchor, reason = _anchor(group, {n: i for i, n in enumerate(gm.graph.nodes)})
+            if anchor is None:
+                declined.append({"nodes": [n.name for n in group.nodes], "ops": group.ops(), "reason": reason})
+                continue
+            # Step 3
+            nodes = [n.name for n in group.nodes]
+            call = _rewrite(gm, group, anchor, f"group {len(done)}", replaced)
+            # Step 4
+            done.append({"name": call.name, "ops": group.ops(), "nodes": nodes,
+                         "inputs": [n.name for n in group.inputs], "outputs": [n.name for n in group.outputs],
+                         "bytes_saved": group.bytes_saved, "not_fused": group.not_fused})
+            files.update(_kernel_files(call.name, group))
+        by_name = {n.name: n for n in gm.graph.nodes}
+        for reasons in [g["not_fused"] for g in done] + list(fusion.alone.values()):
+            for name, reason in reasons.items():
+                if name in by_name:
+                    note(by_name[name], "fuse", f"not fused: {reason}")
+        stats = {"kernels": len(done), "fused_nodes": sum(len(g["nodes"]) for g in done),
+                 "bytes_saved": sum(g["bytes_saved"] for g in done), "groups": done, "declined": declined,
+                 "alone": fusion.alone}
+        if done or declined or fusion.alone:
+            files["fusion.md"] = _report(done, declined, fusion.alone)
+        return PassResult(gm, bool(done), stats, files)
