@@ -112,6 +112,62 @@ class GPT(nn.Module):
         return GPTOutput(logits, loss)
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm attention and a SwiGLU MLP of its own width (no biases, no dropout)."""
+
+    def __init__(self, dim, heads, hidden):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """A Llama-style decoder: RMSNorm, SwiGLU blocks (one width each: uneven models for the
+    pipeline partitioner), an untied LM head, mean cross-entropy when targets are given."""
+
+    def __init__(self, vocab=256, dim=64, heads=4, hidden=(128, 128), tied=False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([LlamaBlock(dim, heads, h) for h in hidden])
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx, targets=None):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
 class TwoHeads(nn.Module):
     """Keyword inputs and structured outputs: returns a tuple, a dict or a dataclass."""
 
@@ -158,6 +214,13 @@ def gpt(batch=4, seq=32, layers=2, dim=64, heads=4, vocab=256, targets=True):
     return model, (idx,), kwargs
 
 
+def llama(batch=4, seq=32, dim=64, heads=4, hidden=(128, 128), vocab=256, tied=False, targets=True):
+    model = Llama(vocab=vocab, dim=dim, heads=heads, hidden=hidden, tied=tied)
+    idx = torch.randint(0, vocab, (batch, seq))
+    kwargs = {"targets": torch.randint(0, vocab, (batch, seq))} if targets else {}
+    return model, (idx,), kwargs
+
+
 def two_heads(returns="dict", batch=8, dim=16):
     x = torch.randn(batch, dim)
     return TwoHeads(dim, returns), (x,), {"mask": x > 1.5, "scale": 0.5}
@@ -182,5 +245,5 @@ def hf_bert(batch=2, seq=16, layers=2):
 
 
 # name -> builder, for the tests, the benchmarks and `python -m graphopt optimize graphopt.zoo:NAME`
-ZOO = {"mlp": mlp, "convnet": convnet, "gpt": gpt, "two_heads": two_heads}
+ZOO = {"mlp": mlp, "convnet": convnet, "gpt": gpt, "llama": llama, "two_heads": two_heads}
 HF_ZOO = {"hf_gpt2": hf_gpt2, "hf_bert": hf_bert}

@@ -53,6 +53,7 @@ FX_ZOO = {
     "mlp": zoo.mlp,
     "convnet": zoo.convnet,
     "gpt": zoo.gpt,
+    "llama": zoo.llama,
     "two_heads_tuple": lambda: zoo.two_heads("tuple"),
     "two_heads_dict": lambda: zoo.two_heads("dict"),
     "two_heads_dataclass": lambda: zoo.two_heads("dataclass"),

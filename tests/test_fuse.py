@@ -249,7 +249,7 @@ def launches_per_step(module, args, kwargs) -> int:
     return mode.ops + launch_count() - before
 
 
-MODELS = {"mlp": (zoo.mlp, "auto"), "hf_gpt2": (zoo.hf_gpt2, "export")}
+MODELS = {"mlp": (zoo.mlp, "auto"), "llama": (zoo.llama, "fx"), "hf_gpt2": (zoo.hf_gpt2, "export")}
 
 
 @pytest.mark.parametrize("name", MODELS)
