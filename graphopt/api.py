@@ -36,11 +36,12 @@ def _check_number(name: str, value, kind, positive=True):
 
 
 # optimize() arguments that refine a pass another argument asks for: argument -> (that argument, option)
-REFINEMENTS = {"profile": ("budget_gb", "profile"), "calibrate": ("budget_gb", "calibrate")}
+REFINEMENTS = {"profile": ("budget_gb", "profile"), "calibrate": ("budget_gb", "calibrate"),
+               "precision_policy": ("precision", "policy")}
 
 
 def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
-                   calibrate=False) -> list[Pass]:
+                   calibrate=False, precision_policy=None) -> list[Pass]:
     """The pass list for optimize(): the given (or default) passes plus those the arguments ask for."""
     _check_number("budget_gb", budget_gb, numbers.Real)
     _check_number("stages", stages, numbers.Integral)
@@ -52,9 +53,11 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
     for arg, value in refinements.items():
         if not isinstance(value, bool):
             raise OptionError(f"{arg} must be True or False, got {value!r}.")
+    refinements["precision_policy"] = precision_policy
+    for arg, value in refinements.items():
         base = REFINEMENTS[arg][0]
         if value and requested[base] is None:
-            raise OptionError(f"{arg}=True refines the plan that {base}= asks for: give {base} too.")
+            raise OptionError(f"{arg}= refines what {base}= asks for: give {base} too.")
     names = {p.name for p in pipeline}
     for arg, (pass_name, option) in ARGUMENT_PASSES.items():
         value = requested[arg]
@@ -67,7 +70,8 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
             )
         if pass_name in names:
             raise OptionError(f"give {arg} either as optimize({arg}=...) or in the {pass_name!r} pass of the pipeline, not both.")
-        extra = {opt: refinements[a] for a, (base, opt) in REFINEMENTS.items() if base == arg and refinements[a]}
+        extra = {opt: refinements[a] for a, (base, opt) in REFINEMENTS.items()
+                 if base == arg and refinements[a] not in (None, False)}
         pipeline.append(passes_pkg.get(pass_name)(**{option: value}, **extra))
     return pipeline
 
@@ -84,6 +88,7 @@ def optimize(
     train: bool | None = None,
     profile: bool = False,
     calibrate: bool = False,
+    precision_policy: dict | str | None = None,
     frontend: str = "auto",
     dump_dir: str | os.PathLike | None = None,
     verify: bool = False,
@@ -98,6 +103,8 @@ def optimize(
     budget_gb: peak memory of one training step, in GB of 10**9 bytes (recompute pass).
     profile: with budget_gb, cost recomputation by each node's measured time, not its FLOPs.
     calibrate: with budget_gb, run one real step and plan again while it measures over budget.
+    precision_policy: with precision, per-op modes overriding autocast's, e.g.
+      {"softmax": "low", "linear": "fp32"} (modes: low, fp32, promote, follow).
     precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass).
     train: build for a training step (True) or inference (False); default model.training.
       The model is put in that mode, and the result refuses to run in the other.
@@ -112,7 +119,7 @@ def optimize(
     if train is not None and not isinstance(train, bool):
         raise OptionError(f"train must be True, False or None, got {train!r}.")
     pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages, profile=profile,
-                              calibrate=calibrate)
+                              calibrate=calibrate, precision_policy=precision_policy)
     settings = dict(pipeline=pipeline, frontend=frontend, verify=verify,
                     dump_dir=dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP"))
     if train is not None:

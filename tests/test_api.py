@@ -161,8 +161,9 @@ def test_verify_leaves_model_state_alone():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"precision": "bf16"}, "precision"),
-    ({"stages": 2}, "pipeline"),
+    ({"precision_policy": {"softmax": "low"}}, "give precision too"),
+    ({"precision": "bf16", "precision_policy": {"softmax": "lowest"}}, "low, fp32, promote, follow"),
+    ({"stages": 0}, "positive"),
     ({"budget_gb": -1}, "positive"),
     ({"budget_gb": "4"}, "number"),
     ({"precision": "int4"}, "bf16, fp16, fp32"),

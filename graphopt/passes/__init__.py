@@ -9,5 +9,6 @@ from .registry import available, get, parse_pipeline, register
 # Importing a pass module registers it; only implemented passes are listed.
 from . import normalize, cse, dce, recompute, fuse  # noqa: E402,F401
 from . import inplace  # noqa: E402,F401
+from . import precision  # noqa: E402,F401
 
 __all__ = ["Option", "Pass", "PassContext", "PassResult", "available", "get", "parse_pipeline", "register"]
