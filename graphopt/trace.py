@@ -142,21 +142,22 @@ def _register_output_dataclasses(model: torch.nn.Module, args: tuple, kwargs: di
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
         with mode:
             out = model(*fake_args, **fake_kwargs)
+    register_dataclasses(out)
 
-    def walk(value):
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            if type(value) not in pytree.SUPPORTED_NODES:
-                torch.export.register_dataclass(type(value))
-            for f in dataclasses.fields(value):
-                walk(getattr(value, f.name))
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
 
-    walk(out)
+def register_dataclasses(value) -> None:
+    """Register with pytree every dataclass type found in value (nested in containers too)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if type(value) not in pytree.SUPPORTED_NODES:
+            torch.export.register_dataclass(type(value))
+        for f in dataclasses.fields(value):
+            register_dataclasses(getattr(value, f.name))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            register_dataclasses(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            register_dataclasses(v)
 
 
 def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:

@@ -199,6 +199,18 @@ def block_segments(gm: "torch.fx.GraphModule") -> list[list["torch.fx.Node"]]:
     return [nodes[a:b] for a, b in zip(starts, starts[1:] + [names.index("ln")])]
 
 
+def block_starts(gm: "torch.fx.GraphModule") -> list[int]:
+    """Position of the first node of each `blocks.K` submodule in gm's graph (fx or export):
+    where an equal-layer pipeline split may cut."""
+    starts = {}
+    for i, node in enumerate(gm.graph.nodes):
+        for path, _ in node.meta.get("nn_module_stack", {}).values():
+            parts = path.split(".")
+            if len(parts) >= 2 and parts[-2] == "blocks" and parts[-1].isdigit():
+                starts.setdefault(int(parts[-1]), i)
+    return [starts[k] for k in sorted(starts)]
+
+
 def mlp(batch=32, width=64, depth=3):
     return MLP(width, depth), (torch.randn(batch, width),), {}
 

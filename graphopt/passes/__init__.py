@@ -10,5 +10,6 @@ from .registry import available, get, parse_pipeline, register
 from . import normalize, cse, dce, recompute, fuse  # noqa: E402,F401
 from . import inplace  # noqa: E402,F401
 from . import precision  # noqa: E402,F401
+from . import pipeline  # noqa: E402,F401
 
 __all__ = ["Option", "Pass", "PassContext", "PassResult", "available", "get", "parse_pipeline", "register"]

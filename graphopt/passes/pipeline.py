@@ -1,0 +1,164 @@
+"""pipeline: cut the graph into N balanced stages, stage_0 ... stage_{N-1}.
+
+Algorithm:
+  1. Per node, from one recorded FakeTensor forward (saved.py): its cost, forward + backward
+     (3x its FLOPs from the registry, or 3x its measured forward time with profile=True); the
+     activation bytes it keeps for backward; the parameters it reads; the bytes crossing a
+     cut just before it. A cut is allowed after the graph's inputs, before its output, and
+     only where every value crossing it is a tensor (a stage receives tensors).
+  2. Partition (partition.py, an exact dynamic program): the least bottleneck stage cost,
+     each stage's memory under budget_gb when given (its parameters, their gradients and
+     optimizer state, and the activations of the microbatches the schedule keeps in flight
+     on it), ties broken by fewer bytes crossing the cuts.
+  3. Rewrite (stages.py): one submodule per stage, called in a chain; a skip connection is
+     passed along through the stages in between; a parameter two stages read (tied weights)
+     is read by both: shared in one process, replicated across ranks and its gradients
+     summed (runtime/pipeline.py), as torch.distributed.pipelining does.
+  4. Report per stage its nodes, cost, parameters, predicted memory and boundary bytes; the
+     imbalance (slowest stage over the mean); the schedule's predicted bubble; tied parameters.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from .. import ops
+from ..cost import node_times
+from ..dump import note
+from ..errors import BudgetError, OptionError
+from ..memory import GB
+from ..meta import TensorInfo, tensor_info
+from ..partition import SCHEDULES, StageFacts, partition
+from ..purity import CALLS
+from ..saved import record_step, storage_key
+from ..stages import split_stages
+from .base import Option, Pass, PassContext, PassResult, to_bool
+from .registry import register
+
+# gradient + optimizer state bytes per parameter byte
+OPTIMIZERS = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
+
+
+def _stages(value) -> int:
+    value = int(value)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _positive(value) -> float:
+    value = float(value)
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam", profile: bool = False) -> StageFacts:
+    """Step 1: what the partitioner needs to know about each node of gm, in graph order."""
+    nodes = list(gm.graph.nodes)
+    facts = record_step(gm, inputs)
+    kept, live_after = facts.kept_and_live(nodes)
+    if profile:
+        times = node_times(gm, inputs)
+        cost = [3 * times.get(n.name, 0.0) for n in nodes]
+    else:
+        cost = [3 * ops.flops(n, gm) if n.op in CALLS else 0 for n in nodes]
+    params = [_params(gm, n) for n in nodes]
+    last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+    # A cut before position i is crossed by every value made before i and used at or after i.
+    order = {n: i for i, n in enumerate(nodes)}
+    bad = [0] * (len(nodes) + 1)
+    for n in nodes:
+        if n.op == "get_attr" or not n.users:
+            continue
+        last = max(order[u] for u in n.users)
+        if last > order[n] and not isinstance(tensor_info(n), TensorInfo):
+            bad[order[n] + 1] += 1
+            bad[last + 1] -= 1
+    can_cut, running = [], 0
+    for i in range(len(nodes)):
+        running += bad[i]
+        can_cut.append(last_input < i < len(nodes) - 1 and running == 0)
+    cross = [0] + live_after[:-1]
+    return StageFacts(cost, kept, params, cross, can_cut, OPTIMIZERS[optimizer])
+
+
+def _params(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[int, int]:
+    if node.op == "call_module":
+        tensors = list(gm.get_submodule(node.target).parameters())
+    else:
+        tensors = [operator.attrgetter(i.target)(gm) for i in node.all_input_nodes if i.op == "get_attr"]
+    return {storage_key(t): t.untyped_storage().nbytes() for t in tensors
+            if isinstance(t, torch.nn.Parameter)}
+
+
+@register
+class Pipeline(Pass):
+    """Cut the graph into balanced pipeline stages (stage_0 ... stage_{N-1})."""
+
+    name = "pipeline"
+    options = {
+        "stages": Option(None, _stages, "number of pipeline stages"),
+        "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),
+        "microbatches": Option(None, _stages, "microbatches per step (default: 2 x stages)"),
+        "budget_gb": Option(None, _positive, "memory cap per stage, in GB of 10**9 bytes"),
+        "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(OPTIMIZERS)),
+        "profile": Option(False, to_bool, "cost nodes by their measured forward time instead of FLOPs"),
+    }
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        stages = self.settings["stages"]
+        if stages is None:
+            raise OptionError("the pipeline pass needs stages, e.g. pipeline{stages=4}.")
+        microbatches = self.settings["microbatches"] or 2 * stages
+        inputs = ctx.flat_inputs(gm)
+        # Step 1
+        facts = stage_facts(gm, inputs, self.settings["optimizer"], self.settings["profile"])
+        places = sum(facts.can_cut)
+        if stages - 1 > places:
+            raise OptionError(
+                f"stages={stages} needs {stages - 1} cuts, but this graph has {places} places where a "
+                f"cut passes only tensors between stages; use stages={places + 1} or fewer.")
+        # Step 2
+        cap = int(self.settings["budget_gb"] * GB) if self.settings["budget_gb"] else None
+        plan = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"], memory_cap=cap)
+        if plan is None:
+            least = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
+            need = max(least.stage_memory)
+            raise BudgetError(
+                f"no cut into {stages} stages keeps every stage under budget_gb={self.settings['budget_gb']:g} "
+                f"(the balanced cut needs {need / GB:.3f} GB on its fullest stage). Raise budget_gb, use "
+                "more stages, or cut activations with precision='bf16' or recompute.",
+                min_budget_gb=need / GB, breakdown={f"stage {s}": m for s, m in enumerate(least.stage_memory)})
+        # Step 3
+        nodes = list(gm.graph.nodes)
+        for s in range(stages):
+            for n in nodes[plan.cuts[s]:plan.cuts[s + 1]]:
+                note(n, "stage", s)
+        staged = split_stages(gm, plan.cuts)
+        # Step 4
+        readers: dict[int, set[int]] = {}
+        for s in range(stages):
+            for i in range(plan.cuts[s], plan.cuts[s + 1]):
+                for key in facts.params[i]:
+                    readers.setdefault(key, set()).add(s)
+        names = {storage_key(p): name for name, p in gm.named_parameters(remove_duplicate=False)}
+        tied = {names.get(key, str(key)): sorted(where) for key, where in readers.items() if len(where) > 1}
+        ctx.facts["pipeline"] = {"cuts": plan.cuts, "tied": tied, "schedule": self.settings["schedule"],
+                                 "microbatches": microbatches}
+        per_stage = []
+        for s in range(stages):
+            params = {k: v for i in range(plan.cuts[s], plan.cuts[s + 1]) for k, v in facts.params[i].items()}
+            per_stage.append({
+                "nodes": sum(1 for n in nodes[plan.cuts[s]:plan.cuts[s + 1]] if n.op in CALLS),
+                "cost": plan.stage_cost[s], "parameter_bytes": sum(params.values()),
+                "predicted_memory_bytes": plan.stage_memory[s],
+                "boundary_bytes": plan.boundary_bytes[s] if s < stages - 1 else 0,
+            })
+        return PassResult(staged, True, {
+            "stages": per_stage, "imbalance": round(plan.imbalance, 4),
+            "bubble": round(plan.bubble(microbatches), 4), "schedule": self.settings["schedule"],
+            "microbatches": microbatches, "tied_parameters": tied, "cuts": plan.cuts,
+        })

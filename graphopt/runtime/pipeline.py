@@ -1,0 +1,171 @@
+"""Run the pipeline pass's stages on torch.distributed.pipelining, one stage (or several
+virtual ones) per rank.
+
+1. Every rank optimizes the same model the same way (the partition is deterministic), so
+   each holds the whole staged GraphModule and keeps its own stages: stage s on rank
+   s % world_size. "gpipe" and "1f1b" need one stage per rank; "interleaved-1f1b" needs
+   two or more per rank (virtual stages).
+2. Each stage becomes a PipelineStage. The last one returns its output flattened to tensors
+   (what the schedules pass between stages and to the loss), and the loss function gets the
+   output back in the model's own structure: loss_fn(output, target).
+3. The schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) splits the batch into
+   microbatches, runs forwards and backwards, and scales gradients by the number of
+   microbatches: a step's gradients are those of the mean microbatch loss.
+4. A parameter several stages read (a tied embedding and LM head) is held by each; after the
+   step, sync_tied_grads() sums its gradients over the ranks holding it, as
+   torch.distributed.pipelining leaves to its user.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from ..saved import storage_key
+from ..stages import stage_modules
+from ..trace import placeholder_values, register_dataclasses
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+class _Flat(torch.nn.Module):
+    """The last stage, returning its output's tensors as a tuple (and remembering the structure)."""
+
+    def __init__(self, stage: torch.nn.Module):
+        super().__init__()
+        self.stage = stage
+        self.spec = None
+
+    def forward(self, *args, **kwargs):
+        leaves, self.spec = pytree.tree_flatten(self.stage(*args, **kwargs))
+        return tuple(leaves)
+
+
+class PipelineRunner:
+    """This rank's part of a pipelined training step.
+
+        runner = PipelineRunner(staged, rank, world_size, device, microbatches=8, example_args=(idx,),
+                                example_kwargs={"targets": targets}, schedule="1f1b",
+                                loss_fn=lambda out, target: out.loss)
+        losses = runner.step(idx, targets=targets)   # forward + backward of every microbatch
+        runner.sync_tied_grads(); optimizer.step()
+    """
+
+    def __init__(self, staged: torch.fx.GraphModule, rank: int, world_size: int, device, *, microbatches: int,
+                 example_args: tuple, example_kwargs: dict | None = None, schedule: str = "1f1b", loss_fn=None,
+                 group=None):
+        if schedule not in SCHEDULE_CLASSES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {schedule!r}.")
+        modules = stage_modules(staged)
+        count = len(modules)
+        per_rank, remainder = divmod(count, world_size)
+        if remainder or per_rank == 0:
+            raise ValueError(f"{count} stages do not spread evenly over {world_size} ranks: optimize with "
+                             f"stages={world_size} (or a multiple of it for interleaved-1f1b).")
+        if schedule == "interleaved-1f1b" and per_rank < 2:
+            raise ValueError(f"interleaved-1f1b needs at least 2 stages per rank: optimize with "
+                             f"stages={2 * world_size}, or use schedule='1f1b'.")
+        if schedule != "interleaved-1f1b" and per_rank != 1:
+            raise ValueError(f"{schedule} runs one stage per rank, and there are {count} stages for "
+                             f"{world_size} ranks: use schedule='interleaved-1f1b' or stages={world_size}.")
+        self.rank, self.world_size, self.group, self.microbatches = rank, world_size, group, microbatches
+        self.staged = staged
+        self.indices = list(range(rank, count, world_size))
+        self.last = _Flat(modules[-1]) if count - 1 in self.indices else None
+        # Stage shapes from one real microbatch: the schedules would otherwise infer them by
+        # running each stage on uninitialized tensors (token ids out of range, for one).
+        shapes = _stage_io(staged, modules, example_args, example_kwargs or {}, microbatches)
+        self.stages = []
+        for s in self.indices:
+            module = self.last if s == count - 1 else modules[s]
+            inputs, outputs = shapes[s]
+            if s == count - 1:
+                register_dataclasses(outputs)  # the last stage flattens the model's output with pytree
+                outputs = tuple(pytree.tree_leaves(outputs))
+            elif not isinstance(outputs, tuple):
+                outputs = (outputs,)
+            self.stages.append(PipelineStage(module, s, count, torch.device(device), input_args=inputs,
+                                             output_args=outputs, group=group))
+        self.user_loss = loss_fn
+        wrapped = self._loss if loss_fn is not None else None
+        cls = SCHEDULE_CLASSES[schedule]
+        target = self.stages if schedule == "interleaved-1f1b" else self.stages[0]
+        self.schedule = cls(target, microbatches, loss_fn=wrapped)
+        self._tied = _tied_groups(modules, world_size)
+        self._modules = [modules[s] for s in self.indices]
+
+    def _loss(self, flat, target):
+        output = pytree.tree_unflatten(list(flat), self.last.spec) if self.last.spec is not None else flat
+        return self.user_loss(output, target)
+
+    def step(self, *args, target=None, **kwargs) -> list[torch.Tensor]:
+        """Forward and backward of every microbatch; on the last stage's rank, the microbatch losses."""
+        losses: list[torch.Tensor] = []
+        first = 0 in self.indices
+        if target is None:  # the loss comes from the output alone, but the schedules split a target
+            target = torch.zeros(self.microbatches)
+        # Positional only: the schedules give keyword arguments to every stage of the rank.
+        inputs = placeholder_values(self.staged, args, kwargs) if first else ()
+        # The outputs stay on the last rank (a 0-d loss would not merge across microbatches).
+        self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        return losses
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of this rank's stages (an optimizer's list), each once."""
+        seen, result = set(), []
+        for module in self._modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    result.append(p)
+        return result
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of parameters held by several ranks over those ranks."""
+        mine = {storage_key(p): p for p in self.parameters()}
+        for key, ranks, group in self._tied:
+            p = mine.get(key)
+            if self.rank in ranks and p is not None and p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+
+
+def _stage_io(staged, modules, args, kwargs, microbatches) -> list[tuple]:
+    """(positional inputs, output) of each stage on the first microbatch, from one forward
+    that leaves no trace (buffers, gradients and RNG restored)."""
+    from ..verify import preserved_state
+
+    def first(v):
+        return v.tensor_split(microbatches)[0] if isinstance(v, torch.Tensor) and v.dim() else v
+
+    seen: dict[int, tuple] = {}
+    hooks = [m.register_forward_hook(lambda mod, inputs, output, s=s: seen.__setitem__(s, (inputs, output)))
+             for s, m in enumerate(modules)]
+    try:
+        # With autograd on: whether each value requires grad decides which gradients flow back.
+        with preserved_state(staged), torch.random.fork_rng():
+            staged(*[first(a) for a in args], **{k: first(v) for k, v in kwargs.items()})
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def detached(t):
+        return t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+    return [pytree.tree_map(detached, seen[s]) for s in range(len(modules))]
+
+
+def _tied_groups(modules, world_size) -> list[tuple[int, list[int], object]]:
+    """For each parameter read by stages on different ranks: (its storage, those ranks, a
+    process group). Every rank creates every group, in the same order, as new_group requires."""
+    holders: dict[int, set[int]] = {}
+    for s, module in enumerate(modules):
+        for p in module.parameters():
+            holders.setdefault(storage_key(p), set()).add(s % world_size)
+    tied = []
+    for key, ranks in holders.items():  # insertion order: the same on every rank
+        if len(ranks) > 1:
+            ranks = sorted(ranks)
+            tied.append((key, ranks, dist.new_group(ranks) if dist.is_initialized() else None))
+    return tied

@@ -1,0 +1,178 @@
+"""The pipeline pass: balanced stages that compute what the model does, in one process and on
+torch.distributed.pipelining over gloo."""
+import os
+import random
+import itertools
+import socket
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import zoo
+from graphopt.partition import (StageFacts, equal_layer_cuts, imbalance, parameter_balanced_cuts, partition,
+                                stage_costs)
+from graphopt.passes.pipeline import stage_facts
+from graphopt.trace import placeholder_values
+from graphopt.verify import tensor_leaves
+
+from conftest import FX_ZOO
+
+
+def _same_as_model(model, staged, args, kwargs):
+    """Outputs and every parameter's gradient equal the model's (parameters are shared objects)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    results = []
+    for module in (model, staged):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(0)
+        leaves = tensor_leaves(module(*args, **kwargs))
+        sum((t.float() * (i + 1)).sum() for i, t in enumerate(leaves) if t.is_floating_point()).backward()
+        results.append(([t.detach() for t in leaves], {names[id(p)]: p.grad.clone() for p in model.parameters()
+                                                        if p.grad is not None}))
+    (want_out, want_grads), (got_out, got_grads) = results
+    assert all(torch.equal(a, b) for a, b in zip(want_out, got_out)) and len(want_out) == len(got_out)
+    assert want_grads.keys() == got_grads.keys()
+    assert all(torch.equal(want_grads[k], got_grads[k]) for k in want_grads)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("name", FX_ZOO)
+def test_stages_compute_what_the_model_does(name, stages):
+    model, args, kwargs = FX_ZOO[name]()
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=stages)
+    assert [n for n, _ in staged.named_children()] == [f"stage_{s}" for s in range(stages)]
+    _same_as_model(model, staged, args, kwargs)
+    stats = staged.graphopt_report.passes[-1].stats
+    assert len(stats["stages"]) == stages and stats["imbalance"] >= 1.0
+
+
+def test_export_graphs_and_tied_weights():
+    model, args, kwargs = zoo.gpt(layers=4)
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=3, frontend="export")
+    _same_as_model(model, staged, args, kwargs)
+    fx = graphopt.optimize(model, args, example_kwargs=kwargs, stages=3)
+    assert fx.graphopt_report.passes[-1].stats["tied_parameters"] == {"head.weight": [0, 2]}
+
+
+UNEVEN = {"batch": 8, "seq": 64, "dim": 128, "heads": 4, "hidden": (256, 1024, 512, 1536, 768, 2048, 256, 512),
+          "vocab": 4096}
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_balance_beats_equal_layers_and_equal_parameters(stages):
+    model, args, kwargs = zoo.llama(**UNEVEN)
+    gm = graphopt.optimize(model, args, example_kwargs=kwargs)
+    facts = stage_facts(gm, placeholder_values(gm, args, kwargs))
+    ours = partition(facts, stages).imbalance
+    layers = imbalance(stage_costs(facts.cost, equal_layer_cuts(zoo.block_starts(gm), len(facts.cost), stages)))
+    params = imbalance(stage_costs(facts.cost, parameter_balanced_cuts(facts, stages)))
+    assert ours <= 1.10 and ours < layers and ours < params, (ours, layers, params)
+
+
+def _brute(facts, stages):
+    n = len(facts.cost)
+    positions = [i for i in range(1, n) if facts.can_cut[i]]
+    best = None
+    for inner in itertools.combinations(positions, stages - 1):
+        cuts = [0, *inner, n]
+        costs = stage_costs(facts.cost, cuts)
+        key = (max(costs), sum(facts.cross[c] for c in inner))
+        best = key if best is None or key < best else best
+    return best
+
+
+def test_the_dynamic_program_is_exact():
+    rng = random.Random(0)
+    for _ in range(100):
+        n = rng.randint(4, 9)
+        facts = StageFacts([float(rng.randint(1, 20)) for _ in range(n)], [0] * n, [{}] * n,
+                           [0] + [rng.randint(0, 9) for _ in range(n - 1)], [True] + [rng.random() > 0.2 for _ in range(n - 1)])
+        stages = rng.randint(2, 3)
+        if sum(facts.can_cut[1:]) < stages - 1:
+            continue
+        plan = partition(facts, stages)
+        expected = _brute(facts, stages)
+        assert (max(plan.stage_cost), sum(plan.boundary_bytes)) == expected
+
+
+def test_memory_caps_and_impossible_requests_are_clear():
+    model, args, kwargs = zoo.llama(**UNEVEN)
+    with pytest.raises(graphopt.OptionError, match="places where a cut"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, stages=10_000)
+    with pytest.raises(graphopt.BudgetError, match="fullest stage"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=2 budget_gb=0.001}"])
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=4 budget_gb=0.05}"])
+    assert max(s["predicted_memory_bytes"] for s in staged.graphopt_report.passes[-1].stats["stages"]) <= 0.05e9
+
+
+# ---------------------------------------------------------------- several processes (gloo)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=8, seq=16, layers=4, dim=32, heads=2)
+    for m in model.modules():  # dropout would draw different masks per process
+        if isinstance(m, zoo.Block):
+            m.dropout = 0.0
+    model.drop.p = 0.0
+    return model, args, kwargs
+
+
+def _rank(rank, world, port, runs, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from graphopt.runtime.pipeline import PipelineRunner
+
+    try:
+        for schedule, stages in runs:
+            model, args, kwargs = _model()
+            names = {id(p): n for n, p in model.named_parameters()}
+            staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=stages)
+            runner = PipelineRunner(staged, rank, world, "cpu", microbatches=4, example_args=args,
+                                    example_kwargs=kwargs, schedule=schedule, loss_fn=lambda out, target: out.loss)
+            losses = runner.step(*args, **kwargs)
+            runner.sync_tied_grads()
+            grads = {names[id(p)]: p.grad.numpy().copy() for p in runner.parameters() if p.grad is not None}
+            queue.put((schedule, rank, [loss.item() for loss in losses], grads))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_schedules_on_gloo_equal_one_process(world):
+    runs = [("gpipe", world), ("1f1b", world), ("interleaved-1f1b", 2 * world)]
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, runs, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in range(world * len(runs))]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    # The same batch in one process: the mean of the microbatch losses and its gradients.
+    model, args, kwargs = _model()
+    losses = []
+    for idx, targets in zip(args[0].tensor_split(4), kwargs["targets"].tensor_split(4)):
+        loss = model(idx, targets=targets).loss
+        (loss / 4).backward()
+        losses.append(loss.item())
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for schedule, _ in runs:
+        got_losses = [r[2] for r in results if r[0] == schedule and r[2]]
+        assert got_losses and torch.allclose(torch.tensor(got_losses[0]), torch.tensor(losses), atol=1e-5)
+        grads = {}
+        for r in results:
+            if r[0] == schedule:
+                grads.update(r[3])
+        assert grads.keys() == want.keys(), schedule
+        for name, g in grads.items():
+            torch.testing.assert_close(torch.from_numpy(g), want[name], atol=1e-5, rtol=1e-5, msg=f"{schedule} {name}")
