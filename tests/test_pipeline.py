@@ -176,3 +176,35 @@ def test_schedules_on_gloo_equal_one_process(world):
         assert grads.keys() == want.keys(), schedule
         for name, g in grads.items():
             torch.testing.assert_close(torch.from_numpy(g), want[name], atol=1e-5, rtol=1e-5, msg=f"{schedule} {name}")
+
+
+def _ddp_rank(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, args, kwargs = _model()
+        names = {id(p): n for n, p in model.named_parameters()}
+        staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2)
+        ddp = torch.nn.parallel.DistributedDataParallel(staged)
+        half = slice(rank * 4, rank * 4 + 4)
+        ddp(args[0][half], targets=kwargs["targets"][half]).loss.backward()  # DDP averages over ranks
+        queue.put({names[id(p)]: p.grad.numpy().copy() for p in staged.parameters()})
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_staged_module_trains_inside_distributed_data_parallel():
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    model, args, kwargs = _model()
+    for idx, targets in zip(args[0].tensor_split(2), kwargs["targets"].tensor_split(2)):
+        (model(idx, targets=targets).loss / 2).backward()
+    for grads in results:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(torch.from_numpy(grads[name]), p.grad, atol=1e-5, rtol=1e-5)
