@@ -208,3 +208,12 @@ def test_the_staged_module_trains_inside_distributed_data_parallel():
     for grads in results:
         for name, p in model.named_parameters():
             torch.testing.assert_close(torch.from_numpy(grads[name]), p.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_a_graph_with_the_batch_size_baked_in_says_so():
+    from graphopt.runtime.pipeline import PipelineRunner
+
+    model, args, kwargs = _model()
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2, frontend="export")
+    with pytest.raises(graphopt.UsageError, match="frontend='fx'"):
+        PipelineRunner(staged, 0, 2, "cpu", microbatches=4, example_args=args, example_kwargs=kwargs)

@@ -23,6 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..errors import UsageError
 from ..saved import storage_key
 from ..stages import stage_modules
 from ..trace import placeholder_values, register_dataclasses
@@ -145,7 +146,13 @@ def _stage_io(staged, modules, args, kwargs, microbatches) -> list[tuple]:
     try:
         # With autograd on: whether each value requires grad decides which gradients flow back.
         with preserved_state(staged), torch.random.fork_rng():
-            staged(*[first(a) for a in args], **{k: first(v) for k, v in kwargs.items()})
+            try:
+                staged(*[first(a) for a in args], **{k: first(v) for k, v in kwargs.items()})
+            except (RuntimeError, AssertionError) as e:  # torch.export's graphs keep the batch size and guard it
+                raise UsageError(
+                    f"the stages do not run on a microbatch (1/{microbatches} of the example batch): {e}. "
+                    "A graph traced with frontend='export' keeps the example's batch size; optimize with "
+                    "frontend='fx', or give example inputs of one microbatch.") from e
     finally:
         for h in hooks:
             h.remove()
