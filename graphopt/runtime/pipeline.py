@@ -71,7 +71,7 @@ class PipelineRunner:
         if schedule != "interleaved-1f1b" and per_rank != 1:
             raise ValueError(f"{schedule} runs one stage per rank, and there are {count} stages for "
                              f"{world_size} ranks: use schedule='interleaved-1f1b' or stages={world_size}.")
-        self.rank, self.world_size, self.group, self.microbatches = rank, world_size, group, microbatches
+        self.rank, self.microbatches = rank, microbatches
         self.staged = staged
         self.indices = list(range(rank, count, world_size))
         self.last = _Flat(modules[-1]) if count - 1 in self.indices else None
