@@ -10,11 +10,12 @@ import torch.fx
 
 from . import passes as passes_pkg
 from .dump import Dumper
-from .errors import OptionError
+from .errors import OptionError, UsageError
 from .guards import install_mode_guard, install_shape_guard
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .report import Report
+from .stages import batch_rows, first_microbatch, splits_evenly
 from .trace import FRONTENDS, check_inputs, trace
 
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from.
@@ -105,7 +106,10 @@ def optimize(
     calibrate: with budget_gb, run one real step and plan again while it measures over budget.
     precision_policy: with precision, per-op modes overriding autocast's, e.g.
       {"softmax": "low", "linear": "fp32"} (modes: low, fp32, promote, follow).
-    precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass).
+    precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass); the
+      model is then traced and planned on one microbatch, the first 1/M of the example batch
+      (M = pipeline{microbatches=M}, default 2 x stages, at most the batch): an fx graph runs at any batch size,
+      an export graph at that microbatch's only.
     train: build for a training step (True) or inference (False); default model.training.
       The model is put in that mode, and the result refuses to run in the other.
     dump_dir: write pass-by-pass dumps there (default: $GRAPHOPT_DUMP, else none).
@@ -134,20 +138,37 @@ def optimize(
 def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir):
     """Trace `model` in its current mode and run `pipeline` over it."""
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
+    stager = next((p for p in pipeline if p.name == "pipeline"), None)
+    microbatches = stager.microbatches(batch_rows(args, kwargs)) if stager else None
+    batch = args, kwargs
+    if microbatches:  # pipeline stages run on microbatches: trace and plan for one
+        args, kwargs = first_microbatch(args, kwargs, microbatches)
     start = time.perf_counter()
     gm = trace(model, args, kwargs, frontend=frontend)
+    if microbatches and gm.meta["graphopt_frontend"] == "export" and not splits_evenly(*batch, microbatches):
+        raise UsageError(
+            f"the example batch does not split into {microbatches} equal microbatches, and a graph traced "
+            "with frontend='export' runs on one microbatch size only: give a batch that "
+            f"microbatches={microbatches} divides (pipeline{{microbatches=...}}), or use frontend='fx'.")
     report = Report(
         model=type(model).__name__, frontend=gm.meta["graphopt_frontend"],
         trace_ms=(time.perf_counter() - start) * 1e3, nodes=len(gm.graph.nodes),
         dump_dir=str(dump_dir) if dump_dir else None,
     )
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model)
+    if microbatches:
+        ctx.facts["microbatches"] = microbatches
     dumper = Dumper(dump_dir) if dump_dir else None
     gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
     if dumper:
         dumper.svg(gm)
     install_mode_guard(gm, model.training)
-    if ctx.facts.get("shape_specialized"):
+    if microbatches and gm.meta["graphopt_frontend"] == "export":
+        install_shape_guard(
+            gm, args, kwargs, f"an export graph staged for one microbatch, 1/{microbatches} of the example batch",
+            "run it through graphopt.runtime.pipeline.PipelineRunner, which splits a batch into microbatches, call it "
+            "on one microbatch, or optimize with frontend='fx' for a graph that runs at any batch size.")
+    elif ctx.facts.get("shape_specialized"):
         install_shape_guard(gm, args, kwargs, ctx.facts["shape_specialized"])
     gm.graphopt_report = report
     return gm

@@ -48,16 +48,16 @@ def install_mode_guard(gm: torch.fx.GraphModule, training: bool) -> None:
     gm.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, reason: str) -> None:
+REPLAN = ("call it with inputs of those shapes, or use graphopt.optimize(model) without example inputs, "
+          "which plans again for each new input signature.")
+
+
+def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, reason: str, advice: str = REPLAN) -> None:
     """Raise when gm is called with other shapes than it was planned for (a pass said so)."""
     expected = signature(args, kwargs)
 
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) != expected:
-            raise UsageError(
-                f"this graphopt module was planned for its example input shapes ({reason}); "
-                "call it with inputs of those shapes, or use graphopt.optimize(model) without "
-                "example inputs, which plans again for each new input signature."
-            )
+            raise UsageError(f"this graphopt module was planned for its example input shapes ({reason}); {advice}")
 
     gm.register_forward_pre_hook(check, with_kwargs=True)

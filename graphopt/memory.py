@@ -10,8 +10,8 @@ estimate_peak walks the step the way eager autograd runs it, counting each stora
   backward  in reverse order, a node's backward needs the gradient of its output, one
             workspace of that size, and makes gradients for its inputs; parameter gradients
             stay, the rest and the node's saved tensors are freed once its backward has run.
-measure_peak runs a real step: torch.cuda.max_memory_allocated on CUDA, torch's MemTracker
-(which follows live tensor storages) on CPU.
+measure_peak runs a real step: torch.cuda.max_memory_allocated on CUDA, live tensor storages
+(live_storage.py) on CPU.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from .live_storage import LiveStorage
 from .meta import tensor_info
 from .saved import StepFacts, record_step, storage_key
 
@@ -185,8 +186,8 @@ def _params_used(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.nn
 def measure_peak(fn, *track) -> int:
     """Peak bytes live while fn() runs, counting the modules and tensors in `track` as resident.
 
-    On CUDA: torch.cuda.max_memory_allocated (everything on the device). On CPU: torch's
-    MemTracker, which follows every live tensor storage.
+    On CUDA: torch.cuda.max_memory_allocated (everything on the device). On CPU: the bytes of
+    live tensor storages (LiveStorage).
     """
     tensors = [t for t in pytree.tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
     modules = [m for m in track if isinstance(m, torch.nn.Module)]
@@ -197,15 +198,11 @@ def measure_peak(fn, *track) -> int:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    # MemTracker is torch's own live-storage tracker; it lives under a private path.
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(*modules, *tensors)
-    with tracker:
+    resident = tensors + [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    resident += [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    with LiveStorage(resident) as live:
         fn()
-    peaks = tracker.get_tracker_snapshot("peak")
-    return max((int(v["Total"]) for v in peaks.values()), default=0)
+    return live.peak
 
 
 def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> int:

@@ -143,7 +143,7 @@ class _Memory:
 
     def bytes(self, stage: int, a: np.ndarray, b: int) -> np.ndarray:
         flight = in_flight(stage, self.stages, self.microbatches, self.schedule)
-        activations = (self.kept[b] - self.kept[a]) * flight / max(self.microbatches, 1)
+        activations = (self.kept[b] - self.kept[a]) * flight
         return self.params(a, b) * (1 + self.facts.state_factor) + activations
 
     def fits(self, stage: int, a: np.ndarray, b: int) -> np.ndarray:

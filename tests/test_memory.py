@@ -1,4 +1,4 @@
-"""The memory model against a measured CPU step (torch's MemTracker over live storages)."""
+"""The memory model against a measured CPU step (the bytes of live tensor storages)."""
 import pytest
 import torch
 

@@ -1,9 +1,7 @@
 """The pipeline pass: balanced stages that compute what the model does, in one process and on
 torch.distributed.pipelining over gloo."""
-import os
-import random
 import itertools
-import socket
+import random
 
 import pytest
 import torch
@@ -13,6 +11,8 @@ from graphopt import zoo
 from graphopt.partition import (StageFacts, equal_layer_cuts, imbalance, parameter_balanced_cuts, partition,
                                 stage_costs)
 from graphopt.passes.pipeline import stage_facts
+from graphopt.stages import first_microbatch
+from graphopt.testing import on_gloo_ranks
 from graphopt.trace import placeholder_values
 from graphopt.verify import tensor_leaves
 
@@ -49,9 +49,10 @@ def test_stages_compute_what_the_model_does(name, stages):
 
 
 def test_export_graphs_and_tied_weights():
-    model, args, kwargs = zoo.gpt(layers=4)
+    model, args, kwargs = zoo.gpt(layers=4)  # a batch of 4: at most 4 microbatches by default
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=3, frontend="export")
-    _same_as_model(model, staged, args, kwargs)
+    assert staged.meta["graphopt_pipeline"] == {"microbatches": 4, "schedule": "1f1b"}
+    _same_as_model(model, staged, *first_microbatch(args, kwargs, 4))  # export: one microbatch's shapes
     fx = graphopt.optimize(model, args, example_kwargs=kwargs, stages=3)
     assert fx.graphopt_report.passes[-1].stats["tied_parameters"] == {"head.weight": [0, 2]}
 
@@ -109,12 +110,6 @@ def test_memory_caps_and_impossible_requests_are_clear():
 
 # ---------------------------------------------------------------- several processes (gloo)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model():
     torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(batch=8, seq=16, layers=4, dim=32, heads=2)
@@ -125,39 +120,31 @@ def _model():
     return model, args, kwargs
 
 
-def _rank(rank, world, port, runs, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def _pipeline_rank(rank, world, runs):
     from graphopt.runtime.pipeline import PipelineRunner
 
-    try:
-        for schedule, stages in runs:
-            model, args, kwargs = _model()
-            names = {id(p): n for n, p in model.named_parameters()}
-            staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=stages)
-            runner = PipelineRunner(staged, rank, world, "cpu", microbatches=4, example_args=args,
-                                    example_kwargs=kwargs, schedule=schedule, loss_fn=lambda out, target: out.loss)
-            losses = runner.step(*args, **kwargs)
-            runner.sync_tied_grads()
-            grads = {names[id(p)]: p.grad.numpy().copy() for p in runner.parameters() if p.grad is not None}
-            queue.put((schedule, rank, [loss.item() for loss in losses], grads))
-    finally:
-        torch.distributed.destroy_process_group()
+    results = []
+    for schedule, stages, frontend in runs:
+        model, args, kwargs = _model()
+        names = {id(p): n for n, p in model.named_parameters()}
+        plan = f"pipeline{{stages={stages} microbatches=4 schedule={schedule}}}"
+        staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "cse", "dce", plan],
+                                   frontend=frontend)
+        # microbatches and schedule: as planned
+        runner = PipelineRunner(staged, rank, world, "cpu", example_args=args, example_kwargs=kwargs,
+                                loss_fn=lambda out, target: out.loss)
+        losses = runner.step(*args, **kwargs)
+        runner.sync_tied_grads()
+        grads = {names[id(p)]: p.grad.clone() for p in runner.parameters() if p.grad is not None}
+        results.append((f"{schedule} {frontend}", [loss.item() for loss in losses], grads))
+    return results
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_schedules_on_gloo_equal_one_process(world):
-    runs = [("gpipe", world), ("1f1b", world), ("interleaved-1f1b", 2 * world)]
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, runs, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=600) for _ in range(world * len(runs))]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    runs = [("gpipe", world, "fx"), ("1f1b", world, "fx"), ("interleaved-1f1b", 2 * world, "fx"),
+            ("1f1b", world, "export")]
+    results = [r for rank in on_gloo_ranks(_pipeline_rank, world, runs) for r in rank]
     # The same batch in one process: the mean of the microbatch losses and its gradients.
     model, args, kwargs = _model()
     losses = []
@@ -166,54 +153,50 @@ def test_schedules_on_gloo_equal_one_process(world):
         (loss / 4).backward()
         losses.append(loss.item())
     want = {n: p.grad for n, p in model.named_parameters()}
-    for schedule, _ in runs:
-        got_losses = [r[2] for r in results if r[0] == schedule and r[2]]
+    for run in runs:
+        label = f"{run[0]} {run[2]}"
+        got_losses = [r[1] for r in results if r[0] == label and r[1]]
         assert got_losses and torch.allclose(torch.tensor(got_losses[0]), torch.tensor(losses), atol=1e-5)
         grads = {}
         for r in results:
-            if r[0] == schedule:
-                grads.update(r[3])
-        assert grads.keys() == want.keys(), schedule
+            if r[0] == label:
+                grads.update(r[2])
+        assert grads.keys() == want.keys(), label
         for name, g in grads.items():
-            torch.testing.assert_close(torch.from_numpy(g), want[name], atol=1e-5, rtol=1e-5, msg=f"{schedule} {name}")
+            torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-5, msg=f"{label} {name}")
 
 
-def _ddp_rank(rank, world, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model, args, kwargs = _model()
-        names = {id(p): n for n, p in model.named_parameters()}
-        staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2)
-        ddp = torch.nn.parallel.DistributedDataParallel(staged)
-        half = slice(rank * 4, rank * 4 + 4)
-        ddp(args[0][half], targets=kwargs["targets"][half]).loss.backward()  # DDP averages over ranks
-        queue.put({names[id(p)]: p.grad.numpy().copy() for p in staged.parameters()})
-    finally:
-        torch.distributed.destroy_process_group()
+def _ddp_rank(rank, world):
+    model, args, kwargs = _model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2)
+    ddp = torch.nn.parallel.DistributedDataParallel(staged)
+    half = slice(rank * 4, rank * 4 + 4)
+    ddp(args[0][half], targets=kwargs["targets"][half]).loss.backward()  # DDP averages over ranks
+    return {names[id(p)]: p.grad.clone() for p in staged.parameters()}
 
 
 def test_the_staged_module_trains_inside_distributed_data_parallel():
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    results = on_gloo_ranks(_ddp_rank, 2)
     model, args, kwargs = _model()
     for idx, targets in zip(args[0].tensor_split(2), kwargs["targets"].tensor_split(2)):
         (model(idx, targets=targets).loss / 2).backward()
     for grads in results:
         for name, p in model.named_parameters():
-            torch.testing.assert_close(torch.from_numpy(grads[name]), p.grad, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_a_graph_with_the_batch_size_baked_in_says_so():
+def test_an_export_graph_runs_on_the_microbatch_it_was_planned_for():
     from graphopt.runtime.pipeline import PipelineRunner
 
-    model, args, kwargs = _model()
+    model, args, kwargs = _model()  # a batch of 8; stages=2 plans 4 microbatches of 2
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2, frontend="export")
-    with pytest.raises(graphopt.UsageError, match="frontend='fx'"):
-        PipelineRunner(staged, 0, 2, "cpu", microbatches=4, example_args=args, example_kwargs=kwargs)
+    with pytest.raises(graphopt.UsageError, match="PipelineRunner"):
+        staged(*args, **kwargs)
+    with pytest.raises(graphopt.UsageError, match="microbatches=4"):
+        PipelineRunner(staged, 0, 2, "cpu", microbatches=2, example_args=args, example_kwargs=kwargs)
+    with pytest.raises(graphopt.UsageError, match="equal microbatches"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, passes=["pipeline{stages=2 microbatches=3}"],
+                          frontend="export")
+    with pytest.raises(graphopt.UsageError, match="fewer than the 16 microbatches"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, passes=["pipeline{stages=2 microbatches=16}"])

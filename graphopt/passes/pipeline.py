@@ -1,11 +1,13 @@
 """pipeline: cut the graph into N balanced stages, stage_0 ... stage_{N-1}.
 
 Algorithm:
-  1. Per node, from one recorded FakeTensor forward (saved.py): its cost, forward + backward
+  1. Per node, from one recorded FakeTensor forward of one microbatch (saved.py; optimize()
+     traces the model on the first 1/M of the example batch and gives the passes that, as
+     torch.distributed.pipelining's own frontend traces a microbatch): its cost, forward + backward
      (3x its FLOPs from the registry, or 3x its measured forward time with profile=True); the
      activation bytes it keeps for backward; the parameters it reads; the bytes crossing a
      cut just before it. A cut is allowed after the graph's inputs, before its output, and
-     only where every value crossing it is a tensor (a stage receives tensors).
+     only where every value crossing it is a contiguous tensor (what a stage can send).
   2. Partition (partition.py, an exact dynamic program): the least bottleneck stage cost,
      each stage's memory under budget_gb when given (its parameters, their gradients and
      optimizer state, and the activations of the microbatches the schedule keeps in flight
@@ -74,7 +76,7 @@ def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam",
         if n.op == "get_attr" or not n.users:
             continue
         last = max(order[u] for u in n.users)
-        if last > order[n] and not isinstance(tensor_info(n), TensorInfo):
+        if last > order[n] and not _sendable(tensor_info(n)):
             bad[order[n] + 1] += 1
             bad[last + 1] -= 1
     can_cut, running = [], 0
@@ -83,6 +85,19 @@ def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam",
         can_cut.append(last_input < i < len(nodes) - 1 and running == 0)
     cross = [0] + live_after[:-1]
     return StageFacts(cost, kept, params, cross, can_cut, OPTIMIZERS[optimizer])
+
+
+def _sendable(info) -> bool:
+    """A value a stage can send as it is: a tensor (gloo and NCCL send tensors), contiguous
+    (they send only those, and a copy would change the strides that the receiving stage's views
+    of an export graph were recorded for)."""
+    if not isinstance(info, TensorInfo):
+        return False
+    expected, step = [], 1
+    for size in reversed(info.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    return all(size == 1 or stride == want for size, stride, want in zip(info.shape, info.stride, reversed(expected)))
 
 
 def _params(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[int, int]:
@@ -102,17 +117,23 @@ class Pipeline(Pass):
     options = {
         "stages": Option(None, _stages, "number of pipeline stages"),
         "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),
-        "microbatches": Option(None, _stages, "microbatches per step (default: 2 x stages)"),
+        "microbatches": Option(None, _stages, "microbatches per step (default: 2 x stages, at most the batch)"),
         "budget_gb": Option(None, _positive, "memory cap per stage, in GB of 10**9 bytes"),
         "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(OPTIMIZERS)),
         "profile": Option(False, to_bool, "cost nodes by their measured forward time instead of FLOPs"),
     }
 
+    def microbatches(self, rows: int | None = None) -> int:
+        """The microbatch count: as given, else 2 x stages but no more than the batch's rows."""
+        if self.settings["microbatches"]:
+            return self.settings["microbatches"]
+        return max(1, min(2 * (self.settings["stages"] or 1), rows or 1 << 30))
+
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         stages = self.settings["stages"]
         if stages is None:
             raise OptionError("the pipeline pass needs stages, e.g. pipeline{stages=4}.")
-        microbatches = self.settings["microbatches"] or 2 * stages
+        microbatches = ctx.facts.get("microbatches") or self.microbatches()
         inputs = ctx.flat_inputs(gm)
         # Step 1
         facts = stage_facts(gm, inputs, self.settings["optimizer"], self.settings["profile"])
@@ -138,6 +159,7 @@ class Pipeline(Pass):
             for n in nodes[plan.cuts[s]:plan.cuts[s + 1]]:
                 note(n, "stage", s)
         staged = split_stages(gm, plan.cuts)
+        staged.meta["graphopt_pipeline"] = {"microbatches": microbatches, "schedule": self.settings["schedule"]}
         # Step 4
         readers: dict[int, set[int]] = {}
         for s in range(stages):

@@ -10,7 +10,9 @@ virtual ones) per rank.
    output back in the model's own structure: loss_fn(output, target).
 3. The schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) splits the batch into
    microbatches, runs forwards and backwards, and scales gradients by the number of
-   microbatches: a step's gradients are those of the mean microbatch loss.
+   microbatches: a step's gradients are those of the mean microbatch loss. Schedule and
+   microbatch count default to those the pipeline pass planned for (an export graph runs
+   on that microbatch size only).
 4. A parameter several stages read (a tied embedding and LM head) is held by each; after the
    step, sync_tied_grads() sums its gradients over the ranks holding it, as
    torch.distributed.pipelining leaves to its user.
@@ -25,14 +27,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..errors import UsageError
 from ..saved import storage_key
-from ..stages import stage_modules
+from ..stages import first_microbatch, stage_modules
 from ..trace import placeholder_values, register_dataclasses
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
 class _Flat(torch.nn.Module):
-    """The last stage, returning its output's tensors as a tuple (and remembering the structure)."""
+    """A stage returning its output's tensors as a tuple (remembering the structure)."""
 
     def __init__(self, stage: torch.nn.Module):
         super().__init__()
@@ -47,16 +49,20 @@ class _Flat(torch.nn.Module):
 class PipelineRunner:
     """This rank's part of a pipelined training step.
 
-        runner = PipelineRunner(staged, rank, world_size, device, microbatches=8, example_args=(idx,),
-                                example_kwargs={"targets": targets}, schedule="1f1b",
-                                loss_fn=lambda out, target: out.loss)
+        runner = PipelineRunner(staged, rank, world_size, device, example_args=(idx,),
+                                example_kwargs={"targets": targets}, loss_fn=lambda out, target: out.loss)
         losses = runner.step(idx, targets=targets)   # forward + backward of every microbatch
         runner.sync_tied_grads(); optimizer.step()
     """
 
-    def __init__(self, staged: torch.fx.GraphModule, rank: int, world_size: int, device, *, microbatches: int,
-                 example_args: tuple, example_kwargs: dict | None = None, schedule: str = "1f1b", loss_fn=None,
-                 group=None):
+    def __init__(self, staged: torch.fx.GraphModule, rank: int, world_size: int, device, *,
+                 example_args: tuple, example_kwargs: dict | None = None, microbatches: int | None = None,
+                 schedule: str | None = None, loss_fn=None, group=None):
+        planned = staged.meta.get("graphopt_pipeline", {})
+        microbatches = microbatches or planned.get("microbatches")
+        schedule = schedule or planned.get("schedule", "1f1b")
+        if not microbatches:
+            raise ValueError("give microbatches=: this module was not staged by graphopt's pipeline pass.")
         if schedule not in SCHEDULE_CLASSES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {schedule!r}.")
         modules = stage_modules(staged)
@@ -74,20 +80,19 @@ class PipelineRunner:
         self.rank, self.microbatches = rank, microbatches
         self.staged = staged
         self.indices = list(range(rank, count, world_size))
-        self.last = _Flat(modules[-1]) if count - 1 in self.indices else None
+        flat = {s: _Flat(modules[s]) for s in self.indices}
+        self.last = flat.get(count - 1)
         # Stage shapes from one real microbatch: the schedules would otherwise infer them by
         # running each stage on uninitialized tensors (token ids out of range, for one).
-        shapes = _stage_io(staged, modules, example_args, example_kwargs or {}, microbatches)
+        shapes = _stage_io(staged, modules, example_args, example_kwargs or {}, microbatches,
+                           planned.get("microbatches"))
         self.stages = []
         for s in self.indices:
-            module = self.last if s == count - 1 else modules[s]
             inputs, outputs = shapes[s]
             if s == count - 1:
                 register_dataclasses(outputs)  # the last stage flattens the model's output with pytree
-                outputs = tuple(pytree.tree_leaves(outputs))
-            elif not isinstance(outputs, tuple):
-                outputs = (outputs,)
-            self.stages.append(PipelineStage(module, s, count, torch.device(device), input_args=inputs,
+            outputs = tuple(pytree.tree_leaves(outputs))
+            self.stages.append(PipelineStage(flat[s], s, count, torch.device(device), input_args=inputs,
                                              output_args=outputs, group=group))
         self.user_loss = loss_fn
         wrapped = self._loss if loss_fn is not None else None
@@ -99,6 +104,8 @@ class PipelineRunner:
 
     def _loss(self, flat, target):
         output = pytree.tree_unflatten(list(flat), self.last.spec) if self.last.spec is not None else flat
+        # An export graph returns leaves; its codegen rebuilds the model's output from them.
+        output = self.staged.graph._codegen.process_outputs(output)
         return self.user_loss(output, target)
 
     def step(self, *args, target=None, **kwargs) -> list[torch.Tensor]:
@@ -132,14 +139,12 @@ class PipelineRunner:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
 
 
-def _stage_io(staged, modules, args, kwargs, microbatches) -> list[tuple]:
+def _stage_io(staged, modules, args, kwargs, microbatches, planned) -> list[tuple]:
     """(positional inputs, output) of each stage on the first microbatch, from one forward
     that leaves no trace (buffers, gradients and RNG restored)."""
     from ..verify import preserved_state
 
-    def first(v):
-        return v.tensor_split(microbatches)[0] if isinstance(v, torch.Tensor) and v.dim() else v
-
+    args, kwargs = first_microbatch(args, kwargs, microbatches)
     seen: dict[int, tuple] = {}
     hooks = [m.register_forward_hook(lambda mod, inputs, output, s=s: seen.__setitem__(s, (inputs, output)))
              for s, m in enumerate(modules)]
@@ -147,12 +152,13 @@ def _stage_io(staged, modules, args, kwargs, microbatches) -> list[tuple]:
         # With autograd on: whether each value requires grad decides which gradients flow back.
         with preserved_state(staged), torch.random.fork_rng():
             try:
-                staged(*[first(a) for a in args], **{k: first(v) for k, v in kwargs.items()})
-            except (RuntimeError, AssertionError) as e:  # torch.export's graphs keep the batch size and guard it
+                staged(*args, **kwargs)
+            except (RuntimeError, AssertionError, UsageError) as e:  # export graphs guard their shapes
                 raise UsageError(
-                    f"the stages do not run on a microbatch (1/{microbatches} of the example batch): {e}. "
-                    "A graph traced with frontend='export' keeps the example's batch size; optimize with "
-                    "frontend='fx', or give example inputs of one microbatch.") from e
+                    f"the stages do not run on a microbatch (1/{microbatches} of the example batch): {e}. A graph "
+                    f"traced with frontend='export' runs on the microbatch it was planned for (1/{planned} of "
+                    f"optimize()'s example batch): give example inputs of that batch's size and microbatches="
+                    f"{planned}, or optimize with frontend='fx'.") from e
     finally:
         for h in hooks:
             h.remove()
