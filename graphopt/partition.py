@@ -2,7 +2,8 @@
 
 Stage s holds nodes[cuts[s]:cuts[s+1]]. Its cost is the sum of its nodes' costs (forward and
 backward); its memory is the parameters it reads (a parameter read by two stages, such as a
-tied embedding and LM head, is held by both), their gradients and optimizer state, plus the
+tied embedding and LM head, is held by both), their gradients and optimizer state, the
+largest backward working set among its nodes (gradients in flight and workspace), plus the
 activations its nodes keep for backward times the microbatches in flight on it:
 
     gpipe             every microbatch: all forwards run before the first backward
@@ -36,6 +37,7 @@ class StageFacts:
     cross: list[int]             # bytes crossing a cut just before node i (cross[0] = 0)
     can_cut: list[bool]          # whether a cut just before node i is allowed
     state_factor: float = 2.0    # gradient + optimizer state bytes per parameter byte (Adam: 1 + 2)
+    work: list[int] = field(default_factory=list)  # transient bytes of its backward (default: none)
 
 
 @dataclass
@@ -124,6 +126,8 @@ class _Memory:
     def __init__(self, facts: StageFacts, cap, stages, microbatches, schedule, kept_prefix):
         self.facts, self.cap, self.stages = facts, cap, stages
         self.microbatches, self.schedule, self.kept = microbatches, schedule, kept_prefix
+        self.cross = np.asarray(list(facts.cross) + [0], dtype=np.float64)  # cross[0] = cross[n] = 0
+        self.work = np.asarray(list(facts.work) or [0] * len(facts.cost), dtype=np.float64)
         self.reach: list[np.ndarray] = []  # [b][a]: parameter bytes read by nodes[a:b]
         # A parameter counts for a start a when its last use before b is at or after a: keep the
         # bytes at each parameter's latest use so far, summed from the right.
@@ -144,7 +148,12 @@ class _Memory:
     def bytes(self, stage: int, a: np.ndarray, b: int) -> np.ndarray:
         flight = in_flight(stage, self.stages, self.microbatches, self.schedule)
         activations = (self.kept[b] - self.kept[a]) * flight
-        return self.params(a, b) * (1 + self.facts.state_factor) + activations
+        # the largest working set among nodes[a:b], for each start a: a running max from the right
+        work = np.append(np.maximum.accumulate(self.work[:b][::-1])[::-1], 0.0)[np.minimum(a, b)]
+        # torch.distributed.pipelining keeps a receive buffer per microbatch for each input of a
+        # stage and for each gradient of its outputs
+        buffers = self.microbatches * (self.cross[a] + self.cross[b])
+        return self.params(a, b) * (1 + self.facts.state_factor) + activations + work + buffers
 
     def fits(self, stage: int, a: np.ndarray, b: int) -> np.ndarray:
         if self.cap is None:
@@ -168,7 +177,8 @@ def parameter_balanced_cuts(facts: StageFacts, stages: int) -> list[int]:
     """The baseline DeepSpeed's partition_method="parameters" stands for: stages holding equal
     parameter bytes (a node weighs what it reads), cut at the same allowed places."""
     weights = [float(sum(p.values())) for p in facts.params]
-    by_params = StageFacts(weights, facts.kept, facts.params, facts.cross, facts.can_cut, facts.state_factor)
+    by_params = StageFacts(weights, facts.kept, facts.params, facts.cross, facts.can_cut, facts.state_factor,
+                           facts.work)
     return partition(by_params, stages).cuts
 
 

@@ -166,6 +166,25 @@ def test_schedules_on_gloo_equal_one_process(world):
             torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-5, msg=f"{label} {name}")
 
 
+def _memory_rank(rank, world, schedule):
+    from graphopt.memory import measure_peak
+    from graphopt.runtime.pipeline import PipelineRunner
+
+    model, args, kwargs = _model()
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs,
+                               passes=[f"pipeline{{stages={world} microbatches=4 schedule={schedule} optimizer=sgd}}"])
+    runner = PipelineRunner(staged, rank, world, "cpu", example_args=args, example_kwargs=kwargs,
+                            loss_fn=lambda out, target: out.loss)
+    measured = measure_peak(lambda: runner.step(*args, **kwargs), *runner.parameters())  # SGD: no state
+    return measured, staged.graphopt_report.passes[-1].stats["stages"][rank]["predicted_memory_bytes"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_predicted_stage_memory_is_what_each_rank_measures(schedule):
+    for measured, predicted in on_gloo_ranks(_memory_rank, 2, schedule):
+        assert 0.75 * predicted <= measured <= 1.1 * predicted, (schedule, measured, predicted)
+
+
 def _ddp_rank(rank, world):
     model, args, kwargs = _model()
     names = {id(p): n for n, p in model.named_parameters()}

@@ -5,7 +5,8 @@ Algorithm:
      traces the model on the first 1/M of the example batch and gives the passes that, as
      torch.distributed.pipelining's own frontend traces a microbatch): its cost, forward + backward
      (3x its FLOPs from the registry, or 3x its measured forward time with profile=True); the
-     activation bytes it keeps for backward; the parameters it reads; the bytes crossing a
+     activation bytes it keeps for backward; its backward's working set (gradients of its
+     output and inputs, one workspace); the parameters it reads; the bytes crossing a
      cut just before it. A cut is allowed after the graph's inputs, before its output, and
      only where every value crossing it is a contiguous tensor (what a stage can send).
   2. Partition (partition.py, an exact dynamic program): the least bottleneck stage cost,
@@ -84,7 +85,12 @@ def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam",
         running += bad[i]
         can_cut.append(last_input < i < len(nodes) - 1 and running == 0)
     cross = [0] + live_after[:-1]
-    return StageFacts(cost, kept, params, cross, can_cut, OPTIMIZERS[optimizer])
+    # A node's backward holds its output's gradient, one workspace that size (memory.py's
+    # model) and the gradients it makes for its inputs.
+    grads = facts.grad_bytes
+    work = [2 * grads.get(n.name, 0) + sum(grads.get(m.name, 0) for m in n.all_input_nodes if m.op != "get_attr")
+            if n.op in CALLS else 0 for n in nodes]
+    return StageFacts(cost, kept, params, cross, can_cut, OPTIMIZERS[optimizer], work)
 
 
 def _sendable(info) -> bool:
