@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/pipeline_gpt.py                     # gloo on CPU
     torchrun --nproc-per-node 4 examples/pipeline_gpt.py --schedule interleaved-1f1b
+    torchrun --nproc-per-node 2 examples/pipeline_gpt.py --frontend export   # torch.export's ATen graph
     torchrun --nproc-per-node 2 examples/pipeline_gpt.py --device cuda       # NCCL on GPUs
 
 Every rank builds the same model and lets graphopt cut it into balanced stages (the cut is
@@ -24,6 +25,7 @@ def main():
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--frontend", default="fx", choices=["fx", "export"])
     options = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if options.device == "cuda":
@@ -36,11 +38,14 @@ def main():
     model.to(device)
     args, kwargs = tuple(a.to(device) for a in args), {k: v.to(device) for k, v in kwargs.items()}
     stages = world * (2 if options.schedule == "interleaved-1f1b" else 1)
-    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=stages)
+    # The pass plans for the schedule and microbatches the runner will run (its memory model).
+    plan = f"pipeline{{stages={stages} microbatches={options.microbatches} schedule={options.schedule}}}"
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "cse", "dce", plan],
+                               frontend=options.frontend)
     if rank == 0:
         print(staged.graphopt_report.to_text())
-    runner = PipelineRunner(staged, rank, world, device, microbatches=options.microbatches, example_args=args,
-                            example_kwargs=kwargs, schedule=options.schedule, loss_fn=lambda out, target: out.loss)
+    runner = PipelineRunner(staged, rank, world, device, example_args=args, example_kwargs=kwargs,
+                            loss_fn=lambda out, target: out.loss)
     optimizer = torch.optim.AdamW(runner.parameters(), lr=3e-4)
     for step in range(options.steps):
         losses = runner.step(*args, **kwargs)

@@ -11,8 +11,9 @@ Algorithm:
      only where every value crossing it is a contiguous tensor (what a stage can send).
   2. Partition (partition.py, an exact dynamic program): the least bottleneck stage cost,
      each stage's memory under budget_gb when given (its parameters, their gradients and
-     optimizer state, and the activations of the microbatches the schedule keeps in flight
-     on it), ties broken by fewer bytes crossing the cuts.
+     optimizer state, the activations of the microbatches the schedule keeps in flight on
+     it, its largest backward working set, and the receive buffers torch.distributed.pipelining
+     keeps per microbatch), ties broken by fewer bytes crossing the cuts.
   3. Rewrite (stages.py): one submodule per stage, called in a chain; a skip connection is
      passed along through the stages in between; a parameter two stages read (tied weights)
      is read by both: shared in one process, replicated across ranks and its gradients
