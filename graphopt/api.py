@@ -54,6 +54,15 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
     for arg, value in refinements.items():
         if not isinstance(value, bool):
             raise OptionError(f"{arg} must be True or False, got {value!r}.")
+    stage_options = {}
+    if stages is not None:
+        # One device per stage: budget_gb caps each stage's memory, and profile costs the stages.
+        if calibrate:
+            raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
+                              "budget_gb caps each stage's predicted memory: leave calibrate out.")
+        stage_options = {k: v for k, v in (("budget_gb", budget_gb), ("profile", profile)) if v}
+        requested["budget_gb"] = None
+        refinements["profile"] = False
     refinements["precision_policy"] = precision_policy
     for arg, value in refinements.items():
         base = REFINEMENTS[arg][0]
@@ -73,6 +82,8 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
             raise OptionError(f"give {arg} either as optimize({arg}=...) or in the {pass_name!r} pass of the pipeline, not both.")
         extra = {opt: refinements[a] for a, (base, opt) in REFINEMENTS.items()
                  if base == arg and refinements[a] not in (None, False)}
+        if arg == "stages":
+            extra = stage_options
         pipeline.append(passes_pkg.get(pass_name)(**{option: value}, **extra))
     return pipeline
 
@@ -101,8 +112,10 @@ def optimize(
     train/eval mode. Either shares the model's Parameters and buffers and takes the same
     arguments; `.graphopt_report` holds the per-pass summary.
 
-    budget_gb: peak memory of one training step, in GB of 10**9 bytes (recompute pass).
-    profile: with budget_gb, cost recomputation by each node's measured time, not its FLOPs.
+    budget_gb: peak memory of one training step, in GB of 10**9 bytes (recompute pass); with
+      stages, the memory cap of each stage (pipeline pass).
+    profile: with budget_gb, cost recomputation by each node's measured time, not its FLOPs;
+      with stages, cost the stages so.
     calibrate: with budget_gb, run one real step and plan again while it measures over budget.
     precision_policy: with precision, per-op modes overriding autocast's, e.g.
       {"softmax": "low", "linear": "fp32"} (modes: low, fp32, promote, follow).

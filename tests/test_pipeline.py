@@ -106,6 +106,12 @@ def test_memory_caps_and_impossible_requests_are_clear():
         graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=2 budget_gb=0.001}"])
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=4 budget_gb=0.05}"])
     assert max(s["predicted_memory_bytes"] for s in staged.graphopt_report.passes[-1].stats["stages"]) <= 0.05e9
+    # optimize(stages=, budget_gb=): one device per stage, so the budget caps each stage
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=4, budget_gb=0.05)
+    assert [p.name for p in staged.graphopt_report.passes][-1] == "pipeline{stages=4,budget_gb=0.05}"
+    assert "recompute" not in str(staged.graphopt_report.passes)
+    with pytest.raises(graphopt.OptionError, match="leave calibrate out"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, stages=4, budget_gb=0.05, calibrate=True)
 
 
 # ---------------------------------------------------------------- several processes (gloo)
