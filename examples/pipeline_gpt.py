@@ -33,10 +33,9 @@ def main():
     dist.init_process_group("nccl" if options.device == "cuda" else "gloo")
     device = torch.device(options.device, int(os.environ["LOCAL_RANK"])) if options.device == "cuda" else "cpu"
 
-    torch.manual_seed(0)  # the same model on every rank
+    # The same model on every rank, built on the host: the runner moves only its stages to `device`.
+    torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(batch=16, seq=64, layers=8, dim=128, heads=4)
-    model.to(device)
-    args, kwargs = tuple(a.to(device) for a in args), {k: v.to(device) for k, v in kwargs.items()}
     stages = world * (2 if options.schedule == "interleaved-1f1b" else 1)
     # The pass plans for the schedule and microbatches the runner will run (its memory model).
     plan = f"pipeline{{stages={stages} microbatches={options.microbatches} schedule={options.schedule}}}"

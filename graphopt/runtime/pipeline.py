@@ -3,7 +3,7 @@ virtual ones) per rank.
 
 1. Every rank optimizes the same model the same way (the partition is deterministic), so
    each holds the whole staged GraphModule and keeps its own stages: stage s on rank
-   s % world_size. "gpipe" and "1f1b" need one stage per rank; "interleaved-1f1b" needs
+   s % world_size, moved to the rank's device (the model may be built on the host). "gpipe" and "1f1b" need one stage per rank; "interleaved-1f1b" needs
    two or more per rank (virtual stages).
 2. Each stage becomes a PipelineStage. The last one returns its output flattened to tensors
    (what the schedules pass between stages and to the loss), and the loss function gets the
@@ -86,13 +86,18 @@ class PipelineRunner:
         # running each stage on uninitialized tensors (token ids out of range, for one).
         shapes = _stage_io(staged, modules, example_args, example_kwargs or {}, microbatches,
                            planned.get("microbatches"))
+        # Only this rank's stages go to its device: a model too large for one device can be
+        # built and optimized on the host.
+        self.device = torch.device(device)
+        for s in self.indices:
+            modules[s].to(self.device)
         self.stages = []
         for s in self.indices:
             inputs, outputs = shapes[s]
             if s == count - 1:
                 register_dataclasses(outputs)  # the last stage flattens the model's output with pytree
             outputs = tuple(pytree.tree_leaves(outputs))
-            self.stages.append(PipelineStage(flat[s], s, count, torch.device(device), input_args=inputs,
+            self.stages.append(PipelineStage(flat[s], s, count, self.device, input_args=inputs,
                                              output_args=outputs, group=group))
         self.user_loss = loss_fn
         wrapped = self._loss if loss_fn is not None else None
@@ -116,6 +121,8 @@ class PipelineRunner:
             target = torch.zeros(self.microbatches)
         # Positional only: the schedules give keyword arguments to every stage of the rank.
         inputs = placeholder_values(self.staged, args, kwargs) if first else ()
+        inputs = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in inputs]
+        target = target.to(self.device) if isinstance(target, torch.Tensor) else target
         # The outputs stay on the last rank (a 0-d loss would not merge across microbatches).
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         return losses
