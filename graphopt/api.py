@@ -121,8 +121,8 @@ def optimize(
       {"softmax": "low", "linear": "fp32"} (modes: low, fp32, promote, follow).
     precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass); the
       model is then traced and planned on one microbatch, the first 1/M of the example batch
-      (M = pipeline{microbatches=M}, default 2 x stages, at most the batch): an fx graph runs at any batch size,
-      an export graph at that microbatch's only.
+      (M = pipeline{microbatches=M}, default 2 x stages, at most the batch): an fx graph runs
+      at any batch size, an export graph at that microbatch's only.
     train: build for a training step (True) or inference (False); default model.training.
       The model is put in that mode, and the result refuses to run in the other.
     dump_dir: write pass-by-pass dumps there (default: $GRAPHOPT_DUMP, else none).

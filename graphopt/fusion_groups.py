@@ -31,7 +31,6 @@ import torch
 import torch.fx
 
 from . import codegen, ops
-from .codegen.layout import contiguous_strides
 from .meta import TensorInfo, tensor_info
 from .purity import CALLS, state_effect
 
@@ -80,11 +79,6 @@ def _is_dropout_identity(op, params) -> bool:
     # a random op with a `train` switch is a dropout: the registry says so by its params
     return "train" in params and len(op.operands) == 1 and op.output == "tensor" and (
         params["train"] is False or params.get("p") == 0)
-
-
-def _contiguous(info: TensorInfo) -> bool:
-    expected = contiguous_strides(info.shape)
-    return all(size == 1 or s == e for size, s, e in zip(info.shape, info.stride, expected))
 
 
 def _reads_attribute(node: torch.fx.Node) -> bool:
@@ -147,7 +141,7 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     for v in tensors:
         if not isinstance(tensor_info(v), TensorInfo):
             return f"operand {v.name} is not a tensor (a value computed at run time)"
-    if not _contiguous(info):
+    if not info.contiguous:
         return f"eager makes it with strides {info.stride}; a fused kernel writes contiguous tensors"
     if op.random:
         source = tensor_info(tensors[0])

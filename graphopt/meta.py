@@ -38,6 +38,15 @@ class TensorInfo:
             requires_grad=bool(t.requires_grad),
         )
 
+    @property
+    def contiguous(self) -> bool:
+        step = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != step:
+                return False
+            step *= size
+        return True
+
     def short(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         return f"{dt}[{','.join(map(str, self.shape))}]"

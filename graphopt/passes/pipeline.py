@@ -98,13 +98,7 @@ def _sendable(info) -> bool:
     """A value a stage can send as it is: a tensor (gloo and NCCL send tensors), contiguous
     (they send only those, and a copy would change the strides that the receiving stage's views
     of an export graph were recorded for)."""
-    if not isinstance(info, TensorInfo):
-        return False
-    expected, step = [], 1
-    for size in reversed(info.shape):
-        expected.append(step)
-        step *= max(size, 1)
-    return all(size == 1 or stride == want for size, stride, want in zip(info.shape, info.stride, reversed(expected)))
+    return isinstance(info, TensorInfo) and info.contiguous
 
 
 def _params(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[int, int]:
@@ -134,7 +128,8 @@ class Pipeline(Pass):
         """The microbatch count: as given, else 2 x stages but no more than the batch's rows."""
         if self.settings["microbatches"]:
             return self.settings["microbatches"]
-        return max(1, min(2 * (self.settings["stages"] or 1), rows or 1 << 30))
+        default = 2 * (self.settings["stages"] or 1)
+        return max(1, min(default, rows)) if rows is not None else default
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         stages = self.settings["stages"]

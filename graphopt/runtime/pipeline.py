@@ -3,8 +3,9 @@ virtual ones) per rank.
 
 1. Every rank optimizes the same model the same way (the partition is deterministic), so
    each holds the whole staged GraphModule and keeps its own stages: stage s on rank
-   s % world_size, moved to the rank's device (the model may be built on the host). "gpipe" and "1f1b" need one stage per rank; "interleaved-1f1b" needs
-   two or more per rank (virtual stages).
+   s % world_size, moved to the rank's device (the model may be built on the host).
+   "gpipe" and "1f1b" need one stage per rank; "interleaved-1f1b" needs two or more per
+   rank (virtual stages).
 2. Each stage becomes a PipelineStage. The last one returns its output flattened to tensors
    (what the schedules pass between stages and to the loss), and the loss function gets the
    output back in the model's own structure: loss_fn(output, target).
@@ -85,7 +86,7 @@ class PipelineRunner:
         # Stage shapes from one real microbatch: the schedules would otherwise infer them by
         # running each stage on uninitialized tensors (token ids out of range, for one).
         shapes = _stage_io(staged, modules, example_args, example_kwargs or {}, microbatches,
-                           planned.get("microbatches"))
+                           planned.get("microbatches", microbatches))
         # Only this rank's stages go to its device: a model too large for one device can be
         # built and optimized on the host.
         self.device = torch.device(device)
