@@ -119,7 +119,8 @@ class Pipeline(Pass):
         "stages": Option(None, _stages, "number of pipeline stages"),
         "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),
         "microbatches": Option(None, _stages, "microbatches per step (default: 2 x stages, at most the batch)"),
-        "budget_gb": Option(None, _positive, "memory cap per stage, in GB of 10**9 bytes"),
+        "budget_gb": Option(None, _positive, "memory cap per stage (per virtual stage under interleaved-1f1b), "
+                                              "in GB of 10**9 bytes"),
         "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(OPTIMIZERS)),
         "profile": Option(False, to_bool, "cost nodes by their measured forward time instead of FLOPs"),
     }
