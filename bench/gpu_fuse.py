@@ -18,10 +18,7 @@ reference) so the script itself can be checked anywhere. Writes fuse-<device>-<d
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -41,6 +38,7 @@ from torch import nn
 
 import graphopt
 from graphopt import runtime
+from results_files import device_name, today, write_results
 
 # each step maps (h, x, b) -> h; a chain of length k runs the first k
 STEPS = (
@@ -208,8 +206,7 @@ def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_com
                     row = measure(length, n, DTYPES[dtype], backward, device, compiled, time_fn)
                     log(row)
                     rows.append(row)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    return {"device": name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+    return {"device": device_name(), "date": today(), "torch": torch.__version__,
             "triton": _version("triton"), "mode": "gpu" if device.type == "cuda" else "cpu (reduced, no torch.compile)",
             "first_call": first, "rows": rows}
 
@@ -239,16 +236,6 @@ def _table(cols, rows) -> list[str]:
             + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows])
 
 
-def write(result: dict, out_dir) -> tuple[Path, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"fuse-{re.sub(r'[^A-Za-z0-9]+', '-', result['device']).strip('-').lower()}-{result['date']}"
-    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    md_path.write_text(markdown(result))
-    return json_path, md_path
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"),
@@ -260,7 +247,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # a shared CPU's idle worker threads stall small parallel ops by milliseconds
     result = run(sizes=sizes, with_compile=False if args.no_compile else None)
-    for path in write(result, args.out):
+    for path in write_results("fuse", result, markdown(result), args.out):
         print(f"wrote {path}")
     return 0
 

@@ -10,10 +10,6 @@ each node's dtype against what this device's torch.autocast gives it.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -28,12 +24,7 @@ import precision_figures as pf  # noqa: E402
 from graphopt.meta import tensor_info  # noqa: E402
 from graphopt.precision_plan import autocast_dtypes, dtypes_of  # noqa: E402
 from graphopt.trace import placeholder_values  # noqa: E402
-
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+from results_files import device_name, today, write_results  # noqa: E402
 
 
 def autocast_agreement(size: str) -> dict:
@@ -61,17 +52,13 @@ def main() -> None:
     run = pf.precision_run(size, options.steps)
     print("step times", run, flush=True)
 
-    device, date = device_name(), datetime.date.today().isoformat()
     # float32 matmuls on TF32 tensor cores would narrow the gap to bf16: say which ran
     tf32 = torch.backends.cuda.matmul.allow_tf32 if torch.cuda.is_available() else None
-    result = {"device": device, "date": date, "torch": torch.__version__, "model": {"gpt": pf.SIZES[size]}, "tf32": tf32,
-              "seconds": round(time.perf_counter() - started, 1), "autocast_agreement": agreement, "step": run}
-    out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"precision-{re.sub(r'[^A-Za-z0-9]+', '-', device).strip('-').lower()}-{date}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {stem}.json and .md")
+    result = {"device": device_name(), "date": today(), "torch": torch.__version__, "model": {"gpt": pf.SIZES[size]},
+              "tf32": tf32, "seconds": round(time.perf_counter() - started, 1), "autocast_agreement": agreement,
+              "step": run}
+    paths = write_results("precision", result, markdown(result), options.out)
+    print("wrote", *paths)
 
 
 def markdown(result: dict) -> str:

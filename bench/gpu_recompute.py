@@ -10,10 +10,6 @@ hand-written plan's measured peak; solver time at 2,000 nodes. See recompute_fig
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -24,12 +20,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import torch  # noqa: E402
 
 import recompute_figures as rf  # noqa: E402
-
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+from results_files import device_name, today, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -50,15 +41,10 @@ def main() -> None:
     print("at hand memory", rows["at_hand_memory"], flush=True)
     rows["solver_s_2000_nodes"] = round(min(rf.solver_time(2000) for _ in range(3)), 3)
 
-    device, date = device_name(), datetime.date.today().isoformat()
-    result = {"device": device, "date": date, "torch": torch.__version__, "models": rf.SIZES,
+    result = {"device": device_name(), "date": today(), "torch": torch.__version__, "models": rf.SIZES,
               "seconds": round(time.perf_counter() - started, 1), **rows}
-    out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"recompute-{re.sub(r'[^A-Za-z0-9]+', '-', device).strip('-').lower()}-{date}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {stem}.json and .md")
+    paths = write_results("recompute", result, markdown(result), options.out)
+    print("wrote", *paths)
 
 
 def markdown(result: dict) -> str:
