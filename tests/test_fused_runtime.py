@@ -2,7 +2,6 @@
 backward, through the generated Triton kernels (in Triton's interpreter) and the CPU torch reference,
 against eager torch."""
 import copy
-import math
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from graphopt.codegen import Group, Step
 from graphopt.codegen import layout as layout_module
 from graphopt.ops import canonical_ops
+from op_cases import ATOL, CASES, GEN, randn
 from graphopt.runtime import (
     FusedOp,
     cache_info,
@@ -31,8 +31,6 @@ pytest.importorskip("triton")
 # the interpreter evaluates masked-off lanes too (log of 0 there): numpy warns, the stores are masked
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 aten = torch.ops.aten
-GEN = torch.Generator()
-X, Y = (4, 1, 6), (1, 5, 6)  # broadcasting shapes
 
 
 @pytest.fixture(autouse=True)
@@ -47,112 +45,10 @@ def mode(request, monkeypatch):
     return request.param
 
 
-def randn(*shape, scale=1.0):
-    return torch.randn(shape, generator=GEN) * scale
-
-
-def rand(*shape, lo=0.0, hi=1.0):
-    return torch.rand(*shape, generator=GEN) * (hi - lo) + lo
-
-
-def away_from_zero(*shape):
-    return torch.where(randn(*shape) < 0, -1.0, 1.0) * rand(*shape, lo=0.2, hi=3.0)
-
-
-def ints(*shape, lo=-3, hi=4):
-    return torch.randint(lo, hi, shape, generator=GEN).float()
-
-
-def with_values(t, *values):
-    """Some entries set exactly to `values`: the kinks, where a gradient must take autograd's side."""
-    t = t.clone()
-    for i, v in enumerate(values):
-        t.view(-1)[i::5 * len(values)] = v
-    return t
-
-
-UNARY = lambda: (with_values(randn(*X, scale=3), 0.0),)
-BINARY = lambda: (randn(*X, scale=2), randn(*Y, scale=2))
-# (op, eager torch, operands (tensors or Python scalars), params)
-CASES = [
-    ("add", lambda x, y, alpha: torch.add(x, y, alpha=alpha), BINARY, {"alpha": 0.5}),
-    ("add", lambda x, y, alpha: torch.add(x, y, alpha=alpha), lambda: (randn(*X), 3), {"alpha": 1}),
-    ("sub", lambda x, y, alpha: torch.sub(x, y, alpha=alpha), BINARY, {"alpha": -2}),
-    ("mul", torch.mul, BINARY, {}),
-    ("mul", torch.mul, lambda: (randn(*X), -1.5), {}),
-    ("div", torch.div, lambda: (randn(*X), away_from_zero(*Y)), {}),
-    ("div", torch.div, lambda: (1.0, away_from_zero(*Y)), {}),
-    ("div_trunc", lambda x, y: torch.div(x, y, rounding_mode="trunc"), lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
-    ("div_floor", lambda x, y: torch.div(x, y, rounding_mode="floor"), lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
-    ("remainder", torch.remainder, lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
-    ("fmod", torch.fmod, lambda: (randn(*X, scale=5), away_from_zero(*Y)), {}),
-    ("pow", torch.pow, lambda: (rand(*X, lo=0.1, hi=3), randn(*Y, scale=2)), {}),
-    ("pow", torch.pow, lambda: (randn(4, 6, scale=2), ints(4, 6)), {}),
-    ("pow", torch.pow, lambda: (2.5, randn(*X)), {}),
-    *[("pow_scalar", torch.pow, lambda: (randn(*X, scale=2),), {"exponent": e}) for e in (2, 3, -1, 0)],
-    ("pow_scalar", torch.pow, lambda: (rand(*X, lo=0.05, hi=4),), {"exponent": 0.5}),
-    ("addcmul", lambda x, y, z, value: torch.addcmul(x, y, z, value=value), lambda: (randn(*X), randn(*Y), randn(6)), {"value": 0.3}),
-    ("addcdiv", lambda x, y, z, value: torch.addcdiv(x, y, z, value=value), lambda: (randn(*X), randn(*Y), away_from_zero(6)), {"value": 2}),
-    ("neg", torch.neg, UNARY, {}),
-    ("abs", torch.abs, UNARY, {}),
-    ("sign", torch.sign, UNARY, {}),
-    ("reciprocal", torch.reciprocal, lambda: (away_from_zero(*X),), {}),
-    ("square", torch.square, UNARY, {}),
-    ("sqrt", torch.sqrt, lambda: (rand(*X, lo=0.01, hi=9),), {}),
-    ("rsqrt", torch.rsqrt, lambda: (rand(*X, lo=0.01, hi=9),), {}),
-    ("exp", torch.exp, lambda: (randn(*X, scale=3),), {}),
-    ("expm1", torch.expm1, lambda: (randn(*X, scale=2),), {}),
-    ("log", torch.log, lambda: (rand(*X, lo=0.01, hi=20),), {}),
-    ("log1p", torch.log1p, lambda: (rand(*X, lo=-0.95, hi=20),), {}),
-    ("log2", torch.log2, lambda: (rand(*X, lo=0.01, hi=20),), {}),
-    ("log10", torch.log10, lambda: (rand(*X, lo=0.01, hi=20),), {}),
-    ("sin", torch.sin, UNARY, {}),
-    ("cos", torch.cos, UNARY, {}),
-    ("tanh", torch.tanh, lambda: (randn(*X, scale=3),), {}),
-    ("sigmoid", torch.sigmoid, lambda: (randn(*X, scale=5),), {}),
-    ("erf", torch.erf, UNARY, {}),
-    ("floor", torch.floor, lambda: (randn(*X, scale=4),), {}),
-    ("ceil", torch.ceil, lambda: (randn(*X, scale=4),), {}),
-    ("trunc", torch.trunc, lambda: (randn(*X, scale=4),), {}),
-    ("round", torch.round, lambda: (with_values(randn(*X, scale=4), 0.5, 1.5, -2.5),), {}),
-    ("relu", torch.relu, UNARY, {}),
-    ("relu6", F.relu6, lambda: (with_values(randn(*X, scale=5), 0.0, 6.0),), {}),
-    ("hardtanh", F.hardtanh, lambda: (with_values(randn(*X, scale=2), -0.5, 0.75),), {"min_val": -0.5, "max_val": 0.75}),
-    ("leaky_relu", F.leaky_relu, UNARY, {"negative_slope": 0.2}),
-    ("elu", lambda x, alpha, scale, input_scale: aten.elu(x, alpha, scale, input_scale), UNARY,
-     {"alpha": 1.3, "scale": 1.1, "input_scale": 0.7}),
-    ("gelu", F.gelu, lambda: (randn(*X, scale=3),), {}),
-    ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), lambda: (randn(*X, scale=2),), {}),
-    ("silu", F.silu, lambda: (randn(*X, scale=4),), {}),
-    ("mish", F.mish, lambda: (randn(*X, scale=4),), {}),
-    ("softplus", F.softplus, lambda: (randn(*X, scale=3),), {"beta": 2.0, "threshold": 3.0}),
-    ("hardsigmoid", F.hardsigmoid, lambda: (with_values(randn(*X, scale=4), -3.0, 3.0),), {}),
-    ("hardswish", F.hardswish, lambda: (with_values(randn(*X, scale=4), -3.0, 3.0),), {}),
-    ("clamp", torch.clamp, lambda: (with_values(randn(*X, scale=2), -0.5, 0.75), -0.5, 0.75), {}),
-    ("clamp", torch.clamp, lambda: (randn(4, 5, 6, scale=2), randn(*Y), randn(6)), {}),
-    ("clamp_min", torch.clamp_min, lambda: (randn(*X), randn(*Y)), {}),
-    ("clamp_max", torch.clamp_max, lambda: (with_values(randn(*X), 0.25), 0.25), {}),
-    ("maximum", torch.maximum, lambda: (ints(*X), ints(*Y)), {}),  # ties split the gradient
-    ("minimum", torch.minimum, lambda: (ints(*X), ints(*Y)), {}),
-    ("where", torch.where, lambda: (randn(*X) > 0, randn(*Y), randn(*X)), {}),
-    ("where", torch.where, lambda: (randn(*X) > 0, randn(*Y), 0.0), {}),
-    ("masked_fill", torch.masked_fill, lambda: (randn(*X), randn(*Y) > 0, -math.inf), {}),
-    ("masked_fill", torch.masked_fill, lambda: (randn(*X), randn(*Y) > 0, randn()), {}),
-    *[(name, getattr(torch, name), lambda: (ints(*X), ints(*Y)), {}) for name in ("eq", "ne", "lt", "le", "gt", "ge")],
-    ("gt", torch.gt, lambda: (randn(*X), 0.5), {}),
-    *[(name, getattr(torch, name), lambda: (randn(*X) > 0, ints(*Y, lo=-1, hi=2)), {})
-      for name in ("logical_and", "logical_or", "logical_xor")],
-    ("logical_not", torch.logical_not, lambda: (ints(*X, lo=-1, hi=2),), {}),
-    *[(name, getattr(torch, name), lambda: (with_values(randn(*X, scale=1e38), math.nan, math.inf, -math.inf),), {})
-      for name in ("isnan", "isinf", "isfinite")],
-    *[("to_dtype", lambda x, dtype: x.to(dtype), UNARY, {"dtype": d})
-      for d in (torch.float16, torch.bfloat16, torch.int32, torch.bool)],
-    ("to_dtype", lambda x, dtype: x.to(dtype), lambda: (torch.randint(-5, 5, X, generator=GEN),), {"dtype": torch.float32}),
-]
+# The generated kernels compute in fp32 and store the promoted dtype: a cast to float64 is
+# declined with that reason (tests/test_codegen.py), not fused.
+CASES = [c for c in CASES if c[3].get("dtype") != torch.float64]
 CASE_IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
-# where fp32 cannot do better than an absolute error (see tests/test_ops.py): 1 + erf cancels for x << 0,
-# x - floor(x / y) * y rounds at x's magnitude, fused multiply-adds round differently where terms cancel
-ATOL = {"gelu": 1e-6, "remainder": 1e-5, "fmod": 1e-5, "addcmul": 1e-6, "addcdiv": 1e-6}
 EAGER = {name: fn for name, fn, _, _ in reversed(CASES)}
 
 
@@ -219,12 +115,26 @@ def test_op_forward_and_backward_equal_eager(case, mode):
     got = torch.autograd.grad(ours, wants, g)
     expected = torch.autograd.grad(eager, wants, g, allow_unused=True)
     expected64 = torch.autograd.grad(exact, wants, g.double(), allow_unused=True)
-    for leaf, a, b, c in zip(wants, got, expected, expected64):
+    magnitudes = summed_magnitudes(fn, eager_operands, params, wants, g, ours.shape)
+    for leaf, a, b, c, m in zip(wants, got, expected, expected64, magnitudes):
         assert a.shape == leaf.shape and a.dtype == leaf.dtype
         b = torch.zeros_like(leaf) if b is None else b
         c = torch.zeros_like(leaf).double() if c is None else c
-        # gradients sum over broadcast dims: fp32 sums in another order differ by a few ulps of the sum
-        assert_close_to_any(a, [b, c], 1e-5, ATOL.get(name, 1e-6), "gradient")
+        # A gradient summed over broadcast dims rounds at the size of its terms, not of their sum
+        # (which cancellation can make small): fp32 sums in another order differ by ulps of the terms.
+        if not ((a.double() - c).abs() <= 1e-5 * m).all():
+            assert_close_to_any(a, [b, c], 1e-5, ATOL.get(name, 1e-6), "gradient")
+
+
+def summed_magnitudes(fn, operands, params, wants, g, shape) -> list[torch.Tensor]:
+    """Per leaf in `wants`, the sum of |each output element's contribution| to its gradient (fp64);
+    zeros for a 0-dim leaf, which some ops (masked_fill's value) cannot take expanded."""
+    expanded = {id(o): o.detach().double().expand(shape).contiguous().requires_grad_() for o in wants if o.dim()}
+    args = [expanded.get(id(o), as64(o)) if isinstance(o, torch.Tensor) else o for o in operands]
+    parts = dict(zip(expanded, torch.autograd.grad(fn(*args, **params), list(expanded.values()), g.double(),
+                                                   allow_unused=True))) if expanded else {}
+    return [p.abs().sum_to_size(w.shape) if (p := parts.get(id(w))) is not None
+            else torch.zeros(w.shape, dtype=torch.float64) for w in wants]
 
 
 # ---------------------------------------------------------------- layouts, dtypes, several outputs
