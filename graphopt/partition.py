@@ -79,19 +79,7 @@ def partition(facts: StageFacts, stages: int, *, microbatches: int = 1, schedule
     cross = np.asarray(list(facts.cross) + [0], dtype=np.float64)
     memory = _Memory(facts, memory_cap, stages, microbatches, schedule, kept)
     # Step 1
-    best = np.full((stages + 1, n + 1), INF)
-    best[0, 0] = 0.0
-    for s in range(1, stages + 1):
-        for b in range(s, n + 1):
-            if not allowed[b] or (s == stages) != (b == n):
-                continue
-            a = np.arange(s - 1, b)
-            ok = allowed[a] & memory.fits(s - 1, a, b)
-            if not ok.any():
-                continue
-            values = np.maximum(best[s - 1, a], cost[b] - cost[a])
-            best[s, b] = np.min(np.where(ok, values, INF))
-    bottleneck = best[stages, n]
+    bottleneck = _least_largest(stages, allowed, lambda s, a, b: cost[b] - cost[a], memory.fits)
     if not np.isfinite(bottleneck):
         return None
     # Step 2
@@ -118,6 +106,31 @@ def partition(facts: StageFacts, stages: int, *, microbatches: int = 1, schedule
     return Partition(cuts, [float(cost[cuts[s + 1]] - cost[cuts[s]]) for s in range(stages)],
                      [memory.of(s, cuts[s], cuts[s + 1]) for s in range(stages)],
                      [int(cross[c]) for c in cuts[1:-1]])
+
+
+def least_memory(facts: StageFacts, stages: int, *, microbatches: int = 1, schedule: str = "1f1b") -> int:
+    """The least memory any partition needs on its fullest stage: the smallest cap that fits."""
+    kept = np.concatenate([[0], np.cumsum(np.asarray(facts.kept, dtype=np.int64))])
+    allowed = np.array([True] + [bool(c) for c in facts.can_cut[1:]] + [True])
+    memory = _Memory(facts, None, stages, microbatches, schedule, kept)
+    return int(_least_largest(stages, allowed, memory.bytes, None))
+
+
+def _least_largest(stages: int, allowed: np.ndarray, value, fits) -> float:
+    """min over partitions into `stages` of the largest value(s, a, b) among its stages (stage s
+    holds nodes[a:b]), over stages that fits(s, a, b) allows (all when fits is None)."""
+    n = len(allowed) - 1
+    best = np.full((stages + 1, n + 1), INF)
+    best[0, 0] = 0.0
+    for s in range(1, stages + 1):
+        for b in range(s, n + 1):
+            if not allowed[b] or (s == stages) != (b == n):
+                continue
+            a = np.arange(s - 1, b)
+            ok = allowed[a] if fits is None else allowed[a] & fits(s - 1, a, b)
+            if ok.any():
+                best[s, b] = np.min(np.where(ok, np.maximum(best[s - 1, a], value(s - 1, a, b)), INF))
+    return best[stages, n]
 
 
 class _Memory:

@@ -8,8 +8,8 @@ import torch
 
 import graphopt
 from graphopt import zoo
-from graphopt.partition import (StageFacts, equal_layer_cuts, imbalance, parameter_balanced_cuts, partition,
-                                stage_costs)
+from graphopt.partition import (SCHEDULES, StageFacts, equal_layer_cuts, imbalance, least_memory,
+                                parameter_balanced_cuts, partition, stage_costs)
 from graphopt.passes.pipeline import stage_facts
 from graphopt.stages import first_microbatch
 from graphopt.testing import on_gloo_ranks
@@ -98,12 +98,45 @@ def test_the_dynamic_program_is_exact():
         assert (max(plan.stage_cost), sum(plan.boundary_bytes)) == expected
 
 
+def test_least_memory_is_the_least_over_every_cut():
+    rng = random.Random(1)
+    for _ in range(60):
+        n = rng.randint(4, 9)
+        params = [{rng.randint(0, 3): rng.randint(1, 50)} if rng.random() < 0.5 else {} for _ in range(n)]
+        facts = StageFacts([1.0] * n, [rng.randint(0, 30) for _ in range(n)], params,
+                           [0] + [rng.randint(0, 9) for _ in range(n - 1)], [True] + [rng.random() > 0.2 for _ in range(n - 1)],
+                           work=[rng.randint(0, 20) for _ in range(n)])
+        stages, schedule = rng.randint(2, 3), rng.choice(SCHEDULES)
+        positions = [i for i in range(1, n) if facts.can_cut[i]]
+        if len(positions) < stages - 1:
+            continue
+        fullest = []
+        for inner in itertools.combinations(positions, stages - 1):
+            fullest.append(max(_stage_memory(facts, [0, *inner, n], schedule)))
+        assert least_memory(facts, stages, microbatches=4, schedule=schedule) == min(fullest)
+
+
+def _stage_memory(facts, cuts, schedule):
+    """Each stage's memory from the partition module's own accounting, for the given cuts."""
+    stages = len(cuts) - 1
+    plan = partition(StageFacts([0.0] * len(facts.cost), facts.kept, facts.params, facts.cross,
+                                [i in cuts for i in range(len(facts.cost))], facts.state_factor, facts.work),
+                     stages, microbatches=4, schedule=schedule)
+    assert plan.cuts == cuts
+    return plan.stage_memory
+
+
 def test_memory_caps_and_impossible_requests_are_clear():
     model, args, kwargs = zoo.llama(**UNEVEN)
     with pytest.raises(graphopt.OptionError, match="places where a cut"):
         graphopt.optimize(model, args, example_kwargs=kwargs, stages=10_000)
-    with pytest.raises(graphopt.BudgetError, match="fullest stage"):
+    with pytest.raises(graphopt.BudgetError, match="fullest stage") as error:
         graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=2 budget_gb=0.001}"])
+    least = error.value.min_budget_gb  # the least any cut needs: it fits, and a hair less does not
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", f"pipeline{{stages=2 budget_gb={least * 1.0001}}}"])
+    assert max(s["predicted_memory_bytes"] for s in staged.graphopt_report.passes[-1].stats["stages"]) <= least * 1.0001e9
+    with pytest.raises(graphopt.BudgetError):
+        graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", f"pipeline{{stages=2 budget_gb={least * 0.9999}}}"])
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=4 budget_gb=0.05}"])
     assert max(s["predicted_memory_bytes"] for s in staged.graphopt_report.passes[-1].stats["stages"]) <= 0.05e9
     # optimize(stages=, budget_gb=): one device per stage, so the budget caps each stage

@@ -34,7 +34,7 @@ from ..dump import note
 from ..errors import BudgetError, OptionError
 from ..memory import GB
 from ..meta import TensorInfo, tensor_info
-from ..partition import SCHEDULES, StageFacts, partition
+from ..partition import SCHEDULES, StageFacts, least_memory, partition
 from ..purity import CALLS
 from ..saved import record_step, storage_key
 from ..stages import split_stages
@@ -149,13 +149,15 @@ class Pipeline(Pass):
         cap = int(self.settings["budget_gb"] * GB) if self.settings["budget_gb"] else None
         plan = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"], memory_cap=cap)
         if plan is None:
-            least = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
-            need = max(least.stage_memory)
+            need = least_memory(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
+            balanced = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
             raise BudgetError(
-                f"no cut into {stages} stages keeps every stage under budget_gb={self.settings['budget_gb']:g} "
-                f"(the balanced cut needs {need / GB:.3f} GB on its fullest stage). Raise budget_gb, use "
-                "more stages, or cut activations with precision='bf16' or recompute.",
-                min_budget_gb=need / GB, breakdown={f"stage {s}": m for s, m in enumerate(least.stage_memory)})
+                f"no cut into {stages} stages keeps every stage under budget_gb={self.settings['budget_gb']:g}: "
+                f"the least any cut needs on its fullest stage is {need / GB:.4f} GB (the balanced cut's "
+                f"{max(balanced.stage_memory) / GB:.4f} GB). Raise budget_gb, use more stages or fewer "
+                "microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'.",
+                min_budget_gb=need / GB,
+                breakdown={f"balanced cut, stage {s}": m for s, m in enumerate(balanced.stage_memory)})
         # Step 3
         nodes = list(gm.graph.nodes)
         for s in range(stages):
