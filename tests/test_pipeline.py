@@ -2,6 +2,10 @@
 torch.distributed.pipelining over gloo."""
 import itertools
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from graphopt.partition import (SCHEDULES, StageFacts, equal_layer_cuts, imbalan
                                 parameter_balanced_cuts, partition, stage_costs)
 from graphopt.passes.pipeline import stage_facts
 from graphopt.stages import first_microbatch
-from graphopt.testing import on_gloo_ranks
+from graphopt.testing import free_port, on_gloo_ranks
 from graphopt.trace import placeholder_values
 from graphopt.verify import tensor_leaves
 
@@ -258,3 +262,13 @@ def test_an_export_graph_runs_on_the_microbatch_it_was_planned_for():
                           frontend="export")
     with pytest.raises(graphopt.UsageError, match="fewer than the 16 microbatches"):
         graphopt.optimize(model, args, example_kwargs=kwargs, passes=["pipeline{stages=2 microbatches=16}"])
+
+
+def test_the_torchrun_example_trains():
+    example = Path(__file__).resolve().parents[1] / "examples" / "pipeline_gpt.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(example), "--steps", "3", "--frontend", "export"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", run.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
