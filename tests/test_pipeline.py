@@ -209,6 +209,49 @@ def test_schedules_on_gloo_equal_one_process(world):
             torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-5, msg=f"{label} {name}")
 
 
+def _hf_gpt2():
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.hf_gpt2(batch=8, seq=16, layers=4)
+    for m in model.modules():  # dropout would draw different masks per process
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model, args, kwargs
+
+
+def _hf_gpt2_rank(rank, world):
+    from graphopt.runtime.pipeline import PipelineRunner
+
+    model, args, kwargs = _hf_gpt2()
+    names = {id(p): n for n, p in model.named_parameters()}
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=2 microbatches=4}"],
+                               frontend="export")
+    runner = PipelineRunner(staged, rank, world, "cpu", example_args=args, example_kwargs=kwargs,
+                            loss_fn=lambda out, target: out.loss)
+    losses = runner.step(*args, **kwargs)
+    runner.sync_tied_grads()
+    grads = {names[id(p)]: p.grad.clone() for p in runner.parameters() if p.grad is not None}
+    return [loss.item() for loss in losses], grads, staged.graphopt_report.passes[-1].stats["tied_parameters"]
+
+
+def test_hugging_face_gpt2_on_gloo_equals_one_process():
+    """torch.export's ATen graph of a transformers model, its embedding tied to the LM head."""
+    pytest.importorskip("transformers")
+    results = on_gloo_ranks(_hf_gpt2_rank, 2)
+    model, args, kwargs = _hf_gpt2()
+    losses = []
+    for idx, labels in zip(args[0].tensor_split(4), kwargs["labels"].tensor_split(4)):
+        loss = model(idx, labels=labels).loss
+        (loss / 4).backward()
+        losses.append(loss.item())
+    assert results[0][2] == {"lm_head.weight": [0, 1]}
+    assert torch.allclose(torch.tensor(results[1][0]), torch.tensor(losses), atol=1e-5)
+    grads = {**results[0][1], **results[1][1]}
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == want.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 def _memory_rank(rank, world, schedule):
     from graphopt.memory import measure_peak
     from graphopt.runtime.pipeline import PipelineRunner
