@@ -96,6 +96,13 @@ def first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple[tupl
     values whole."""
     from .errors import UsageError
 
+    sizes = {int(v.shape[0]) for v in _batched(args, kwargs)}
+    if len(sizes) > 1:  # one of them is not a batch: splitting it would pair the wrong rows
+        raise UsageError(f"the tensor inputs have different sizes along dim 0 ({sorted(sizes)}), and pipeline "
+                         "schedules split every tensor input along dim 0 into microbatches: make the inputs "
+                         "that are not batches (a mask shared by all rows, say) buffers of the model, or "
+                         "give them a leading batch dimension.")
+
     def first(v):
         if not isinstance(v, torch.Tensor) or v.dim() == 0:
             return v

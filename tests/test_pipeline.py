@@ -305,6 +305,9 @@ def test_an_export_graph_runs_on_the_microbatch_it_was_planned_for():
                           frontend="export")
     with pytest.raises(graphopt.UsageError, match="fewer than the 16 microbatches"):
         graphopt.optimize(model, args, example_kwargs=kwargs, passes=["pipeline{stages=2 microbatches=16}"])
+    two_heads, x, extra = zoo.two_heads(batch=8)
+    with pytest.raises(graphopt.UsageError, match="different sizes along dim 0"):  # a mask that is not a batch
+        graphopt.optimize(two_heads, x, example_kwargs={**extra, "mask": extra["mask"][:1]}, stages=2)
 
 
 def test_the_torchrun_example_trains():
