@@ -55,7 +55,7 @@ def test_stages_compute_what_the_model_does(name, stages):
 def test_export_graphs_and_tied_weights():
     model, args, kwargs = zoo.gpt(layers=4)  # a batch of 4: at most 4 microbatches by default
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=3, frontend="export")
-    assert staged.meta["graphopt_pipeline"] == {"microbatches": 4, "schedule": "1f1b"}
+    assert staged.meta["graphopt_pipeline"] == {"microbatches": 4, "schedule": "1f1b", "ranks": 3}
     _same_as_model(model, staged, *first_microbatch(args, kwargs, 4))  # export: one microbatch's shapes
     fx = graphopt.optimize(model, args, example_kwargs=kwargs, stages=3)
     assert fx.graphopt_report.passes[-1].stats["tied_parameters"] == {"head.weight": [0, 2]}
@@ -134,7 +134,7 @@ def test_memory_caps_and_impossible_requests_are_clear():
     model, args, kwargs = zoo.llama(**UNEVEN)
     with pytest.raises(graphopt.OptionError, match="places where a cut"):
         graphopt.optimize(model, args, example_kwargs=kwargs, stages=10_000)
-    with pytest.raises(graphopt.BudgetError, match="fullest stage") as error:
+    with pytest.raises(graphopt.BudgetError, match="fullest device") as error:
         graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=2 budget_gb=0.001}"])
     least = error.value.min_budget_gb  # the least any cut needs: it fits, and a hair less does not
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", f"pipeline{{stages=2 budget_gb={least * 1.0001}}}"])
@@ -149,6 +149,28 @@ def test_memory_caps_and_impossible_requests_are_clear():
     assert "recompute" not in str(staged.graphopt_report.passes)
     with pytest.raises(graphopt.OptionError, match="leave calibrate out"):
         graphopt.optimize(model, args, example_kwargs=kwargs, stages=4, budget_gb=0.05, calibrate=True)
+
+
+def test_under_interleaved_1f1b_the_budget_caps_each_device():
+    model, args, kwargs = zoo.llama(**UNEVEN)
+    plan = "pipeline{stages=4 ranks=2 schedule=interleaved-1f1b budget_gb=0.08}"
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", plan])
+    stats = staged.graphopt_report.passes[-1].stats
+    per_stage = [s["predicted_memory_bytes"] for s in stats["stages"]]
+    assert stats["predicted_memory_per_rank"] == [per_stage[0] + per_stage[2], per_stage[1] + per_stage[3]]
+    assert max(stats["predicted_memory_per_rank"]) <= 0.08e9
+    with pytest.raises(graphopt.OptionError, match="give ranks="):
+        graphopt.optimize(model, args, example_kwargs=kwargs,
+                          passes=["normalize", "pipeline{stages=4 schedule=interleaved-1f1b budget_gb=0.05}"])
+    with pytest.raises(graphopt.OptionError, match="multiple of ranks=3"):
+        graphopt.optimize(model, args, example_kwargs=kwargs,
+                          passes=["normalize", "pipeline{stages=4 ranks=3 schedule=interleaved-1f1b}"])
+    with pytest.raises(graphopt.OptionError, match="one stage per device"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=4 ranks=2}"])
+    from graphopt.runtime.pipeline import PipelineRunner
+
+    with pytest.raises(ValueError, match="ranks=2 devices"):
+        PipelineRunner(staged, 0, 4, "cpu", example_args=args, example_kwargs=kwargs)
 
 
 # ---------------------------------------------------------------- several processes (gloo)

@@ -3,23 +3,27 @@
 Algorithm:
   1. Per node, from one recorded FakeTensor forward of one microbatch (saved.py; optimize()
      traces the model on the first 1/M of the example batch and gives the passes that, as
-     torch.distributed.pipelining's own frontend traces a microbatch): its cost, forward + backward
-     (3x its FLOPs from the registry, or 3x its measured forward time with profile=True); the
-     activation bytes it keeps for backward; its backward's working set (gradients of its
-     output and inputs, one workspace); the parameters it reads; the bytes crossing a
-     cut just before it. A cut is allowed after the graph's inputs, before its output, and
-     only where every value crossing it is a contiguous tensor (what a stage can send).
+     torch.distributed.pipelining's own frontend traces a microbatch): its cost, forward +
+     backward (3x its FLOPs from the registry, or 3x its measured forward time with
+     profile=True); the activation bytes it keeps for backward; its backward's working set
+     (gradients of its output and inputs, one workspace); the parameters it reads; the bytes
+     crossing a cut just before it. A cut is allowed after the graph's inputs, before its
+     output, and only where every value crossing it is a contiguous tensor (what a stage
+     can send).
   2. Partition (partition.py, an exact dynamic program): the least bottleneck stage cost,
-     each stage's memory under budget_gb when given (its parameters, their gradients and
-     optimizer state, the activations of the microbatches the schedule keeps in flight on
-     it, its largest backward working set, and the receive buffers torch.distributed.pipelining
-     keeps per microbatch), ties broken by fewer bytes crossing the cuts.
+     each device's memory under budget_gb when given (under interleaved-1f1b, each of a
+     device's v virtual stages under budget_gb / v), ties broken by fewer bytes crossing the
+     cuts. A stage's memory: its parameters, their gradients and optimizer state, the
+     activations of the microbatches the schedule keeps in flight on it, its largest
+     backward working set, and the receive buffers torch.distributed.pipelining keeps per
+     microbatch.
   3. Rewrite (stages.py): one submodule per stage, called in a chain; a skip connection is
      passed along through the stages in between; a parameter two stages read (tied weights)
      is read by both: shared in one process, replicated across ranks and its gradients
      summed (runtime/pipeline.py), as torch.distributed.pipelining does.
-  4. Report per stage its nodes, cost, parameters, predicted memory and boundary bytes; the
-     imbalance (slowest stage over the mean); the schedule's predicted bubble; tied parameters.
+  4. Report per stage its nodes, cost, parameters, predicted memory and boundary bytes; per
+     device its predicted memory; the imbalance (slowest stage over the mean); the
+     schedule's predicted bubble; tied parameters.
 """
 from __future__ import annotations
 
@@ -119,8 +123,9 @@ class Pipeline(Pass):
         "stages": Option(None, _stages, "number of pipeline stages"),
         "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),
         "microbatches": Option(None, _stages, "microbatches per step (default: 2 x stages, at most the batch)"),
-        "budget_gb": Option(None, _positive, "memory cap per stage (per virtual stage under interleaved-1f1b), "
-                                              "in GB of 10**9 bytes"),
+        "budget_gb": Option(None, _positive, "memory cap per device, in GB of 10**9 bytes"),
+        "ranks": Option(None, _stages, "devices the stages run on (default: one per stage; interleaved-1f1b: "
+                                       "stages / ranks virtual stages each)"),
         "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(OPTIMIZERS)),
         "profile": Option(False, to_bool, "cost nodes by their measured forward time instead of FLOPs"),
     }
@@ -131,6 +136,23 @@ class Pipeline(Pass):
             return self.settings["microbatches"]
         default = 2 * (self.settings["stages"] or 1)
         return max(1, min(default, rows)) if rows is not None else default
+
+    def _ranks(self, stages: int) -> int | None:
+        ranks, schedule = self.settings["ranks"], self.settings["schedule"]
+        if schedule != "interleaved-1f1b":
+            if ranks not in (None, stages):
+                raise OptionError(f"{schedule} runs one stage per device: ranks must equal stages={stages} "
+                                  "(or use schedule=interleaved-1f1b).")
+            return stages
+        if ranks is None:
+            if self.settings["budget_gb"]:
+                raise OptionError("with schedule=interleaved-1f1b, give ranks= (the devices) so that budget_gb "
+                                  "caps what each device holds, e.g. pipeline{stages=8 ranks=4 ...}.")
+            return None
+        if stages % ranks or stages // ranks < 2:
+            raise OptionError(f"interleaved-1f1b puts 2 or more stages on each device: stages={stages} must "
+                              f"be a multiple of ranks={ranks}, at least twice it.")
+        return ranks
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         stages = self.settings["stages"]
@@ -146,17 +168,20 @@ class Pipeline(Pass):
                 f"stages={stages} needs {stages - 1} cuts, but this graph has {places} places where a "
                 f"cut passes only tensors between stages; use stages={places + 1} or fewer.")
         # Step 2
-        cap = int(self.settings["budget_gb"] * GB) if self.settings["budget_gb"] else None
+        ranks = self._ranks(stages)
+        per_rank = stages // ranks if ranks else 1  # a device's virtual stages each get an equal share
+        cap = int(self.settings["budget_gb"] * GB) // per_rank if self.settings["budget_gb"] else None
         plan = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"], memory_cap=cap)
         if plan is None:
             need = least_memory(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
             balanced = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
+            share = f" ({per_rank} virtual stages per device)" if per_rank > 1 else ""
             raise BudgetError(
-                f"no cut into {stages} stages keeps every stage under budget_gb={self.settings['budget_gb']:g}: "
-                f"the least any cut needs on its fullest stage is {need / GB:.4f} GB (the balanced cut's "
-                f"{max(balanced.stage_memory) / GB:.4f} GB). Raise budget_gb, use more stages or fewer "
+                f"no cut into {stages} stages keeps every device under budget_gb={self.settings['budget_gb']:g}"
+                f"{share}: the least any cut needs on its fullest device is {need * per_rank / GB:.4f} GB (the balanced cut's "
+                f"{max(balanced.stage_memory) * per_rank / GB:.4f} GB). Raise budget_gb, use more stages or fewer "
                 "microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'.",
-                min_budget_gb=need / GB,
+                min_budget_gb=need * per_rank / GB,
                 breakdown={f"balanced cut, stage {s}": m for s, m in enumerate(balanced.stage_memory)})
         # Step 3
         nodes = list(gm.graph.nodes)
@@ -164,7 +189,8 @@ class Pipeline(Pass):
             for n in nodes[plan.cuts[s]:plan.cuts[s + 1]]:
                 note(n, "stage", s)
         staged = split_stages(gm, plan.cuts)
-        staged.meta["graphopt_pipeline"] = {"microbatches": microbatches, "schedule": self.settings["schedule"]}
+        staged.meta["graphopt_pipeline"] = {"microbatches": microbatches, "schedule": self.settings["schedule"],
+                                            "ranks": ranks}
         # Step 4
         readers: dict[int, set[int]] = {}
         for s in range(stages):
@@ -184,8 +210,9 @@ class Pipeline(Pass):
                 "predicted_memory_bytes": plan.stage_memory[s],
                 "boundary_bytes": plan.boundary_bytes[s] if s < stages - 1 else 0,
             })
+        devices = [sum(plan.stage_memory[r::ranks]) for r in range(ranks)] if ranks else None
         return PassResult(staged, True, {
-            "stages": per_stage, "imbalance": round(plan.imbalance, 4),
+            "stages": per_stage, "predicted_memory_per_rank": devices, "imbalance": round(plan.imbalance, 4),
             "bubble": round(plan.bubble(microbatches), 4), "schedule": self.settings["schedule"],
             "microbatches": microbatches, "tied_parameters": tied, "cuts": plan.cuts,
         })

@@ -64,6 +64,9 @@ class PipelineRunner:
         schedule = schedule or planned.get("schedule", "1f1b")
         if not microbatches:
             raise ValueError("give microbatches=: this module was not staged by graphopt's pipeline pass.")
+        if planned.get("ranks") not in (None, world_size):
+            raise ValueError(f"the stages were planned for ranks={planned['ranks']} devices (their memory caps "
+                             f"and schedule), and this run has world_size={world_size}: optimize for it.")
         if schedule not in SCHEDULE_CLASSES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_CLASSES)}, got {schedule!r}.")
         modules = stage_modules(staged)
