@@ -185,12 +185,21 @@ def _model():
     return model, args, kwargs
 
 
-def _pipeline_rank(rank, world, runs):
+def _hf_gpt2():
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.hf_gpt2(batch=8, seq=16, layers=4)
+    for m in model.modules():  # dropout would draw different masks per process
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model, args, kwargs
+
+
+def _pipeline_rank(rank, world, runs, make):
     from graphopt.runtime.pipeline import PipelineRunner
 
     results = []
     for schedule, stages, frontend in runs:
-        model, args, kwargs = _model()
+        model, args, kwargs = make()
         names = {id(p): n for n, p in model.named_parameters()}
         plan = f"pipeline{{stages={stages} microbatches=4 schedule={schedule}}}"
         staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "cse", "dce", plan],
@@ -205,19 +214,18 @@ def _pipeline_rank(rank, world, runs):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_schedules_on_gloo_equal_one_process(world):
-    runs = [("gpipe", world, "fx"), ("1f1b", world, "fx"), ("interleaved-1f1b", 2 * world, "fx"),
-            ("1f1b", world, "export")]
-    results = [r for rank in on_gloo_ranks(_pipeline_rank, world, runs) for r in rank]
-    # The same batch in one process: the mean of the microbatch losses and its gradients.
-    model, args, kwargs = _model()
+def _assert_runs_equal_one_process(make, runs, world):
+    """Losses and every parameter gradient of each run equal one process running the model on
+    the same 4 microbatches (the mean loss's gradients)."""
+    results = [r for rank in on_gloo_ranks(_pipeline_rank, world, runs, make) for r in rank]
+    model, args, kwargs = make()
     losses = []
-    for idx, targets in zip(args[0].tensor_split(4), kwargs["targets"].tensor_split(4)):
-        loss = model(idx, targets=targets).loss
+    for k in range(4):
+        part = tuple(a.tensor_split(4)[k] for a in args), {n: v.tensor_split(4)[k] for n, v in kwargs.items()}
+        loss = model(*part[0], **part[1]).loss
         (loss / 4).backward()
         losses.append(loss.item())
-    want = {n: p.grad for n, p in model.named_parameters()}
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for run in runs:
         label = f"{run[0]} {run[2]}"
         got_losses = [r[1] for r in results if r[0] == label and r[1]]
@@ -231,47 +239,20 @@ def test_schedules_on_gloo_equal_one_process(world):
             torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-5, msg=f"{label} {name}")
 
 
-def _hf_gpt2():
-    torch.manual_seed(0)
-    model, args, kwargs = zoo.hf_gpt2(batch=8, seq=16, layers=4)
-    for m in model.modules():  # dropout would draw different masks per process
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model, args, kwargs
-
-
-def _hf_gpt2_rank(rank, world):
-    from graphopt.runtime.pipeline import PipelineRunner
-
-    model, args, kwargs = _hf_gpt2()
-    names = {id(p): n for n, p in model.named_parameters()}
-    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=["normalize", "pipeline{stages=2 microbatches=4}"],
-                               frontend="export")
-    runner = PipelineRunner(staged, rank, world, "cpu", example_args=args, example_kwargs=kwargs,
-                            loss_fn=lambda out, target: out.loss)
-    losses = runner.step(*args, **kwargs)
-    runner.sync_tied_grads()
-    grads = {names[id(p)]: p.grad.clone() for p in runner.parameters() if p.grad is not None}
-    return [loss.item() for loss in losses], grads, staged.graphopt_report.passes[-1].stats["tied_parameters"]
+@pytest.mark.parametrize("world", [2, 4])
+def test_schedules_on_gloo_equal_one_process(world):
+    runs = [("gpipe", world, "fx"), ("1f1b", world, "fx"), ("interleaved-1f1b", 2 * world, "fx"),
+            ("1f1b", world, "export")]
+    _assert_runs_equal_one_process(_model, runs, world)
 
 
 def test_hugging_face_gpt2_on_gloo_equals_one_process():
     """torch.export's ATen graph of a transformers model, its embedding tied to the LM head."""
     pytest.importorskip("transformers")
-    results = on_gloo_ranks(_hf_gpt2_rank, 2)
     model, args, kwargs = _hf_gpt2()
-    losses = []
-    for idx, labels in zip(args[0].tensor_split(4), kwargs["labels"].tensor_split(4)):
-        loss = model(idx, labels=labels).loss
-        (loss / 4).backward()
-        losses.append(loss.item())
-    assert results[0][2] == {"lm_head.weight": [0, 1]}
-    assert torch.allclose(torch.tensor(results[1][0]), torch.tensor(losses), atol=1e-5)
-    grads = {**results[0][1], **results[1][1]}
-    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert grads.keys() == want.keys()
-    for name, g in grads.items():
-        torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-5, msg=name)
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2, frontend="export")
+    assert staged.graphopt_report.passes[-1].stats["tied_parameters"] == {"lm_head.weight": [0, 1]}
+    _assert_runs_equal_one_process(_hf_gpt2, [("1f1b", 2, "export")], 2)
 
 
 def _memory_rank(rank, world, schedule):

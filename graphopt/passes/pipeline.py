@@ -178,9 +178,9 @@ class Pipeline(Pass):
             share = f" ({per_rank} virtual stages per device)" if per_rank > 1 else ""
             raise BudgetError(
                 f"no cut into {stages} stages keeps every device under budget_gb={self.settings['budget_gb']:g}"
-                f"{share}: the least any cut needs on its fullest device is {need * per_rank / GB:.4f} GB (the balanced cut's "
-                f"{max(balanced.stage_memory) * per_rank / GB:.4f} GB). Raise budget_gb, use more stages or fewer "
-                "microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'.",
+                f"{share}: the least any cut needs on its fullest device is {need * per_rank / GB:.4f} GB (the "
+                f"balanced cut's {max(balanced.stage_memory) * per_rank / GB:.4f} GB). Raise budget_gb, use more "
+                "stages or fewer microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'.",
                 min_budget_gb=need * per_rank / GB,
                 breakdown={f"balanced cut, stage {s}": m for s, m in enumerate(balanced.stage_memory)})
         # Step 3
