@@ -15,7 +15,7 @@ import torch.fx
 
 from . import ops
 from .purity import CALLS
-from .verify import preserved_state
+from .verify import trial_run
 
 
 class _Timer(torch.fx.Interpreter):
@@ -41,8 +41,7 @@ def node_times(gm: torch.fx.GraphModule, flat_inputs: list, repeats: int = 3) ->
     """Median seconds of each call node's forward on the example inputs (after one warm-up run)."""
     cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat_inputs)
     timer = _Timer(gm, cuda)
-    with preserved_state(gm), torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []), \
-            torch.no_grad():
+    with trial_run(gm, flat_inputs), torch.no_grad():
         for _ in range(repeats + 1):
             timer.run(*flat_inputs)
     return {name: statistics.median(t[1:]) for name, t in timer.times.items()}

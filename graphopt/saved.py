@@ -67,7 +67,6 @@ class StepFacts:
                     last[key] = max(last.get(key, -1), index[n.name])
         return made, last
 
-
     def kept_and_live(self, nodes: list[torch.fx.Node]) -> tuple[list[int], list[int]]:
         """Per node: bytes it keeps for backward (its outputs that some backward needs, and what
         its own kernel saves), and bytes live across the gap after it (made by an earlier or

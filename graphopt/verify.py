@@ -49,6 +49,14 @@ def preserved_state(module: torch.nn.Module):
             p.grad = g
 
 
+@contextlib.contextmanager
+def trial_run(module: torch.nn.Module, inputs=()):
+    """Run `module` for a measurement and leave no trace: gradients and buffers (preserved_state)
+    and the RNG of the CPU and of the CUDA devices `inputs` are on, as they were."""
+    with preserved_state(module), torch.random.fork_rng(devices=_devices(inputs, {})):
+        yield
+
+
 def tensor_leaves(value) -> list[torch.Tensor]:
     """Every tensor in an output: containers pytree knows, and dataclasses it may not."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -64,7 +72,7 @@ def tensor_leaves(value) -> list[torch.Tensor]:
 def run_step(module, args, kwargs, *, train: bool, seed: int) -> dict[str, torch.Tensor]:
     """Outputs (and in training, parameter gradients) of one step, by name."""
     named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    with preserved_state(module), torch.random.fork_rng(devices=_devices(args, kwargs)):
+    with trial_run(module, (args, kwargs)):
         torch.manual_seed(seed)
         with torch.set_grad_enabled(train):
             out = module(*args, **kwargs)

@@ -6,6 +6,8 @@ in Triton's interpreter on CPU. It prints the largest error per tensor and exits
 """
 from __future__ import annotations
 
+import math
+
 from .backward import KERNEL as BACKWARD
 from .backward import backward_source
 from .forward import KERNEL as FORWARD
@@ -116,7 +118,7 @@ def render(group: Group, plan: Plan, bplan: Plan, program: Backward, shapes, dty
         for _, i in program.seeds:
             j = group.outputs[i]
             grads[i] = f"torch.randn({tuple(plan.shapes[j])}, device=DEVICE).to({plan.dtypes[j]})"
-        buffers = [f"torch.empty({tuple(shapes[k]) if operands[f'd{k}'].dtype == dtypes[k] and _numel(shapes[k]) == plan.layout.numel else 'FULL'}, "
+        buffers = [f"torch.empty({tuple(shapes[k]) if operands[f'd{k}'].dtype == dtypes[k] and math.prod(shapes[k]) == plan.layout.numel else 'FULL'}, "
                    f"dtype={operands[f'd{k}'].dtype}, device=DEVICE)" for k in program.grads]
         args = ([f"xs[{k}]" for k in program.inputs] + [f"gs[{i}]" for _, i in program.seeds]
                 + [f"buffers[{m}]" for m in range(len(program.grads))] + [str(a) for a in bplan.scalar_args()])
@@ -130,11 +132,4 @@ def render(group: Group, plan: Plan, bplan: Plan, program: Backward, shapes, dty
         forward=_kernel_only(forward_source(group, plan.spec, plan.dtypes)), backward=backward,
         reference=reference, outputs=f"[{', '.join(outputs)}]",
         forward_kernel=FORWARD, forward_args=", ".join(forward_args), backward_main=backward_main)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 

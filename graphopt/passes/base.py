@@ -40,6 +40,21 @@ class Option:
     choices: tuple | None = None
 
 
+def positive(value) -> float:
+    value = float(value)
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+def count(value) -> int:
+    """A whole number of at least 1."""
+    value = int(value)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
 def to_bool(value) -> bool:
     if isinstance(value, bool):
         return value

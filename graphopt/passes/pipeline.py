@@ -42,25 +42,11 @@ from ..partition import SCHEDULES, StageFacts, least_memory, partition
 from ..purity import CALLS
 from ..saved import record_step, storage_key
 from ..stages import split_stages
-from .base import Option, Pass, PassContext, PassResult, to_bool
+from .base import Option, Pass, PassContext, PassResult, count, positive, to_bool
 from .registry import register
 
 # gradient + optimizer state bytes per parameter byte
 OPTIMIZERS = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
-
-
-def _stages(value) -> int:
-    value = int(value)
-    if value < 1:
-        raise ValueError("must be at least 1")
-    return value
-
-
-def _positive(value) -> float:
-    value = float(value)
-    if value <= 0:
-        raise ValueError("must be positive")
-    return value
 
 
 def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam", profile: bool = False) -> StageFacts:
@@ -120,11 +106,11 @@ class Pipeline(Pass):
 
     name = "pipeline"
     options = {
-        "stages": Option(None, _stages, "number of pipeline stages"),
+        "stages": Option(None, count, "number of pipeline stages"),
         "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),
-        "microbatches": Option(None, _stages, "microbatches per step (default: 2 x stages, at most the batch)"),
-        "budget_gb": Option(None, _positive, "memory cap per device, in GB of 10**9 bytes"),
-        "ranks": Option(None, _stages, "devices the stages run on (default: one per stage; interleaved-1f1b: "
+        "microbatches": Option(None, count, "microbatches per step (default: 2 x stages, at most the batch)"),
+        "budget_gb": Option(None, positive, "memory cap per device, in GB of 10**9 bytes"),
+        "ranks": Option(None, count, "devices the stages run on (default: one per stage; interleaved-1f1b: "
                                        "stages / ranks virtual stages each)"),
         "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(OPTIMIZERS)),
         "profile": Option(False, to_bool, "cost nodes by their measured forward time instead of FLOPs"),

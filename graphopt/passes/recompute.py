@@ -36,8 +36,8 @@ from ..plot import memory_csv, memory_png
 from ..saved import record_step
 from ..solver import make_atoms, model_peak, solve
 from ..trace import annotate
-from ..verify import preserved_state
-from .base import Option, Pass, PassContext, PassResult, to_bool
+from ..verify import trial_run
+from .base import Option, Pass, PassContext, PassResult, positive, to_bool
 from .registry import register
 
 CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
@@ -68,13 +68,6 @@ def _candidates(atoms) -> list:
         if plan is not None and plan.segments:
             plans.setdefault(tuple(plan.segments), plan)
     return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
-
-
-def _positive(value) -> float:
-    value = float(value)
-    if value <= 0:
-        raise ValueError("must be positive")
-    return value
 
 
 def _fraction(value) -> float:
@@ -122,7 +115,7 @@ class Recompute(Pass):
 
     name = "recompute"
     options = {
-        "budget_gb": Option(None, _positive, "peak memory of one training step, in GB of 10**9 bytes"),
+        "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
         # The estimate is within a few percent of a measured step, not exact: plans aim below.
         "headroom": Option(0.05, _fraction, "fraction of the budget kept free for estimate error, in [0, 0.5)"),
         "profile": Option(False, to_bool, "cost recompute by each node's measured time instead of its FLOPs"),
@@ -277,8 +270,7 @@ class _Search:
 
 def _measure(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
     """Measured peak of one real training step; the model's buffers, gradients and RNG as before."""
-    cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in ctx.flat_inputs(gm))
-    with preserved_state(gm), torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+    with trial_run(gm, (ctx.example_args, ctx.example_kwargs)):
         return measure_step(gm, ctx.example_args, ctx.example_kwargs)
 
 

@@ -153,7 +153,7 @@ class PipelineRunner:
 def _stage_io(staged, modules, args, kwargs, microbatches, planned) -> list[tuple]:
     """(positional inputs, output) of each stage on the first microbatch, from one forward
     that leaves no trace (buffers, gradients and RNG restored)."""
-    from ..verify import preserved_state
+    from ..verify import trial_run
 
     args, kwargs = first_microbatch(args, kwargs, microbatches)
     seen: dict[int, tuple] = {}
@@ -161,7 +161,7 @@ def _stage_io(staged, modules, args, kwargs, microbatches, planned) -> list[tupl
              for s, m in enumerate(modules)]
     try:
         # With autograd on: whether each value requires grad decides which gradients flow back.
-        with preserved_state(staged), torch.random.fork_rng():
+        with trial_run(staged, (args, kwargs)):
             try:
                 staged(*args, **kwargs)
             except (RuntimeError, AssertionError, UsageError) as e:  # export graphs guard their shapes
