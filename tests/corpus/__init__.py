@@ -1,0 +1,46 @@
+"""The real-model corpus: models nobody on the project wrote, built the way their users build them.
+
+Each entry is a CorpusModel: a name, the library it comes from, and a builder returning a
+Case (model, example args and kwargs, and the loss a user would train with: the model's own
+where it has one, cross-entropy otherwise). Weights are random, configs small enough to run
+in seconds on a CPU; dropout, drop-path, in-place activations and every other default stay as
+the library sets them.
+
+`CORPUS` lists them all; `QUICK` names the subset `make test` runs (one of each family, and
+every model that ever broke a pass); `make test-real` runs all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import timm_models, torchvision_models, transformers_models
+from .case import Case
+
+
+@dataclass(frozen=True)
+class CorpusModel:
+    name: str
+    library: str  # transformers, timm, torchvision
+    build: Callable[[], Case]
+
+
+CORPUS: dict[str, CorpusModel] = {}
+for module in (transformers_models, timm_models, torchvision_models):
+    for name, build in module.BUILDERS.items():
+        CORPUS[name] = CorpusModel(name, module.LIBRARY, build)
+
+# Every family once, and each model the issues name as having broken a pass.
+QUICK = (
+    "hf_llama", "hf_gpt2", "hf_bert", "hf_t5",
+    "timm_efficientnet_b0", "timm_mobilenetv3_small_100", "timm_levit_128s", "timm_resnext26ts",
+    "tv_swin_t", "tv_regnet_y_400mf",
+)
+
+
+def build(name: str, seed: int = 0) -> Case:
+    """The corpus model `name` with its inputs, from a fixed seed (weights and inputs alike)."""
+    torch.manual_seed(seed)
+    return CORPUS[name].build()

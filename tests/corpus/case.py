@@ -1,0 +1,43 @@
+"""One corpus model with its example inputs and the loss its users train it with."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Case:
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    # output -> scalar loss; the model's own (HF `.loss` with labels) or cross-entropy on targets
+    loss: Callable = None
+
+    def __post_init__(self):
+        if self.loss is None:
+            self.loss = own_loss
+
+
+def own_loss(out) -> torch.Tensor:
+    """The loss a model with labels computes itself (transformers' ModelOutput.loss)."""
+    return out["loss"] if isinstance(out, dict) else out.loss
+
+
+def cross_entropy(targets: torch.Tensor) -> Callable:
+    """Cross-entropy of a classifier's logits against fixed targets."""
+    def loss(out):
+        logits = out if isinstance(out, torch.Tensor) else out[0]
+        return F.cross_entropy(logits.float(), targets)
+    return loss
+
+
+def images(batch: int = 2, size: int = 64, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
+
+
+def image_case(model: torch.nn.Module, batch: int = 2, size: int = 64, classes: int = 10) -> Case:
+    x, y = images(batch, size, classes)
+    return Case(model, (x,), {}, cross_entropy(y))

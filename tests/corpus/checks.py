@@ -1,0 +1,171 @@
+"""What the corpus checks on each model, as functions shared by the tests and the corpus report.
+
+Every check optimizes the model one way and compares one training step (the case's loss,
+backward, every parameter gradient) with eager's, from the same RNG seed: dropout and
+drop-path draw the same masks. Buffers (BatchNorm's running statistics) are put back after
+each step, so the runs see the same state.
+
+  trace      graphopt.trace with the automatic frontend (fx, then export)
+  identity   passes=[]: bitwise equal
+  default    the default passes: bitwise equal
+  fuse       passes="fuse" (kernels under TRITON_INTERPRET=1): relative error <= 1e-5
+  inplace    passes="inplace": relative error <= 1e-5
+  precision  precision="bf16": every op in the dtype torch.autocast gives it, loss within 1e-2 of
+             autocast's
+  recompute  budget at f = 0.5 (parameters, gradients and half of the rest of the predicted step),
+             or where that is refused, the least budget the BudgetError names: relative error <= 1e-5
+Relative error is max |optimized - eager| / max |eager| over the loss and each gradient.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import graphopt
+from graphopt.memory import budget_at, estimate_peak
+from graphopt.meta import tensor_info
+from graphopt.precision_plan import autocast_dtypes, dtypes_of
+from graphopt.trace import placeholder_values
+
+from . import build
+from .case import Case
+
+EXACT = 1e-5  # float32 relative error every rewriting pass must stay within
+AUTOCAST_LOSS = 1e-2  # relative difference of the bf16 loss from torch.autocast's
+RECOMPUTE_F = 0.5
+
+
+@dataclass
+class Result:
+    status: str  # "ok", "fail" (numbers differ), "refused" (a graphopt error the check allows), "error"
+    error: float | None = None  # the figure the check compares (relative error)
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.status in ("ok", "refused")
+
+    def cell(self) -> str:
+        figure = "" if self.error is None else f" {self.error:.1e}"
+        return f"{self.status}{figure}"
+
+
+def step(module: torch.nn.Module, case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Loss and parameter gradients (by the case model's parameter names) of one training step."""
+    buffers = {name: b.detach().clone() for name, b in case.model.named_buffers()}
+    params = dict(case.model.named_parameters())
+    for p in params.values():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = case.loss(module(*case.args, **case.kwargs))
+    loss.backward()
+    result = {"loss": loss.detach().clone()}
+    result.update({f"grad[{n}]": p.grad.clone() for n, p in params.items() if p.grad is not None})
+    for p in params.values():
+        p.grad = None
+    with torch.no_grad():
+        for name, b in case.model.named_buffers():
+            b.copy_(buffers[name])
+    return result
+
+
+def relative_error(reference: dict, got: dict) -> tuple[float, str]:
+    """The largest max|got - ref| / max|ref| over the entries, and which entry it is."""
+    if reference.keys() != got.keys():
+        missing = sorted(set(reference) ^ set(got))
+        return float("inf"), f"different gradients: {', '.join(missing[:4])}"
+    worst, name = 0.0, ""
+    for key, ref in reference.items():
+        r, g = ref.double(), got[key].double()
+        scale = float(r.abs().max()) if r.numel() else 0.0
+        err = float((r - g).abs().max()) if r.numel() else 0.0
+        err = err / scale if scale > 0 else err
+        if err != err:
+            err = float("inf")
+        if err > worst:
+            worst, name = err, key
+    return worst, name
+
+
+def _compare(case: Case, optimized: torch.nn.Module, tolerance: float) -> Result:
+    err, where = relative_error(step(case.model, case), step(optimized, case))
+    status = "ok" if err <= tolerance else "fail"
+    return Result(status, err, f"worst: {where}" if err else "")
+
+
+def check_trace(case: Case) -> Result:
+    gm = graphopt.trace(case.model, case.args, case.kwargs)
+    return Result("ok", None, f"{gm.meta['graphopt_frontend']}, {len(gm.graph.nodes)} nodes")
+
+
+def check_identity(case: Case) -> Result:
+    return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes=[]), 0.0)
+
+
+def check_default(case: Case) -> Result:
+    return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs), 0.0)
+
+
+def check_fuse(case: Case) -> Result:
+    return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="fuse"), EXACT)
+
+
+def check_inplace(case: Case) -> Result:
+    return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="inplace"),
+                    EXACT)
+
+
+def check_precision(case: Case) -> Result:
+    opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, precision="bf16")
+    given = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs)
+    reference = autocast_dtypes(given, placeholder_values(given, case.args, case.kwargs), torch.bfloat16, "cpu")
+    wrong = [f"{n.name}: {dtypes_of(tensor_info(n))} != autocast {reference[n.name]}"
+             for n in opt.graph.nodes if n.name in reference and dtypes_of(tensor_info(n)) != reference[n.name]]
+    if wrong:
+        return Result("fail", None, f"{len(wrong)} ops in other dtypes than autocast's: {'; '.join(wrong[:3])}")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = step(case.model, case)["loss"]
+    got = step(opt, case)["loss"]
+    diff = float((got.double() - expected.double()).abs() / expected.double().abs().clamp_min(1e-12))
+    return Result("ok" if diff <= AUTOCAST_LOSS else "fail", diff, "loss against torch.autocast's")
+
+
+def recompute_budget(case: Case, f: float = RECOMPUTE_F) -> float:
+    """The budget in GB at f: parameters and gradients, and f of the rest of the predicted step."""
+    gm = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs)
+    return budget_at(estimate_peak(gm, placeholder_values(gm, case.args, case.kwargs)), f)
+
+
+def check_recompute(case: Case) -> Result:
+    budget, refused = recompute_budget(case), ""
+    try:
+        opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget)
+    except graphopt.BudgetError as e:  # then at the least budget it says it meets
+        refused, budget = f"f={RECOMPUTE_F} refused, at the least budget: ", e.min_budget_gb
+        opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget)
+    result = _compare(case, opt, EXACT)
+    stats = opt.graphopt_report.passes[-1].stats
+    result.detail = (f"{refused}budget {budget * 1e3:.2f} MB, {stats.get('recomputed_nodes', 0)} nodes recomputed; "
+                     + result.detail)
+    return result
+
+
+CHECKS = {
+    "trace": check_trace, "identity": check_identity, "default": check_default, "fuse": check_fuse,
+    "inplace": check_inplace, "precision": check_precision, "recompute": check_recompute,
+}
+
+
+def run(name: str, check: str) -> Result:
+    """Build corpus model `name` afresh and run one check on it; a graphopt error is a result too."""
+    case = build(name)
+    start = time.perf_counter()
+    try:
+        result = CHECKS[check](case)
+    except Exception as e:  # the report shows every failure; the tests re-raise through Result.detail
+        result = Result("error", None, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    result.seconds = time.perf_counter() - start
+    return result
