@@ -5,8 +5,9 @@ An op's mode (what it does with its floating inputs):
   low      every floating input cast to the low dtype     (the registry's "lower" class)
   fp32     every floating input cast to float32           ("fp32")
   promote  every floating input cast to the widest one    ("promote")
-  follow   inputs as they come, the op's own promotion    (None, and ops the registry does not know:
-                                                          autocast leaves them alone too)
+  follow   inputs as they come, the op's own promotion    (None: autocast leaves them alone too)
+  autocast inputs as they come, the call run under         (ops the registry does not know, on tensors:
+           torch.autocast itself                          what they hold only autocast can cast)
   check    not run: an assertion the trace recorded (the pass restates the dtypes it names)
   original inputs in the dtypes of the original graph     (a node that rejects the others on
                                                           FakeTensors, or a module the pass cannot rewrite)
@@ -84,16 +85,12 @@ def _has_kernel(overload, key: str) -> bool:
         return False
 
 
-def _is_check(op) -> bool:
-    return op is not None and op.side_effect and op.output == "none"
-
-
 def op_mode(node: torch.fx.Node, gm: torch.fx.GraphModule, device: str, policy: dict[str, str]) -> str:
     """What the node does with its floating inputs: one of MODES, or "check"."""
     op = ops.lookup(node, gm)
     if op is None:
-        return "follow"
-    if _is_check(op):
+        return "autocast" if any(tensor_info(n) is not None for n in (node, *node.all_input_nodes)) else "follow"
+    if op.is_check:
         return "check"
     for name in (op.name, VARIANT_OF.get(op.name)):
         if name in policy:
@@ -117,7 +114,7 @@ class Plan:
 
 def _wanted(mode: str, inputs: dict, low: torch.dtype, original: dict) -> dict:
     floats = {n: v.dtype for n, v in inputs.items() if isinstance(v, torch.Tensor) and v.dtype in ELIGIBLE}
-    if mode == "follow":
+    if mode in ("follow", "autocast"):
         return {}
     if mode == "original":
         return {n: original[n] for n, d in floats.items() if n in original and original[n] != d}
@@ -135,9 +132,9 @@ def _wanted(mode: str, inputs: dict, low: torch.dtype, original: dict) -> dict:
 class _Planner(torch.fx.Interpreter):
     """Runs the graph on FakeTensors, casting each node's fake inputs as its mode asks."""
 
-    def __init__(self, gm, plan: Plan, modes: dict, low: torch.dtype, original: dict):
+    def __init__(self, gm, plan: Plan, modes: dict, low: torch.dtype, original: dict, device: str):
         super().__init__(gm, garbage_collect_values=False)
-        self.plan, self.modes, self.low, self.original = plan, modes, low, original
+        self.plan, self.modes, self.low, self.original, self.device = plan, modes, low, original, device
 
     def run_node(self, n):
         if n.op not in ("call_function", "call_method", "call_module"):
@@ -151,7 +148,11 @@ class _Planner(torch.fx.Interpreter):
         inputs = {x: self.env[x] for x in n.all_input_nodes}
         casts = _wanted(mode, inputs, self.low, self.original)
         try:
-            value = self._call(n, casts)
+            if mode == "autocast":
+                with torch.autocast(self.device, dtype=self.low):
+                    value = self._call(n, casts)
+            else:
+                value = self._call(n, casts)
         except Exception as e:  # the op does not take these dtypes: it keeps the original ones
             self.plan.declined[n.name] = f"{mode} inputs rejected ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
             mode, casts = "original", _wanted("original", inputs, self.low, self.original)
@@ -170,7 +171,7 @@ class _Planner(torch.fx.Interpreter):
         return getattr(self, n.op)(n.target, args, kwargs)
 
 
-def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: dict) -> Plan:
+def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: dict, device: str) -> Plan:
     """Where the graph needs casts so that each node runs in its mode, and every node's dtype after.
 
     `modes` maps each call node to its mode (op_mode). The original input dtypes, for "original"
@@ -185,7 +186,7 @@ def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: d
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
     with _fake_state(gm, fake_mode), fake_mode:
-        _Planner(gm, result, modes, low, original).run(*fake_inputs)
+        _Planner(gm, result, modes, low, original, device).run(*fake_inputs)
     return result
 
 
@@ -213,7 +214,7 @@ def autocast_dtypes(gm: torch.fx.GraphModule, flat_inputs: list, dtype: torch.dt
             seen[n.name] = dtypes_of(value)
             return value
 
-    checks = {n for n in gm.graph.nodes if _is_check(ops.lookup(n, gm))}
+    checks = {n for n in gm.graph.nodes if (op := ops.lookup(n, gm)) is not None and op.is_check}
     with torch.autocast(device, dtype=dtype):
         Record(gm).run(*flat_inputs)
     return seen

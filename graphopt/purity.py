@@ -1,8 +1,9 @@
 """Which nodes change state beyond their result, from the registry alone (an analysis).
 
-Opaque calls may have side effects; mutating and asserting ops write state; a module with
-buffers updates them in training (BatchNorm's running statistics). Such a node must run
-exactly once: cleanups may not merge or remove it, and recompute may not run it again.
+Opaque calls may have side effects; mutating ops write state; a module with buffers updates
+them in training (BatchNorm's running statistics). Such a node must run exactly once:
+cleanups may not merge or remove it, and recompute may not run it again. An assertion
+(`torch._assert`) writes nothing: it may run again, only dead-code elimination keeps it.
 Random ops change no state but draw from the RNG: cleanups keep them (dropout masks would
 change), recompute may run them again (torch.utils.checkpoint replays the RNG state).
 """
@@ -20,6 +21,8 @@ def state_effect(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     op = ops.lookup(node, gm)
     if op is None:
         return "opaque op (the registry does not know it): it may have side effects"
+    if op.is_check:
+        return None
     if op.mutates or op.side_effect:
         return f"{op.name} writes state"
     if node.op == "call_module":
@@ -42,4 +45,5 @@ def is_impure(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
         return True
     if node.op == "get_attr":
         return False
-    return pure_op(node, gm) is None or node.is_impure()
+    op = pure_op(node, gm)
+    return op is None or op.is_check or node.is_impure()

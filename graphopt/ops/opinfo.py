@@ -27,6 +27,11 @@ class OpInfo:
     aliases: bool = False  # the result may share storage with an input (views, and casts that are no-ops)
     output: str = "tensor"  # what the node produces: one of OUTPUTS
 
+    @property
+    def is_check(self) -> bool:
+        """An assertion: it writes nothing and may run again, but must not be dropped."""
+        return self.side_effect and self.output == "none"
+
     def __post_init__(self):
         assert self.kind in KINDS, (self.name, self.kind)
         assert self.precision in PRECISION_CLASSES + (None,), (self.name, self.precision)

@@ -11,9 +11,17 @@ Algorithm:
   4. Check the rewrite on the node's FakeTensor inputs: the callable must accept the
      arguments and produce the same shape, dtype and stride; otherwise skip it and say why.
   5. Rewrite the node in place: its name, metadata and source location stay.
+  6. Functionalize: an in-place op (the registry's twin of an out-of-place op: `x.relu_()`,
+     `nn.SiLU(inplace=True)`, `F.relu(x, inplace=True)`, `x.add_(y)`, aten.hardswish_) that
+     writes into a tensor x no one else can see (aliases.py: x is one tensor the graph made,
+     not an input, parameter or buffer nor a view of one, and every other tensor sharing its
+     storage is dead by then) becomes its out-of-place op, checked on FakeTensors as in step 4;
+     later readers of x read the result instead. Eager computes the same values either way, and
+     later passes see a pure op: cse may merge it, fuse may take it in, recompute may run it
+     again; the inplace pass puts writes back where autograd allows.
 
-Modules with parameters or buffers, and random or mutating ops, keep their spelling:
-their state and train/eval behaviour live in the module.
+Modules with parameters or buffers, and random ops, keep their spelling: their state and
+train/eval behaviour live in the module.
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .. import ops
+from .. import meta, ops
+from ..aliases import Aliases
 from .base import Pass, PassContext, PassResult
 from .registry import register
 
@@ -71,6 +80,58 @@ def _is_operator(target) -> bool:
     return getattr(target, "__module__", None) in ("_operator", "operator") and target is not operator.getitem
 
 
+def _out_of_place(node: torch.fx.Node, gm: torch.fx.GraphModule, op):
+    """The out-of-place call for an in-place node: (target, args, kwargs), or None."""
+    pure = ops.canonical_ops().get(op.inplace_of)
+    if pure is None:
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):  # aten graphs stay aten: the same overload, out of place
+        packet = getattr(torch.ops.aten, pure.name, None)
+        overload = getattr(packet, node.target._overloadname, None) if packet is not None else None
+        return (overload, node.args, dict(node.kwargs)) if overload is not None else None
+    fn = _canonical_callable(pure)
+    bound = ops.bind(node, gm)
+    if fn is None or bound is None:
+        return None
+    return fn, tuple(bound.operands), dict(bound.params)
+
+
+def _functionalize(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
+    """Step 6: (rewritten ops by name, {node: why it stays in place})."""
+    aliases = Aliases(gm)
+    rewritten, kept = {}, {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        op = ops.lookup(node, gm)
+        if op is None or not op.inplace_of:
+            continue
+        call = _out_of_place(node, gm, op)
+        if call is None:
+            kept[node.name] = f"{op.name} has no out-of-place call in torch"
+            continue
+        target, args, kwargs = call
+        x = args[0] if args else None
+        if not isinstance(x, torch.fx.Node):
+            kept[node.name] = "its first operand is not a graph tensor"
+            continue
+        why = aliases.why_not_private(x, node)
+        if why is None and not _same_result(target, args, kwargs, node):
+            why = "its out-of-place form gives another shape, dtype or strides"
+        if why is not None:
+            kept[node.name] = why
+            continue
+        for user in list(x.users):
+            if order[user] > order[node]:  # they read x after the write: its new value is the result
+                user.replace_input_with(x, node)
+        node.op, node.target, node.args, node.kwargs = "call_function", target, tuple(args), kwargs
+        rewritten.setdefault(op.inplace_of, []).append(node)
+    for node in (n for nodes in rewritten.values() for n in nodes):
+        meta.invalidate(node)  # its FakeTensor still aliases x (its shape served the checks above): re-annotate
+    return {name: len(nodes) for name, nodes in rewritten.items()}, kept
+
+
 @register
 class Normalize(Pass):
     """Rewrite Tensor methods, operators and stateless leaf modules into torch functions."""
@@ -113,5 +174,8 @@ class Normalize(Pass):
             node.op, node.target = "call_function", fn
             node.args, node.kwargs = tuple(args), kwargs
             rewritten[op.name] = rewritten.get(op.name, 0) + 1
-        changed = bool(rewritten)
-        return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped})
+        # Step 6
+        functional, in_place = _functionalize(gm)
+        changed = bool(rewritten or functional)
+        return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped,
+                                        "functionalized": functional, "kept_in_place": in_place})

@@ -6,8 +6,9 @@ Options: dtype (bf16 or fp16, the low precision) and policy (per-op overrides, e
 Algorithm:
   1. Give every call node its mode (precision_plan.op_mode): the op's autocast class from the
      registry, as autocast on the graph's device applies it (CPU autocast lists fewer ops than
-     CUDA's), unless the policy names the op. Ops the registry does not know run in
-     whatever dtype their inputs have, as under autocast.
+     CUDA's), unless the policy names the op. A call the registry does not know (an opaque
+     function or leaf module) runs under torch.autocast itself (runtime/autocast.py): what
+     it holds, only autocast knows how to cast.
   2. A module whose own parameters its mode would cast (nn.Linear, nn.Conv2d in low precision)
      becomes a call of the op's torch function on get_attr parameters, checked on
      FakeTensors; one that cannot be rewritten keeps its inputs' original dtypes, as does
@@ -19,7 +20,8 @@ Algorithm:
      gradient comes back in float32 through the cast; a source is traced back through casts
      that lose nothing, so back-to-back casts fold; a source that already has the dtype is
      used as it is. Casts the user wrote stay; outputs keep the dtype their op produced.
-     Assertions the trace recorded about a tensor's dtype are restated for its new dtype.
+     Assertions the trace recorded about a tensor's dtype are restated for its new dtype;
+     calls in autocast mode become calls under torch.autocast.
   5. Mark each node's dtype in the dumps, invalidate the metadata of nodes whose dtype
      changed, tell the verifier the compute dtype, and report casts, ops per dtype and the
      activation bytes before and after.
@@ -38,6 +40,7 @@ from ..dump import note
 from ..errors import OptionError
 from ..meta import TensorInfo, invalidate, tensor_info
 from ..precision_plan import ELIGIBLE, LOW, MODES, graph_device, op_mode, plan, short
+from ..runtime.autocast import under_autocast
 from .base import Option, Pass, PassContext, PassResult
 from .normalize import _canonical_callable
 from .registry import register
@@ -229,7 +232,7 @@ class Precision(Pass):
                 as_functions += node.target != target
         before = {n: tensor_info(n) for n in gm.graph.nodes}
         # Step 3
-        p = plan(gm, ctx.flat_inputs(gm), low, modes)
+        p = plan(gm, ctx.flat_inputs(gm), low, modes, device)
         declined.update(p.declined)
         dtypes = {n: _floating_dtype(info) for n, info in p.infos.items()}
         # Step 4
@@ -238,6 +241,9 @@ class Precision(Pass):
             for value, dtype in wanted.items():
                 node.replace_input_with(value, casts.get(value, dtype, node))
         restated = sum(_restate_assertion(gm, n, dtypes) for n, m in p.modes.items() if m == "check")
+        autocast = [n for n, m in p.modes.items() if m == "autocast"]
+        for node in autocast:
+            under_autocast(node, gm, device, low)
         # Step 5
         by_dtype: dict[str, int] = {}
         for node in calls:
@@ -254,7 +260,7 @@ class Precision(Pass):
             "dtype": short(low), "autocast_device": device, "casts_inserted": inserted,
             "param_casts": casts.counts["params"], "activation_casts": casts.counts["activations"],
             "casts_reused": casts.counts["reused"], "casts_folded": casts.counts["folded"],
-            "modules_as_functions": as_functions,
+            "modules_as_functions": as_functions, "under_autocast": [n.name for n in autocast],
             "assertions_restated": restated,
             "ops_by_dtype": by_dtype, "modes": dict(Counter(p.modes.values())),
             "activation_bytes_before": act_before, "activation_bytes_after": act_after,
@@ -262,7 +268,7 @@ class Precision(Pass):
         }
         if policy:
             stats["policy"] = self.settings["policy"]
-        return PassResult(gm, bool(inserted or as_functions or restated), stats)
+        return PassResult(gm, bool(inserted or as_functions or restated or autocast), stats)
 
 
 def _nbytes(info) -> int:

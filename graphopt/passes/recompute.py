@@ -79,23 +79,38 @@ def _fraction(value) -> float:
 
 def _hoist_state_writes(gm: torch.fx.GraphModule) -> int:
     """Move each node that cannot be recomputed but reads only placeholders and attributes
-    (torch.export's num_batches_tracked.add_(1) beside each batch norm) up to where its inputs
-    exist, when no node in between reads them: segments are then not cut around it."""
+    (num_batches_tracked.add_(1) beside each batch norm, from export or a BatchNorm written in
+    Python) up to the last placeholder it reads, with the attribute reads it needs, when no
+    node in between reads them: segments are then not cut around it."""
     moved = 0
     nodes = list(gm.graph.nodes)
+    start = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
     for k, n in enumerate(nodes):
         if n.op not in ("call_function", "call_method") or recomputable(n, gm) is None or n.users:
             continue
         inputs = n.all_input_nodes
         if not inputs or any(i.op not in ("placeholder", "get_attr") for i in inputs):
             continue
-        place = max(nodes.index(i) for i in inputs)
-        if any(i in m.all_input_nodes for m in nodes[place + 1:k] for i in inputs):
+        place = max([start] + [nodes.index(i) for i in inputs if i.op == "placeholder"])
+        state = {i.target for i in inputs if i.op == "get_attr"}
+        if any(i in inputs or (i.op == "get_attr" and i.target in state)
+               for m in nodes[place + 1:k] for i in m.all_input_nodes):
             continue
-        if place + 1 < k:
-            nodes[place].append(n)
-            nodes.insert(place + 1, nodes.pop(k))
-            moved += 1
+        movers = [i for i in inputs if i.op == "get_attr" and nodes.index(i) > place] + [n]
+        if nodes.index(movers[0]) == place + 1 and all(nodes.index(m) == place + 1 + j for j, m in enumerate(movers)):
+            continue  # already there
+        anchor = nodes[place] if place >= 0 else None
+        for m in movers:
+            nodes.remove(m)
+            if anchor is None:
+                next(iter(gm.graph.nodes)).prepend(m)
+                nodes.insert(0, m)
+            else:
+                anchor.append(m)
+                nodes.insert(nodes.index(anchor) + 1, m)
+            anchor = m
+            place = nodes.index(m)
+        moved += 1
     return moved
 
 
@@ -244,9 +259,10 @@ class _Search:
         smallest estimate seen) when even the costliest is over."""
         fits = lambda k: self.estimate(k).peak_bytes <= target  # noqa: E731
         last = len(self.candidates) - 1
-        if last < 0 or not fits(last):
-            seen = [self.estimates[k] for k in sorted(self.estimates)]
-            return None, min(seen, key=lambda e: e.peak_bytes) if seen else None
+        if last < 0:  # nothing may be recomputed: the step as it is is the least
+            return None, estimate_peak(self.gm, self.inputs)
+        if not fits(last):
+            return None, min(self.estimates.values(), key=lambda e: e.peak_bytes)
         lo, hi = 0, last  # candidates[hi] fits
         while lo < hi:
             mid = (lo + hi) // 2

@@ -29,15 +29,15 @@ def regnet_y_400mf():
 
 def swin_t():
     # swin_t's own layout (patch 4, window 7, stochastic depth) at a width and depth that run in a second
-    from torchvision.models.swin_transformer import SwinTransformer
     _models()
+    from torchvision.models.swin_transformer import SwinTransformer
     return image_case(SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2], num_heads=[2, 4],
                                       window_size=[7, 7], stochastic_depth_prob=0.2, num_classes=10))
 
 
 def convnext_tiny():
-    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
     _models()
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
     settings = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, None, 1)]
     return image_case(ConvNeXt(settings, stochastic_depth_prob=0.1, num_classes=10))
 
