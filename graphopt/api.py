@@ -84,7 +84,8 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
                  if base == arg and refinements[a] not in (None, False)}
         if arg == "stages":
             extra = stage_options
-        pipeline.append(passes_pkg.get(pass_name)(**{option: value}, **extra))
+        passes_pkg.insert_in_order(pipeline, passes_pkg.get(pass_name)(**{option: value}, **extra))
+    passes_pkg.check_order(pipeline)
     return pipeline
 
 

@@ -266,15 +266,25 @@ class _Unfaithful(TraceError):
     """The model does something no frontend replays as eager does: no other frontend is tried."""
 
 
+class _Annotator(FakeTensorProp):
+    """FakeTensorProp, recording each node's TensorInfo from its live result: meta["val"] is a
+    detached snapshot, which would say no tensor requires grad."""
+
+    def run_node(self, n: torch.fx.Node):
+        result = super().run_node(n)
+        meta.record(n, result)
+        n.meta[meta.ANNOTATED] = True
+        return result
+
+
 def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
     """Record a TensorInfo on every node by running the graph on FakeTensors."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
-    with _fake_state(gm, mode):
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
     for node in gm.graph.nodes:
-        meta.record(node, node.meta.get("val"))
-        node.meta[meta.ANNOTATED] = True
+        node.meta.pop(meta.ANNOTATED, None)
+    with _fake_state(gm, mode), torch.enable_grad():
+        _Annotator(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
 
 
 _FRONTENDS = {"fx": _trace_fx, "export": _trace_export}
@@ -304,7 +314,7 @@ def trace(
             annotate(gm, placeholder_values(gm, args, kwargs))
             _check_write_backs(gm)
         except Exception as e:  # each frontend's failure is reported, the next one tried
-            reasons[name] = _first_line(e)
+            reasons[name] = str(e) if isinstance(e, TraceError) else _first_line(e)
             if isinstance(e, _Unfaithful):
                 break
             continue

@@ -166,7 +166,8 @@ def test_user_casts_are_kept_and_back_to_back_casts_fold():
     written = {n.name: n.target for n in given.graph.nodes if (op := ops.lookup(n, given)) and op.name == "to_dtype"}
     opt = graphopt.optimize(model, (x,), precision="bf16")
     kept = {n.name: n for n in opt.graph.nodes}
-    assert len(written) == 3 and all(kept[name].target == target for name, target in written.items())
+    # h.float() twice: cse leaves differentiated values unmerged in training
+    assert len(written) == 4 and all(kept[name].target == target for name, target in written.items())
     # fc2 reads fc1's bf16 output: bf16 -> float32 (the user's) -> bf16 (autocast's) folds away
     fc2 = kept["fc2"]
     assert fc2.args[0] is kept["fc1"]

@@ -4,7 +4,7 @@
     available()                          ->  {name: Pass class}
 """
 from .base import Option, Pass, PassContext, PassResult
-from .registry import available, get, parse_pipeline, register
+from .registry import available, check_order, get, insert_in_order, parse_pipeline, register
 
 # Importing a pass module registers it; only implemented passes are listed.
 from . import normalize, cse, dce, recompute, fuse  # noqa: E402,F401

@@ -87,6 +87,9 @@ class Pass:
 
     name: ClassVar[str]
     options: ClassVar[dict[str, Option]] = {}
+    # Passes that must run before this one when both are in a pipeline, each with the reason:
+    # what they rewrite would change what this one decided (the pass manager checks it).
+    runs_after: ClassVar[dict[str, str]] = {}
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.options))

@@ -4,7 +4,10 @@ Algorithm:
   1. Find the values that something mutates or hands to an opaque call: an op reading
      them may see different data at different points, so nothing reading them merges.
   2. Walk the graph in order, keying each pure node (purity.py) by its target and
-     its arguments (nodes by identity, containers and slices made hashable).
+     its arguments (nodes by identity, containers and slices made hashable). In training,
+     a value autograd differentiates stays unmerged: one node's backward fed the sum of two
+     gradients rounds differently from two backwards summed (T5's position bias), and
+     cleanups keep eager's numbers bitwise. Index arithmetic, masks and positions merge.
   3. A node whose key was seen before is replaced by the earlier node.
   4. Report merged nodes by op.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch.fx
 
 from .. import ops
+from ..meta import tensor_info
 from .base import Pass, PassContext, PassResult
 from ..purity import pure_op
 from .registry import register
@@ -29,6 +33,12 @@ def _key(value):
         return ("node", id(value))
     hash(value)  # unhashable constants raise TypeError: that node is not merged
     return (type(value).__name__, value)
+
+
+def _differentiated(node: torch.fx.Node) -> bool:
+    info = tensor_info(node)
+    infos = info if isinstance(info, tuple) else (info,)
+    return any(i is not None and i.requires_grad for i in infos)
 
 
 def _unsafe_values(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
@@ -55,7 +65,7 @@ class CommonSubexpressionElimination(Pass):
         # Step 2
         for node in list(gm.graph.nodes):
             op = pure_op(node, gm)
-            if op is None or any(n in unsafe for n in node.all_input_nodes):
+            if op is None or any(n in unsafe for n in node.all_input_nodes) or (ctx.train and _differentiated(node)):
                 continue
             try:
                 key = (node.op, node.target if isinstance(node.target, str) else id(node.target),

@@ -102,6 +102,8 @@ class Inplace(Pass):
     """Run elementwise ops in place when their input's storage is dead and autograd allows it."""
 
     name = "inplace"
+    runs_after = {"precision": "an in-place write keeps its target's dtype, so a write decided in float32 and "
+                          "narrowed to bf16/fp16 afterwards rounds what torch.autocast keeps in float32"}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         inputs = ctx.flat_inputs(gm)

@@ -1,6 +1,6 @@
 """The pass manager: runs passes and owns everything around them.
 
-For each pass: run it, then lint and recompile the graph it returns (re-annotating it when
+The order of the passes is checked first (Pass.runs_after). For each pass: run it, then lint and recompile the graph it returns (re-annotating it when
 it has nodes without metadata), time it, optionally verify its numbers against the eager model, and record a report row and
 the dumps. Passes themselves only rewrite and report stats.
 """
@@ -18,6 +18,7 @@ from ..meta import is_annotated
 from ..trace import annotate
 from ..verify import TOLERANCE, compare, run_step
 from .base import Pass, PassContext
+from .registry import check_order
 
 
 def _count(gm: torch.fx.GraphModule) -> int:
@@ -26,6 +27,7 @@ def _count(gm: torch.fx.GraphModule) -> int:
 
 class PassManager:
     def __init__(self, passes: list[Pass], *, verify: bool = False, dumper: Dumper | None = None):
+        check_order(passes)
         self.passes = list(passes)
         self.verify = verify
         self.dumper = dumper

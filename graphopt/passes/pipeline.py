@@ -105,6 +105,8 @@ class Pipeline(Pass):
     """Cut the graph into balanced pipeline stages (stage_0 ... stage_{N-1})."""
 
     name = "pipeline"
+    runs_after = {name: "the plan is made for the memory of the graph it is given, which " + name + " changes"
+                  for name in ("fuse", "inplace", "precision", "recompute")}
     options = {
         "stages": Option(None, count, "number of pipeline stages"),
         "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),

@@ -129,6 +129,8 @@ class Recompute(Pass):
     """Recompute the cheapest activations in backward so a training step fits budget_gb."""
 
     name = "recompute"
+    runs_after = {name: "the plan is made for the memory of the graph it is given, which " + name + " changes"
+                  for name in ("fuse", "inplace", "precision")}
     options = {
         "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
         # The estimate is within a few percent of a measured step, not exact: plans aim below.

@@ -33,6 +33,23 @@ def get(name: str) -> type[Pass]:
         raise OptionError(f"unknown pass {name!r}; available passes: {', '.join(sorted(_PASSES))}.") from None
 
 
+def check_order(passes: list[Pass]) -> None:
+    """Raise OptionError when a pass comes before one it must run after (Pass.runs_after)."""
+    position = {p.name: i for i, p in enumerate(passes)}
+    for i, p in enumerate(passes):
+        for earlier, why in p.runs_after.items():
+            if position.get(earlier, -1) > i:
+                raise OptionError(
+                    f"pass {p.name!r} comes before {earlier!r} in the pipeline, but must run after it: {why}. "
+                    f"Put {earlier!r} first.")
+
+
+def insert_in_order(passes: list[Pass], new: Pass) -> None:
+    """Add `new` before the first pass that must run after it, else at the end."""
+    at = next((i for i, p in enumerate(passes) if new.name in p.runs_after), len(passes))
+    passes.insert(at, new)
+
+
 def _split_top(text: str) -> list[str]:
     """Split on commas outside braces."""
     parts, depth, cur = [], 0, ""
