@@ -50,10 +50,29 @@ def preserved_state(module: torch.nn.Module):
 
 
 @contextlib.contextmanager
+def preserved_inputs(inputs):
+    """Save and restore the gradients and values of the input tensors around trial runs: an
+    input that requires grad collects one, and a forward may write into its inputs."""
+    tensors = list({id(t): t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}.values())
+    saved = [(t, t.grad, t._version, t.detach().clone()) for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, grad, version, value in saved:
+                if t._version != version:
+                    t.copy_(value)
+        for t, grad, *_ in saved:
+            if t.is_leaf:
+                t.grad = grad
+
+
+@contextlib.contextmanager
 def trial_run(module: torch.nn.Module, inputs=()):
-    """Run `module` for a measurement and leave no trace: gradients and buffers (preserved_state)
-    and the RNG of the CPU and of the CUDA devices `inputs` are on, as they were."""
-    with preserved_state(module), torch.random.fork_rng(devices=_devices(inputs, {})):
+    """Run `module` for a measurement and leave no trace: gradients and buffers (preserved_state),
+    the input tensors' gradients and values (preserved_inputs), and the RNG of the CPU and of
+    the CUDA devices `inputs` are on, as they were."""
+    with preserved_state(module), preserved_inputs(inputs), torch.random.fork_rng(devices=_devices(inputs, {})):
         yield
 
 

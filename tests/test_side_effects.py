@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import graphopt
+from graphopt.memory import budget_at, estimate_peak
+from graphopt.trace import placeholder_values
 
 
 class EMA(torch.nn.Module):
@@ -54,3 +56,37 @@ def test_a_buffer_rebound_to_another_dtype_is_refused_and_left_untouched(fronten
         graphopt.optimize(model, (torch.randn(2),), frontend=frontend)
     assert "export" not in e.value.reasons
     assert model.steps.dtype == torch.long and int(model.steps) == 0
+
+
+class Scales(torch.nn.Module):
+    """Writes into an input (a user's choice eager honours once per call), has BatchNorm and
+    dropout, and activations enough for the recompute pass to plan (and so measure)."""
+
+    def __init__(self, width=64, depth=6):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width),
+                                                              torch.nn.GELU(), torch.nn.Dropout(0.3))
+                                          for _ in range(depth)])
+
+    def forward(self, x, count):
+        count.add_(1)
+        return self.body(x) + x * count
+
+
+@pytest.mark.parametrize("options", [dict(verify=True), dict(calibrate=True), dict(profile=True)],
+                         ids=["verify", "calibrate", "profile"])
+def test_what_graphopt_runs_for_itself_leaves_no_trace(options):
+    model = Scales()
+    x, count = torch.randn(512, 64, requires_grad=True), torch.zeros(())
+    if "verify" not in options:  # a budget the recompute pass meets by recomputing: it measures
+        traced = graphopt.trace(model, (x, count))
+        options["budget_gb"] = budget_at(estimate_peak(traced, placeholder_values(traced, (x, count), {})), 0.6)
+    x_before, state_before = x.detach().clone(), copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    opt = graphopt.optimize(model, (x, count), passes=[], **options)
+    if "verify" not in options:
+        assert opt.graphopt_report.passes[-1].stats["recomputed_nodes"] > 0
+    assert x.grad is None and torch.equal(x.detach(), x_before) and float(count) == 0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, state_before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
