@@ -4,25 +4,47 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+# The real-model corpus (tests/corpus). timm without its declared dependencies: it asks for
+# torchvision, which pip would take as a CUDA build of torch. torchvision is the release made
+# for torch 2.13, installed outside site-packages (tests/corpus/vision_import.py says why).
+TIMM        := timm==1.0.31
+TORCHVISION := torchvision==0.28.0
+
+.PHONY: demo test test-real fuzz corpus bench clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet -e ".[test,viz]"
+	$(PY) -m pip install --quiet --no-deps $(TIMM)
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/torchvision $(TORCHVISION)
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m graphopt demo
 
-# Unit tests, then the benchmark suite in quick mode so it cannot rot.
+# Unit tests (the real-model corpus's quick subset included), then the benchmark suite in
+# quick mode so it cannot rot. Property tests draw the same examples every run (tests/hypothesis_profiles.py).
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest tests -q
 	$(PY) -m pytest bench -q --benchmark-disable -p no:cacheprovider -o testpaths=bench --quick
+
+# Every check on every model of the real-model corpus, and every pair of passes on more of them.
+test-real: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m realmodels --corpus=all
+
+# Property tests with new draws (SEED=N for a given one), 5x as many; failures replay from .hypothesis/.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz TRITON_INTERPRET=1 $(PY) -m pytest tests -m hypothesis -q -p no:cacheprovider \
+		--hypothesis-show-statistics $(if $(SEED),--hypothesis-seed=$(SEED))
+
+# The corpus table: model x check, errors and times (bench/corpus_report.py).
+corpus: $(STAMP)
+	$(PY) bench/corpus_report.py
 
 bench: $(STAMP)
 	$(PY) -m pytest bench -q -o testpaths=bench --benchmark-columns=min,median,max,rounds --benchmark-sort=name
 
 clean:
-	rm -rf $(VENV) graphopt-dump .pytest_cache .benchmarks
+	rm -rf $(VENV) graphopt-dump .pytest_cache .benchmarks .hypothesis

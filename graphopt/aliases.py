@@ -13,7 +13,11 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .meta import is_annotated
-from .saved import storage_key
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind t (views of one tensor share it)."""
+    return t.untyped_storage()._cdata
 
 
 class Aliases:
@@ -29,6 +33,10 @@ class Aliases:
             self.storages[node] = keys
             for key in keys:
                 self.members.setdefault(key, []).append(node)
+
+    def sharing(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """The nodes whose tensors share a storage with node's (node included)."""
+        return list(dict.fromkeys(m for key in self.storages.get(node, ()) for m in self.members[key]))
 
     def sole_storage(self, node: torch.fx.Node) -> int | None:
         keys = self.storages.get(node, set())

@@ -32,7 +32,7 @@ import torch.fx
 
 from . import codegen, ops
 from .meta import TensorInfo, tensor_info
-from .purity import CALLS, state_effect
+from .purity import CALLS, reads_attribute, may_write, state_effect, written_values
 
 CYCLE = "would create a cycle (path {path})"
 
@@ -81,30 +81,6 @@ def _is_dropout_identity(op, params) -> bool:
         params["train"] is False or params.get("p") == 0)
 
 
-def _reads_attribute(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is getattr  # x.shape, x.dtype: metadata only
-
-
-def may_write(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
-    """Whether the node may write a tensor: a mutating op, or an opaque call that is given one."""
-    if node.op not in CALLS or _reads_attribute(node):
-        return False
-    op = ops.lookup(node, gm)
-    if op is not None:
-        return op.mutates
-    return any(tensor_info(v) is not None for v in node.all_input_nodes)  # Python arithmetic on sizes: no
-
-
-def _written_values(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
-    """Values a node that may write memory gets, with that node's name."""
-    written = {}
-    for node in gm.graph.nodes:
-        if may_write(node, gm):
-            for value in node.all_input_nodes:
-                written.setdefault(value, node.name)
-    return written
-
-
 def _one_step(op: str, operands, params) -> tuple[codegen.Group, list[torch.fx.Node]]:
     inputs = list(dict.fromkeys(v for v in operands if isinstance(v, torch.fx.Node)))
     args = tuple(("input", inputs.index(v)) if isinstance(v, torch.fx.Node) else v for v in operands)
@@ -113,7 +89,7 @@ def _one_step(op: str, operands, params) -> tuple[codegen.Group, list[torch.fx.N
 
 def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Member | str:
     """Step 1 for one call node: a Member, or the reason it cannot be one."""
-    if _reads_attribute(node):
+    if reads_attribute(node):
         return "reads a tensor attribute"
     effect = state_effect(node, gm)
     if effect is not None:
@@ -290,7 +266,7 @@ def _neighbours(nodes: list, reasons: dict, refused: dict) -> dict[str, str]:
 def find_groups(gm: torch.fx.GraphModule) -> Fusion:
     """Groups of elementwise nodes that can become one fused kernel each (see the module docstring)."""
     # Step 1
-    written = _written_values(gm)
+    written = written_values(gm)
     members, reasons = {}, {}
     for node in gm.graph.nodes:
         if node.op not in CALLS:

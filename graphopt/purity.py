@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch.fx
 
 from . import ops
+from .aliases import Aliases
+from .meta import tensor_info
 
 CALLS = ("call_function", "call_method", "call_module")
 
@@ -47,3 +49,30 @@ def is_impure(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
         return False
     op = pure_op(node, gm)
     return op is None or op.is_check or node.is_impure()
+
+
+def reads_attribute(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is getattr  # x.shape, x.dtype: metadata only
+
+
+def may_write(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether the node may write a tensor: a mutating op, or an opaque call that is given one."""
+    if node.op not in CALLS or reads_attribute(node):
+        return False
+    op = ops.lookup(node, gm)
+    if op is not None:
+        return op.mutates
+    return any(tensor_info(v) is not None for v in node.all_input_nodes)  # Python arithmetic on sizes: no
+
+
+def written_values(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """Values whose storage a node that may write memory gets, with that node's name: the values it
+    is given, and every value sharing their storage (a view of them, what they are a view of)."""
+    aliases = Aliases(gm)
+    written = {}
+    for node in gm.graph.nodes:
+        if may_write(node, gm):
+            for value in node.all_input_nodes:
+                for m in [value, *aliases.sharing(value)]:
+                    written.setdefault(m, node.name)
+    return written

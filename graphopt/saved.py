@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .aliases import storage_key
 from .checkpointing import RecomputeSegment, keeps_output
 
 
@@ -33,11 +34,6 @@ class Saved:
     owner: str       # the node (or state name) whose storage it is; the saving node itself for internal ones
     storage: int     # identity of the storage, to count shared storages once
     nbytes: int      # bytes of the whole storage
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of the storage behind t (views of one tensor share it)."""
-    return t.untyped_storage()._cdata
 
 
 @dataclass

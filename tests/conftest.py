@@ -3,6 +3,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import hypothesis_profiles  # noqa: E402, F401  (loads the profile before test modules build their @settings)
+
 import pytest
 import torch
 
@@ -58,3 +60,8 @@ FX_ZOO = {
     "two_heads_dict": lambda: zoo.two_heads("dict"),
     "two_heads_dataclass": lambda: zoo.two_heads("dataclass"),
 }
+
+
+def pytest_addoption(parser):
+    parser.addoption("--corpus", choices=("quick", "all"), default="quick",
+                     help="real-model corpus: the quick subset (make test) or every model (make test-real)")

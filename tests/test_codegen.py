@@ -174,3 +174,32 @@ def test_a_group_without_float_inputs_has_no_backward():
     group = Group(["m"], [Step("logical_not", (("input", 0),))], [0])
     forward, backward = source(group, [(4,)], [torch.bool])
     assert backward is None and "!= 0" in forward
+
+
+def test_half_steps_round_where_eager_rounds():
+    """Each fp16 step is rounded, in the forward and in the backward's recomputed forward, and so is
+    each gradient term; fp32 code rounds nothing."""
+    group = chain("add", "sigmoid", "square", inputs=2)
+    forward, backward = source(group, [(4, 8), (8,)], [F16, F16])
+    for src in (forward, backward):
+        assert "v0 = round_fp16(" in src and "v1 = round_fp16(" in src
+        assert "def round_fp16(x):" in src and "def round_bf16" not in src
+    assert "v2 = round_fp16(" in forward
+    assert "a1 = round_fp16(2.0 * (a2) * (v1))" in backward and "d1 = round_fp16((1) * (a0))" in backward
+    assert "round_" not in source(group, [(4, 8), (8,)], [F32, F32])[0]
+    assert "v2 = round_bf16(" in source(group, [(4, 8), (8,)], [BF16, BF16])[0]
+
+
+def test_gradient_sums_round_only_at_the_full_shape():
+    """exp(b) spans the group when b is an expanded view and not when b is a bias: the same layout
+    patterns, but only the first one's gradient is summed in fp16 per element (the bias's is a sum over
+    rows, which eager rounds once), so the backward key tells them apart."""
+    group = Group(["x", "b"], [Step("exp", (("input", 1),)), Step("mul", (("input", 0), ("step", 0))),
+                               Step("add", (("step", 1), ("step", 0)))], [2])
+    x, grads = meta(4, 8, dtype=F16), [meta(4, 8, dtype=F16)]
+    bias, _ = plan_backward(group, [x, meta(8, dtype=F16)], grads, [True, True])
+    expanded, _ = plan_backward(group, [x, meta(4, 8, dtype=F16, strides=(0, 1))], grads, [True, True])
+    assert bias.spec.operands[:2] == expanded.spec.operands[:2] and bias.spec != expanded.spec
+    assert ("step", 0) in expanded.spec.rounded_adjoints and ("step", 0) not in bias.spec.rounded_adjoints
+    assert "a0 = a0 + round_fp16(" in source(group, [(4, 8), (8,)], [F16, F16])[1]
+    assert "a0 = round_fp16(a0 + round_fp16(" in source(group, [(4, 8), (4, 8)], [F16, F16], [None, (0, 1)])[1]

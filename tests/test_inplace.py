@@ -3,6 +3,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 import graphopt
 from graphopt.memory import measure_peak, measure_step
@@ -143,7 +144,7 @@ def programs(draw):
     return Program(steps, outputs)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.booleans())
 def test_random_graphs_same_step(model, train):
     x, y = torch.randn(3, 6), torch.randn(3, 6)

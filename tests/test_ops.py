@@ -16,6 +16,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
+from hypothesis_profiles import examples
 from torch._subclasses import FakeTensorMode
 from torch.fx import Graph, GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -113,7 +114,7 @@ HYPOTHESIS_OPS = ["exp", "expm1", "log1p", "tanh", "sigmoid", "erf", "gelu", "ge
 REFERENCE = {name: fn for name, fn, _, _ in reversed(CASES)}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(name=st.sampled_from(HYPOTHESIS_OPS),
        x=hnp.arrays("float32", st.integers(1, 16), elements=st.floats(-30, 30, width=32)))
 def test_templates_on_hypothesis_inputs(name, x):

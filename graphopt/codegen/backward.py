@@ -5,7 +5,8 @@
 3. Incoming gradients seed their output's adjoint. An output smaller than the full shape has its
    gradient loaded only at index 0 of the dims it is broadcast along, so that summing the input
    gradients over the full shape counts each of its elements once.
-4. The contributions in reverse step order, each added to its arg's adjoint.
+4. The contributions in reverse step order, each added to its arg's adjoint, both rounded to fp16/bf16
+   where eager's autograd materializes them so (program.py, backward Step 5).
 5. Each input's gradient is stored at the full shape: in the input's dtype when the input spans the
    full shape, in fp32 otherwise (the runtime sums it down to the input's shape).
 """
@@ -33,9 +34,8 @@ def backward_source(group: Group, spec: Spec, program: Backward) -> str:
         body.append(f"{adjoint} = g{i}")
     assigned = {adjoint for adjoint, _ in program.seeds}
     for c in program.contributions:
-        value = f"{c.target} + {c.expr}" if c.target in assigned else c.expr
+        body.append(f"{c.target} = {c.accumulate(c.term, c.target not in assigned)}  # {c.comment}")
         assigned.add(c.target)
-        body.append(f"{c.target} = {value}  # {c.comment}")
     body += [store(by_name[f"d{k}"], f"d{k}") for k in program.grads]
     title = f"gradients of inputs {list(program.grads)} of {group.describe()}"
     return module(header(title, group.origin, spec), signature(KERNEL, spec) + indent(body))

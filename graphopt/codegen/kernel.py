@@ -81,22 +81,28 @@ def store(o: Operand, value: str) -> str:
     return f"tl.store({o.name}_ptr + {offset(o)}, {value}, mask=mask)"
 
 
-ROUND_BF16 = """@triton.jit
+# fp32 rounded to the nearest fp16 / bf16 (ties to even), kept in fp32: program.py rounds where eager does
+HELPERS = {"round_fp16": """@triton.jit
+def round_fp16(x):
+    return x.to(tl.float16).to(tl.float32)
+
+
+""", "round_bf16": """@triton.jit
 def round_bf16(x):
-    # fp32 rounded to the nearest bf16 (ties to even), so that the cast after it is exact: Triton's
-    # interpreter truncates fp32 -> bf16, the GPU rounds; this way both give torch's result
+    # by hand, so that a cast after it is exact: Triton's interpreter truncates fp32 -> bf16, the GPU
+    # rounds; this way both give torch's result. A NaN stays one (its payload could carry into the sign).
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return tl.where(x == x, ((bits >> 16) << 16).to(tl.float32, bitcast=True), x)
 
 
-"""
+"""}
 
 
 def module(head: list[str], kernel: list[str]) -> str:
-    """A kernel module's source: the bf16 rounding helper precedes the kernel when it is used."""
+    """A kernel module's source: the rounding helpers it uses precede the kernel."""
     text = "\n".join(kernel) + "\n"
-    return "\n".join(head) + "\n" + (ROUND_BF16 if "round_bf16(" in text else "") + text
+    return "\n".join(head) + "\n" + "".join(h for name, h in HELPERS.items() if f"{name}(" in text) + text
 
 
 def indent(lines) -> list[str]:

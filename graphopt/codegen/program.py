@@ -6,8 +6,14 @@ torch, so the same text runs in a Triton kernel and on torch tensors.
 
 Forward:
 1. Each step renders its registry template over its args' names (scalars as fp32 literals).
-2. A comparison's bool becomes 1.0/0.0; a cast rounds to its target (to nearest fp16/bf16, trunc for
-   integers, != 0 for bool), since the value stays fp32 in between.
+2. A comparison's bool becomes 1.0/0.0; a cast to an integer truncates, one to bool tests != 0, since
+   the value stays fp32 in between.
+3. A step whose dtype is fp16 or bf16 is rounded to it (to nearest even) and kept in fp32: eager
+   materializes every intermediate in its dtype, so the next step must read the rounded value, or
+   sigmoid(x) - sigmoid(x).half() is not 0 (Inductor's emulate_precision_casts). A cast to fp16/bf16
+   is such a step. A weak operand (a Python scalar, a 0-dim fp32 tensor) is read in fp32, as eager's
+   mul and div read it; eager's add, sub and comparisons (on CPU at least) round it to the step's dtype
+   first, which the registry does not record, so there a fused result can differ by that rounding.
 
 Backward (reverse mode over the steps, recomputing the forward in place of saved intermediates):
 1. Adjoints exist for float steps on a path from an input that needs a gradient to an output that
@@ -17,6 +23,17 @@ Backward (reverse mode over the steps, recomputing the forward in place of saved
    operands and params) is a contribution to the adjoint of the arg it differentiates; None entries,
    scalar args and non-float args get none.
 4. The live forward code: the values the contributions read, and the steps those are computed from.
+   It is the forward's code, so it reads the rounded values of forward step 3, as eager's backward
+   reads the saved half tensors.
+5. Rounding, as eager's autograd materializes gradients: a derivative is a tensor of its step's dtype,
+   summed over the broadcast dims of its target, then cast to the target's dtype, and a value's
+   gradients are added in its dtype. So a contribution is rounded to its step's dtype when that is
+   fp16/bf16; where its target is an fp16/bf16 value at the group's full shape (nothing to sum over),
+   also to the target's dtype, and so is the target's adjoint after each addition. A smaller target's
+   reduction spans lanes, which the kernel cannot form: its terms are added in fp32, and for an input
+   the runtime's final sum and cast round as eager's cast after its reduction. A derivative template
+   is one fp32 expression: where eager's backward rounds between kernels (div's), or reads the rounded
+   output where the template reads the input (sigmoid's, tanh's), gradients differ by more than that.
 """
 from __future__ import annotations
 
@@ -41,19 +58,25 @@ def operand_values(step) -> dict:
     return {**dict(zip(op.operands, map(name, step.args))), **step.params}
 
 
+# the helpers that round an fp32 value to the nearest fp16/bf16 and back: kernel.py defines them for
+# Triton, reference.py for torch
+ROUND = {torch.float16: "round_fp16", torch.bfloat16: "round_bf16"}
+
+
+def rounded(expr: str, dtype: torch.dtype) -> str:
+    """expr rounded to dtype when that is fp16 or bf16 (Step 3 of the forward, 5 of the backward)."""
+    return f"{ROUND[dtype]}({expr})" if dtype in ROUND else expr
+
+
 def forward_expr(step, dtype: torch.dtype) -> str:
     expr = render(op_info(step.op).triton, **operand_values(step))
     if is_comparison(step.op):
         return f"tl.where({expr}, 1.0, 0.0)"
-    if step.op != "to_dtype" or dtype == torch.float32:
-        return expr
-    if dtype == torch.bfloat16:  # round_bf16: kernel.py defines it for Triton, reference.py for torch
-        return f"round_bf16({expr})"
-    if dtype == torch.float16:
-        return f"({expr}).to(tl.float16).to(tl.float32)"
-    if dtype == torch.bool:
+    if step.op == "to_dtype" and dtype == torch.bool:
         return f"tl.where({expr} != 0, 1.0, 0.0)"
-    return trunc(f"({expr})")  # an integer cast truncates toward zero
+    if step.op == "to_dtype" and not differentiable(dtype):
+        return trunc(f"({expr})")  # an integer cast truncates toward zero
+    return rounded(expr, dtype)
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,19 @@ class Contribution:
     expr: str
     comment: str
     of: tuple  # the ref whose adjoint this adds to
+    rounds: tuple[torch.dtype, ...] = ()  # the dtypes the term is rounded to, in turn (Step 5)
+    sums: torch.dtype = torch.float32  # the dtype the target's adjoint is added in (Step 5)
+
+    @property
+    def term(self) -> str:
+        term = self.expr
+        for dtype in self.rounds:
+            term = rounded(term, dtype)
+        return term
+
+    def accumulate(self, term: str, first: bool) -> str:
+        """The target's new value: `term` (this contribution's term, as the caller renders it) added to it."""
+        return term if first else rounded(f"{self.target} + {term}", self.sums)
 
 
 @dataclass(frozen=True)
@@ -78,6 +114,7 @@ class Backward:
     seeds: tuple[tuple[str, int], ...]  # (adjoint, output position): a{j} starts from g{i}
     contributions: tuple[Contribution, ...]
     grads: tuple[int, ...]  # inputs that get a gradient (d{k})
+    rounded_adjoints: tuple[tuple, ...] = ()  # refs rounded to their own dtype: what Step 5 takes from sizes
 
 
 def forward_lines(group: Group, dtypes, live=None) -> list[Line]:
@@ -89,8 +126,9 @@ def _params(step) -> str:
     return "" if not step.params else "(" + ", ".join(f"{k}={v}" for k, v in step.params.items()) + ")"
 
 
-def backward_program(group: Group, input_dtypes, dtypes, has_grad, needs) -> Backward:
-    """The backward as data; has_grad[i]: output i has an incoming gradient; needs[k]: input k wants one."""
+def backward_program(group: Group, input_dtypes, dtypes, has_grad, needs, full) -> Backward:
+    """The backward as data; has_grad[i]: output i has an incoming gradient; needs[k]: input k wants one;
+    full: the refs whose values span the group's full shape."""
     steps = group.steps
     # Step 1: which refs carry adjoints. Forward sweep: depends on a needed input along float values.
     wanted = {("input", k) for k, d in enumerate(input_dtypes) if needs[k] and differentiable(d)}
@@ -109,6 +147,10 @@ def backward_program(group: Group, input_dtypes, dtypes, has_grad, needs) -> Bac
     adjoint_steps = sorted(j for kind, j in carries if kind == "step")
     # Step 2: seeds
     seeds = tuple((f"a{group.outputs[i]}", i) for i, g in enumerate(has_grad) if g and ("step", group.outputs[i]) in carries)
+    # Step 5, applied by each contribution: the adjoints rounded to their own dtype
+    dtype_of = {**{("input", k): d for k, d in enumerate(input_dtypes)},
+                **{("step", j): d for j, d in enumerate(dtypes)}}
+    rounded_adjoints = tuple(sorted(a for a in carries if a in full and dtype_of[a] in ROUND))
     # Step 3: contributions, steps in reverse
     contributions = []
     for j in reversed(adjoint_steps):
@@ -118,7 +160,10 @@ def backward_program(group: Group, input_dtypes, dtypes, has_grad, needs) -> Bac
                 continue
             expr = render(op.derivatives[i], g=f"a{j}", out=f"v{j}", **operand_values(s))
             target = f"{'d' if a[0] == 'input' else 'a'}{a[1]}"
-            contributions.append(Contribution(target, expr, f"d {s.op}(step {j}) / d{op.operands[i]}", a))
+            sums = dtype_of[a] if a in rounded_adjoints else torch.float32
+            rounds = tuple(dict.fromkeys(d for d in (dtypes[j], sums) if d in ROUND))
+            contributions.append(Contribution(target, expr, f"d {s.op}(step {j}) / d{op.operands[i]}", a,
+                                              rounds, sums))
     grads = tuple(sorted(k for kind, k in carries if kind == "input"))
     # the live forward code: the values the contributions read, and what those are computed from
     read = {(VAR[m[0]], int(m[1])) for c in contributions for m in re.findall(r"\b([vx])(\d+)\b", c.expr)}
@@ -127,7 +172,8 @@ def backward_program(group: Group, input_dtypes, dtypes, has_grad, needs) -> Bac
             read.update(a for a in steps[j].args if is_ref(a))
     live = {j for kind, j in read if kind == "step"}
     loaded = tuple(sorted(k for kind, k in read if kind == "input"))
-    return Backward(tuple(forward_lines(group, dtypes, live)), loaded, seeds, tuple(contributions), grads)
+    return Backward(tuple(forward_lines(group, dtypes, live)), loaded, seeds, tuple(contributions), grads,
+                    rounded_adjoints)
 
 
 VAR = {"v": "step", "x": "input"}

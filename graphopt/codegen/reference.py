@@ -2,10 +2,12 @@
 
 It evaluates the same fp32 expressions as the kernels (program.py) on torch tensors, through the
 torch stand-ins for triton.language that graphopt.ops.shim defines, with eager broadcasting:
-1. forward(*inputs): inputs upcast to fp32, one line per step, the outputs' fp32 values.
+1. forward(*inputs): inputs upcast to fp32, one line per step, the outputs' fp32 values (fp16/bf16
+   steps rounded to their dtype, as in the kernels).
 2. backward(*inputs, *grads): the forward code, adjoints seeded by the incoming gradients, each
-   contribution summed down to its target's shape (as autograd reduces a broadcast); the fp32
-   gradients of the inputs in program.grads.
+   contribution summed down to its target's shape (as autograd reduces a broadcast) and rounded where
+   the kernel rounds it (program.py, backward Step 5); the fp32 gradients of the inputs in
+   program.grads.
 The source is self-contained (it imports only torch), so a repro script can paste it.
 """
 from __future__ import annotations
@@ -23,8 +25,12 @@ def _tensors(f):
 
 
 # the triton.language functions the templates use, on torch tensors (as graphopt.ops.shim)
-tl = SimpleNamespace(**{{name: _tensors(getattr(torch, name)) for name in {FUNCTIONS!r}}},
-                     float32=torch.float32, float16=torch.float16)
+tl = SimpleNamespace(**{{name: _tensors(getattr(torch, name)) for name in {FUNCTIONS!r}}}, float32=torch.float32)
+
+
+# fp32 rounded to the nearest fp16 / bf16, kept in fp32 (program.py: where eager rounds)
+def round_fp16(x):
+    return x.to(torch.float16).to(torch.float32)
 
 
 def round_bf16(x):
@@ -59,8 +65,8 @@ def backward_function(group: Group, dtypes, program: Backward, name: str = "refe
     assigned = {adjoint for adjoint, _ in program.seeds}
     for c in program.contributions:
         shape = f"{'x' if c.of[0] == 'input' else 'v'}{c.of[1]}.shape"
-        term = f"_sum_to({c.expr}, {shape})"
-        body.append(f"{c.target} = {f'{c.target} + ' if c.target in assigned else ''}{term}  # {c.comment}")
+        term = c.accumulate(f"_sum_to({c.term}, {shape})", c.target not in assigned)
+        body.append(f"{c.target} = {term}  # {c.comment}")
         assigned.add(c.target)
     body.append(f"return ({''.join(f'd{k}, ' for k in program.grads)})")
     return [f"def {name}({', '.join(params)}):"] + ["    " + b for b in body]

@@ -7,6 +7,8 @@
 3. Their strides over the full shape are collapsed (layout.py); the Spec keeps each tensor's dtype and
    pattern, the merged rank and the 64-bit decision; the Plan keeps the sizes and strides.
 4. Launch arguments: the pointers, n, the sizes the unravel divides by, then each "s" stride.
+5. The backward's Spec also keeps which adjoints are rounded to their fp16/bf16 dtype: only those of
+   values that span the full shape are (program.py), which neither dtypes nor layout patterns tell apart.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class Spec:
     has_grad: tuple = ()  # backward: output i has an incoming gradient
     needs: tuple = ()  # backward: input k wants a gradient
     spans: tuple = ()  # backward: (i, pattern) for each seeded output smaller than the full shape
+    rounded_adjoints: tuple = ()  # backward: those rounded to their fp16/bf16 dtype, by sizes (program.py)
 
     def mask_dims(self, i: int) -> list[int]:
         """Dims along which output i is broadcast: its gradient counts once, at index 0 of them."""
@@ -112,8 +115,10 @@ def plan_backward(group: Group, inputs, grads, needs) -> tuple[Plan, Backward]:
     """grads: the incoming gradient per output (None: zero); needs: per input, whether it wants one."""
     values, dtypes, shapes, full = _values_and_shapes(group, inputs)
     has_grad = tuple(g is not None for g in grads)
-    program = backward_program(group, [v.dtype for v in values], dtypes, has_grad, tuple(needs))
     n = math.prod(full)
+    spanning = ({("input", k) for k, t in enumerate(inputs) if math.prod(t.shape) == n}
+                | {("step", j) for j, s in enumerate(shapes) if math.prod(s) == n})
+    program = backward_program(group, [v.dtype for v in values], dtypes, has_grad, tuple(needs), spanning)
     seeded = [i for _, i in program.seeds]
     names = ([f"x{k}" for k in program.inputs] + [f"g{i}" for i in seeded] + [f"d{k}" for k in program.grads])
     kinds = ([values[k].dtype for k in program.inputs] + [grads[i].dtype for i in seeded]
@@ -127,5 +132,5 @@ def plan_backward(group: Group, inputs, grads, needs) -> tuple[Plan, Backward]:
     spans = tuple((i, lay.pattern(len(names) + m)) for m, i in enumerate(small))
     layout = L.Layout(lay.numel, lay.sizes, lay.strides[:len(names)])
     spec = Spec("backward", group.structure(), values, operands, lay.rank, layout.index64(), has_grad,
-                tuple(needs), spans)
+                tuple(needs), spans, program.rounded_adjoints)
     return Plan(spec, layout, full, dtypes, shapes), program

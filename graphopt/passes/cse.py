@@ -1,8 +1,9 @@
 """cse: merge nodes that compute the same pure op on the same arguments.
 
 Algorithm:
-  1. Find the values that something mutates or hands to an opaque call: an op reading
-     them may see different data at different points, so nothing reading them merges.
+  1. Find the values that something mutates or hands to an opaque call, and every value
+     sharing their storage (purity.written_values): they hold different data at different
+     points, so neither they nor anything reading them merges.
   2. Walk the graph in order, keying each pure node (purity.py) by its target and
      its arguments (nodes by identity, containers and slices made hashable). In training,
      a value autograd differentiates stays unmerged: one node's backward fed the sum of two
@@ -18,7 +19,7 @@ import torch.fx
 from .. import ops
 from ..meta import tensor_info
 from .base import Pass, PassContext, PassResult
-from ..purity import pure_op
+from ..purity import pure_op, written_values
 from .registry import register
 
 
@@ -41,16 +42,6 @@ def _differentiated(node: torch.fx.Node) -> bool:
     return any(i is not None and i.requires_grad for i in infos)
 
 
-def _unsafe_values(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    unsafe = set()
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            op = ops.lookup(node, gm)
-            if op is None or op.mutates:
-                unsafe.update(node.all_input_nodes)
-    return unsafe
-
-
 @register
 class CommonSubexpressionElimination(Pass):
     """Compute each pure expression once."""
@@ -59,13 +50,14 @@ class CommonSubexpressionElimination(Pass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # Step 1
-        unsafe = _unsafe_values(gm)
+        unsafe = written_values(gm)
         seen: dict[tuple, torch.fx.Node] = {}
         merged: dict[str, int] = {}
         # Step 2
         for node in list(gm.graph.nodes):
             op = pure_op(node, gm)
-            if op is None or any(n in unsafe for n in node.all_input_nodes) or (ctx.train and _differentiated(node)):
+            if (op is None or node in unsafe or any(n in unsafe for n in node.all_input_nodes)
+                    or (ctx.train and _differentiated(node))):
                 continue
             try:
                 key = (node.op, node.target if isinstance(node.target, str) else id(node.target),

@@ -187,18 +187,57 @@ def check_recompute(case: Case) -> Result:
     return result
 
 
+# Every pass of this version, as pairs run them: precision in bf16, recompute at the budget
+# check_recompute plans for, pipeline in two stages traced on the whole batch.
+PAIR_PASSES = ("normalize", "cse", "dce", "fuse", "inplace", "precision", "recompute", "pipeline")
+
+
+def _pair_spec(name: str, case: Case) -> str:
+    if name == "precision":
+        return "precision{dtype=bf16}"
+    if name == "recompute":
+        budget = recompute_budget(case)
+        try:
+            graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget)
+        except graphopt.BudgetError as e:
+            budget = e.min_budget_gb * 1.01
+        return f"recompute{{budget_gb={budget:.9g}}}"
+    if name == "pipeline":
+        return "pipeline{stages=2 microbatches=1}"
+    return name
+
+
+def check_pair(case: Case, first: str, second: str) -> Result:
+    """passes=[first, second]: the manager refuses the order (an OptionError naming why) or the
+    result is exact (with precision: its loss within 1e-2 of torch.autocast's); a BudgetError
+    (recompute after a pass that changed the memory) is a refusal too."""
+    specs = [_pair_spec(first, case), _pair_spec(second, case)]
+    try:
+        opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes=specs)
+    except (graphopt.OptionError, graphopt.BudgetError) as e:
+        return Result("refused", None, str(e).splitlines()[0][:200])
+    if "precision" in (first, second):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = step(case.model, case)["loss"]
+        got = step(opt, case)["loss"]
+        diff = float((got.double() - expected.double()).abs() / expected.double().abs().clamp_min(1e-12))
+        return Result("ok" if diff <= AUTOCAST_LOSS else "fail", diff, "loss against torch.autocast's")
+    return _compare(case, opt, EXACT)
+
+
 CHECKS = {
     "trace": check_trace, "identity": check_identity, "default": check_default, "fuse": check_fuse,
     "inplace": check_inplace, "precision": check_precision, "recompute": check_recompute,
 }
 
 
-def run(name: str, check: str) -> Result:
-    """Build corpus model `name` afresh and run one check on it; a graphopt error is a result too."""
+def run(name: str, check: str, *args) -> Result:
+    """Build corpus model `name` afresh and run one check on it (a name in CHECKS, or "pair" with
+    two pass names); a graphopt error is a result too."""
     case = build(name)
     start = time.perf_counter()
     try:
-        result = CHECKS[check](case)
+        result = check_pair(case, *args) if check == "pair" else CHECKS[check](case)
     except Exception as e:  # the report shows every failure; the tests re-raise through Result.detail
         result = Result("error", None, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     result.seconds = time.perf_counter() - start

@@ -1,0 +1,38 @@
+"""Every pass exact on the real-model corpus (tests/corpus): transformers, timm and torchvision
+models nobody on the project wrote, trained the way their users train them.
+
+`make test` runs the checks on corpus.QUICK; `make test-real` (pytest --corpus=all -m realmodels)
+on every model. What each check compares, and how, is in corpus/checks.py.
+"""
+import pytest
+
+from corpus import CORPUS, QUICK
+from corpus.checks import CHECKS, PAIR_PASSES, run
+
+pytestmark = pytest.mark.realmodels
+
+
+def pytest_generate_tests(metafunc):
+    scope = metafunc.config.getoption("--corpus")
+    if "corpus_model" in metafunc.fixturenames:
+        metafunc.parametrize("corpus_model", list(CORPUS) if scope == "all" else list(QUICK))
+    if "pair_model" in metafunc.fixturenames:
+        metafunc.parametrize("pair_model", PAIR_MODELS[scope])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_each_pass_is_exact_on_the_model(corpus_model, check):
+    result = run(corpus_model, check)
+    assert result.passed, f"{corpus_model} {check}: {result.cell()}: {result.detail}"
+
+
+# The pairs run on one model of each kind (export and fx frontends); test-real adds more.
+PAIR_MODELS = {"quick": ("hf_gpt2", "timm_mobilenetv3_small_100"),
+               "all": ("hf_gpt2", "hf_t5", "hf_llama", "timm_mobilenetv3_small_100", "timm_levit_128s", "tv_swin_t")}
+PAIRS = [(a, b) for a in PAIR_PASSES for b in PAIR_PASSES if a != b]
+
+
+@pytest.mark.parametrize("first,second", PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_every_pair_of_passes_composes_or_is_refused(pair_model, first, second):
+    result = run(pair_model, "pair", first, second)
+    assert result.passed, f"{pair_model} passes={first},{second}: {result.cell()}: {result.detail}"
