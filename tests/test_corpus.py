@@ -6,7 +6,10 @@ on every model. What each check compares, and how, is in corpus/checks.py.
 """
 import pytest
 
-from corpus import CORPUS, QUICK
+import graphopt
+from graphopt.checkpointing import recomputable
+
+from corpus import CORPUS, QUICK, build
 from corpus.checks import CHECKS, PAIR_PASSES, run
 
 pytestmark = pytest.mark.realmodels
@@ -36,3 +39,22 @@ PAIRS = [(a, b) for a in PAIR_PASSES for b in PAIR_PASSES if a != b]
 def test_every_pair_of_passes_composes_or_is_refused(pair_model, first, second):
     result = run(pair_model, "pair", first, second)
     assert result.passed, f"{pair_model} passes={first},{second}: {result.cell()}: {result.detail}"
+
+
+# Models whose in-place activations (nn.ReLU/SiLU(inplace=True)) and torch._assert once made every
+# node "not recomputable"; a BatchNorm written in Python (timm's BatchNormAct2d) counts its
+# calls in a buffer, a real state write.
+INPLACE_ACTIVATIONS = ("timm_resnext26ts", "timm_efficientnet_b0", "timm_densenet121", "timm_regnetx_002",
+                       "timm_nfnet_l0")
+
+
+@pytest.mark.parametrize("name", INPLACE_ACTIVATIONS)
+def test_in_place_activations_and_asserts_block_nothing(name):
+    case = build(name)
+    opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs)
+    assert sum(opt.graphopt_report.passes[0].stats["functionalized"].values()) > 0
+    blocked = {n.name: why for n in opt.graph.nodes if n.op.startswith("call") and (why := recomputable(n, opt))}
+    # what is left: the num_batches_tracked counters, each written from its attribute alone
+    assert all(n.op == "call_method" and all(i.op == "get_attr" for i in n.all_input_nodes)
+               for n in opt.graph.nodes if n.name in blocked), blocked
+    assert all(why == "add_ writes state" for why in blocked.values())

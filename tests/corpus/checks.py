@@ -8,6 +8,7 @@ each step, so the runs see the same state.
   trace      graphopt.trace with the automatic frontend (fx, then export)
   identity   passes=[]: bitwise equal
   default    the default passes: bitwise equal
+  export     the default passes through the export frontend, where the others use fx: bitwise equal
   fuse       passes="fuse" (kernels under TRITON_INTERPRET=1): relative error <= 1e-5
   inplace    passes="inplace": relative error <= 1e-5
   precision  precision="bf16": every op in the dtype torch.autocast gives it, loss within 1e-2 of
@@ -143,6 +144,14 @@ def check_default(case: Case) -> Result:
     return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs), 0.0)
 
 
+def check_export(case: Case) -> Result:
+    """The default passes on the export frontend too, for a model the automatic choice traces with fx."""
+    if graphopt.trace(case.model, case.args, case.kwargs).meta["graphopt_frontend"] == "export":
+        return Result("ok", None, "export is the frontend every other check uses")
+    opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, frontend="export")
+    return _compare(case, opt, 0.0)
+
+
 def check_fuse(case: Case) -> Result:
     return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="fuse"), EXACT)
 
@@ -226,7 +235,8 @@ def check_pair(case: Case, first: str, second: str) -> Result:
 
 
 CHECKS = {
-    "trace": check_trace, "identity": check_identity, "default": check_default, "fuse": check_fuse,
+    "trace": check_trace, "identity": check_identity, "default": check_default, "export": check_export,
+    "fuse": check_fuse,
     "inplace": check_inplace, "precision": check_precision, "recompute": check_recompute,
 }
 

@@ -25,9 +25,20 @@ _LIBRARY = []  # the Library must stay alive for its definitions to
 
 
 def import_torchvision():
+    # On sys.path only while importing: a process spawned later (gloo ranks) copies sys.path, and
+    # its transformers would import torchvision without the schemas.
     site = os.path.join(sys.prefix, "torchvision")
-    if os.path.isdir(site) and site not in sys.path:
+    added = os.path.isdir(site) and site not in sys.path
+    if added:
         sys.path.append(site)
+    try:
+        return _import()
+    finally:
+        if added:
+            sys.path.remove(site)
+
+
+def _import():
     try:
         import torchvision
     except RuntimeError as e:
