@@ -5,12 +5,13 @@ models nobody on the project wrote, trained the way their users train them.
 on every model. What each check compares, and how, is in corpus/checks.py.
 """
 import pytest
+import torch
 
 import graphopt
 from graphopt.checkpointing import recomputable
 
 from corpus import CORPUS, QUICK, build
-from corpus.checks import CHECKS, PAIR_PASSES, run
+from corpus.checks import CHECKS, PAIR_PASSES, run, step
 
 pytestmark = pytest.mark.realmodels
 
@@ -58,3 +59,23 @@ def test_in_place_activations_and_asserts_block_nothing(name):
     assert all(n.op == "call_method" and all(i.op == "get_attr" for i in n.all_input_nodes)
                for n in opt.graph.nodes if n.name in blocked), blocked
     assert all(why == "add_ writes state" for why in blocked.values())
+
+
+def test_inplace_with_bf16_computes_what_precision_alone_does():
+    # inplace once ran first and wrote the float32 residual stream into bf16 tensors (GPT-2)
+    case = build("hf_gpt2")
+    alone = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, precision="bf16")
+    both = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="normalize,cse,dce,inplace",
+                             precision="bf16")
+    assert [p.name for p in both.graphopt_report.passes][-2:] == ["precision{dtype=bf16}", "inplace"]
+    assert both.graphopt_report.passes[-1].stats["rewritten"]
+    expected, got = step(alone, case), step(both, case)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_verify_holds_fused_kernels_to_float32s_own_accuracy():
+    # BatchNorm biases in front of another BatchNorm have gradients of pure rounding noise:
+    # compared plainly, a fused SE block "changed" them 140%; against float64 it is as close as eager
+    case = build("timm_mobilenetv3_small_100")
+    opt = graphopt.optimize(case.model, case.args, passes="fuse", verify=True)
+    assert opt.graphopt_report.passes[-1].max_rel_err <= 1e-4

@@ -18,22 +18,21 @@ each step, so the runs see the same state.
              relative error <= 1e-5
 Relative error is max |optimized - eager| / max |eager| over the loss and each gradient; where
 eager's float32 is itself less accurate than that, the distance to a float64 step decides
-(relative_error).
+(graphopt.verify.compare, which verify=True uses too).
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 
 import graphopt
 from graphopt.memory import budget_at, estimate_peak
 from graphopt.meta import tensor_info
 from graphopt.precision_plan import autocast_dtypes, dtypes_of
 from graphopt.trace import placeholder_values
+from graphopt.verify import compare, float64_copy
 
 from . import build
 from .case import Case
@@ -41,7 +40,6 @@ from .case import Case
 EXACT = 1e-5  # float32 relative error every rewriting pass must stay within
 AUTOCAST_LOSS = 1e-2  # relative difference of the bf16 loss from torch.autocast's
 RECOMPUTE_F = 0.5
-ACCURACY_FACTOR = 10  # another order of the same float32 sums: within an order of magnitude of eager's own error
 
 
 @dataclass
@@ -81,54 +79,17 @@ def step(module: torch.nn.Module, case: Case, seed: int = 0) -> dict[str, torch.
 
 def float64_step(case: Case) -> dict[str, torch.Tensor]:
     """The same step in float64 on a copy of the model: what float32 rounds away from."""
-    model = copy.deepcopy(case.model).double()
-    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t,
-                                        (case.args, case.kwargs))
+    model, args, kwargs = float64_copy(case.model, case.args, case.kwargs)
     return step(model, Case(model, args, kwargs, case.loss))
-
-
-def relative_error(reference: dict, got: dict, truth: dict | None = None,
-                   tolerance: float = EXACT) -> tuple[float, str]:
-    """The largest error over the loss and gradients, and where it is.
-
-    An entry's error is its relative error, max|got - reference| / max|reference|. float32 eager
-    is itself only so accurate: a gradient summed from terms that cancel is off from float64 by
-    1e-4 and more (an SE block's reduce convolution), and one that is zero in exact arithmetic is
-    pure rounding noise (a BatchNorm bias feeding another BatchNorm, an attention key bias); any
-    other order of the same sums rounds differently. With `truth` (the float64 step), an entry
-    also passes when got is no further from truth than ACCURACY_FACTOR x eager's own distance:
-    its error is then min(relative error, tolerance x that distance ratio / ACCURACY_FACTOR), so
-    an entry passes exactly when its error is within `tolerance`.
-    """
-    if reference.keys() != got.keys():
-        missing = sorted(set(reference) ^ set(got))
-        return float("inf"), f"different gradients: {', '.join(missing[:4])}"
-    worst, name = 0.0, ""
-    for key, ref in reference.items():
-        if ref.numel() == 0:
-            continue
-        r, g = ref.double(), got[key].double()
-        diff, scale = float((r - g).abs().max()), float(r.abs().max())
-        err = diff / scale if scale > 0 else diff
-        if truth is not None and key in truth and err > tolerance:
-            t = truth[key].double()
-            own, theirs = float((r - t).abs().max()), float((g - t).abs().max())
-            ratio = theirs / own if own > 0 else float("inf") if theirs > 0 else 0.0
-            err = min(err, tolerance * ratio / ACCURACY_FACTOR)
-        if err != err:
-            err = float("inf")
-        if err > worst:
-            worst, name = err, key
-    return worst, name
 
 
 def _compare(case: Case, optimized: torch.nn.Module, tolerance: float) -> Result:
     eager = step(case.model, case)
     got = step(optimized, case)
     truth = float64_step(case) if tolerance else None  # bitwise checks need no noise floor
-    err, where = relative_error(eager, got, truth, tolerance)
-    status = "ok" if err <= tolerance else "fail"
-    return Result(status, err, f"worst: {where}" if err else "")
+    errors = compare(eager, got, truth, tolerance)
+    status = "ok" if errors.max_rel <= tolerance else "fail"
+    return Result(status, errors.max_rel, f"worst: {errors.worst}" if errors.max_rel else "")
 
 
 def check_trace(case: Case) -> Result:
