@@ -13,6 +13,7 @@ TensorInfo on every tensor-producing node: a 10 GB model traces on a laptop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import traceback
@@ -28,9 +29,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import meta
 from .errors import TraceError, UsageError
+from .fx_state import StateWatch, Unreplayable, check_write_backs
 
 FRONTENDS = ("auto", "fx", "export")
-WRITE_BACK = "graphopt_write_back"  # on the copy_ that writes a buffer forward rebinds: its name
 
 _ADVICE = (
     "What you can do: check that example_inputs and example_kwargs match the model's forward() "
@@ -106,66 +107,12 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Gra
     # Arguments the user left at their default are baked in (fx guards each with an assert),
     # so that `if mask is not None:` traces instead of failing on a Proxy.
     concrete = {name: p.default for name, p in sig.parameters.items() if name not in bound.arguments}
-    with _StateWatch(model) as watch:
+    with StateWatch(model) as watch:
         graph = _Tracer().trace(model, concrete_args=concrete or None)
         watch.write_back(graph)
     gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__)
     _share_structure(gm, model)
     return gm
-
-
-class _StateWatch:
-    """Keeps fx tracing from touching the model's state, and puts forward's buffer writes in the graph.
-
-    A buffer that forward rebinds (`self.steps = self.steps + 1`, or `+=`, which fx records as
-    an add) holds a Proxy once tracing ends: the buffer is put back and the graph copies the
-    new value into it before returning, once per call (torch.export writes mutated buffers
-    back the same way). A write that still ran at trace time (a buffer reached other than as an
-    attribute, a value computed outside the graph) cannot be replayed: the state is restored
-    and fx refuses the model, so the export frontend captures it.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.slots = [(path, m, name, t) for path, m in model.named_modules(remove_duplicate=False)
-                      for kind in ("_buffers", "_parameters") for name, t in getattr(m, kind).items()]
-        self.values = {id(t): (t._version, t.detach().clone()) for *_, t in self.slots
-                       if t is not None and not isinstance(t, torch.nn.Parameter)}
-
-    def __enter__(self):
-        return self
-
-    def write_back(self, graph: torch.fx.Graph) -> None:
-        """After tracing: restore rebound buffers, and copy the values forward gave them before the output."""
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
-        for path, module, name, original in self.slots:
-            now = module._buffers.get(name, module._parameters.get(name))
-            if now is original:
-                continue
-            self._restore()
-            if not isinstance(now, torch.fx.Proxy):
-                raise TraceError(f"forward assigns {type(now).__name__} to {path + '.' if path else ''}{name} "
-                                 "outside the graph")
-            target = f"{path}.{name}" if path else name
-            with graph.inserting_before(output):
-                write = graph.call_method("copy_", (graph.get_attr(target), now.node))
-            write.meta[WRITE_BACK] = target
-
-    def _restore(self) -> None:
-        for _, module, name, original in self.slots:
-            (module._parameters if name in module._parameters else module._buffers)[name] = original
-
-    def __exit__(self, kind, error, tb):
-        self._restore()
-        changed = {(path + "." + name if path else name): t for path, _, name, t in self.slots
-                   if id(t) in self.values and t._version != self.values[id(t)][0]}
-        with torch.no_grad():
-            for t in changed.values():
-                t.copy_(self.values[id(t)][1])
-        if changed and error is None:
-            raise TraceError(f"tracing wrote {', '.join(changed[:3])} in place outside the graph (its forward "
-                             "reaches the buffer other than as a module attribute); the state is restored")
-        return False
 
 
 def _share_structure(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
@@ -184,8 +131,9 @@ def _share_structure(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 
 
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    _register_output_dataclasses(model, args, kwargs)
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    with StateWatch(model, refuse=False):  # both run forward, and reach a buffer hidden in a list as it is
+        _register_output_dataclasses(model, args, kwargs)
+        ep = torch.export.export(model, args, kwargs, strict=False)
     gm = ep.module()
     # ExportedProgram.module() makes train()/eval() raise NotImplementedError. graphopt lets the
     # flag change like on any module and its mode guard explains the problem at call time.
@@ -237,33 +185,21 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> l
 
 
 def _fake_state(module: torch.nn.Module, mode: FakeTensorMode):
-    """Swap the module's parameters and buffers for FakeTensors while the context is open.
+    """Swap the module's parameters, buffers and a graph's tensor constants (export lifts a
+    tensor forward reaches other than as a buffer) for FakeTensors while the context is open.
 
     Nothing real is allocated or written: BatchNorm's in-place counter updates land on fakes,
     and models built on the meta device run just the same. from_tensor memoizes, so tied
     weights stay one fake tensor.
     """
     state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    if isinstance(module, torch.fx.GraphModule):
+        for node in module.graph.nodes:
+            if node.op == "get_attr" and node.target not in state:
+                value = functools.reduce(getattr, node.target.split("."), module)
+                if isinstance(value, torch.Tensor):
+                    state[node.target] = value
     return _reparametrize_module(module, {name: mode.from_tensor(t) for name, t in state.items()})
-
-
-def _check_write_backs(gm: torch.fx.GraphModule) -> None:
-    """A write-back copies into the buffer; eager rebinds it. Same values only when the new one
-    has the buffer's shape and dtype and carries no autograd history."""
-    for node in gm.graph.nodes:
-        if WRITE_BACK not in node.meta:
-            continue
-        buffer, value = (meta.tensor_info(a) for a in node.args)
-        if value is None or (value.shape, value.dtype) != (buffer.shape, buffer.dtype) or value.requires_grad:
-            got = "no tensor" if value is None else f"{value.short()}{' requiring grad' if value.requires_grad else ''}"
-            raise _Unfaithful(
-                f"forward rebinds buffer {node.meta[WRITE_BACK]} ({buffer.short()}) to {got}; a graph replays a "
-                "buffer update by copying into the buffer (torch.export too), which keeps its shape and dtype and "
-                "drops autograd history: give the new value the buffer's shape and dtype, detached")
-
-
-class _Unfaithful(TraceError):
-    """The model does something no frontend replays as eager does: no other frontend is tried."""
 
 
 class _Annotator(FakeTensorProp):
@@ -312,10 +248,10 @@ def trace(
         try:
             gm = _FRONTENDS[name](model, args, kwargs)
             annotate(gm, placeholder_values(gm, args, kwargs))
-            _check_write_backs(gm)
+            check_write_backs(gm)
         except Exception as e:  # each frontend's failure is reported, the next one tried
             reasons[name] = str(e) if isinstance(e, TraceError) else _first_line(e)
-            if isinstance(e, _Unfaithful):
+            if isinstance(e, Unreplayable):
                 break
             continue
         gm.meta["graphopt_frontend"] = name

@@ -90,3 +90,27 @@ def test_what_graphopt_runs_for_itself_leaves_no_trace(options):
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, state_before[k]) for k, v in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class Hidden(torch.nn.Module):
+    """Reaches its buffer through a list: fx would run the update once, at trace time."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.store = [self.calls]
+
+    def forward(self, x):
+        self.store[0].add_(1)
+        return x * 2
+
+
+def test_a_write_fx_cannot_record_is_refused_and_undone():
+    model = Hidden()
+    with pytest.raises(graphopt.TraceError, match=r"tracing wrote calls in place outside the graph"):
+        graphopt.optimize(model, (torch.randn(2),), frontend="fx")
+    assert float(model.calls) == 0
+    opt = graphopt.optimize(model, (torch.randn(2),))  # export records it, and tracing leaves it alone
+    assert opt.graphopt_report.frontend == "export" and float(model.calls) == 0
+    opt(torch.randn(2))
+    assert float(model.calls) == 1

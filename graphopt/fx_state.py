@@ -1,0 +1,91 @@
+"""The fx frontend and the model's state: what forward does to buffers goes in the graph, and
+tracing itself leaves the state as it found it.
+
+symbolic_trace runs forward once with proxies. Buffers read as attributes are proxies too
+(trace._Tracer), so an in-place update of one (`self.ema.mul_(0.9)`) is recorded like any op.
+A buffer forward rebinds (`self.steps += 1` on a proxy is an add, then an assignment) holds a
+Proxy once tracing ends: StateWatch puts the buffer back and the graph copies the new value
+into it before returning, once per call, as torch.export writes mutated buffers back.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from . import meta
+from .errors import TraceError
+
+WRITE_BACK = "graphopt_write_back"  # on the copy_ that writes a buffer forward rebinds: its name
+
+
+class StateWatch:
+    """Keeps fx tracing from touching the model's state, and puts forward's buffer writes in the graph.
+
+    A buffer that forward rebinds (`self.steps = self.steps + 1`, or `+=`, which fx records as
+    an add) holds a Proxy once tracing ends: the buffer is put back and the graph copies the
+    new value into it before returning, once per call (torch.export writes mutated buffers
+    back the same way). A write that still ran at trace time (a buffer reached other than as an
+    attribute, a value computed outside the graph) cannot be replayed: the state is restored
+    and fx refuses the model, so the export frontend captures it.
+    """
+
+    def __init__(self, model: torch.nn.Module, refuse: bool = True):
+        self.model, self.refuse = model, refuse  # refuse=False: only restore (export records what it runs)
+        self.slots = [(path, m, name, t) for path, m in model.named_modules(remove_duplicate=False)
+                      for kind in ("_buffers", "_parameters") for name, t in getattr(m, kind).items()]
+        self.values = {id(t): (t._version, t.detach().clone()) for *_, t in self.slots
+                       if t is not None and not isinstance(t, torch.nn.Parameter)}
+
+    def __enter__(self):
+        return self
+
+    def write_back(self, graph: torch.fx.Graph) -> None:
+        """After tracing: restore rebound buffers, and copy the values forward gave them before the output."""
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        for path, module, name, original in self.slots:
+            now = module._buffers.get(name, module._parameters.get(name))
+            if now is original:
+                continue
+            self._restore()
+            if not isinstance(now, torch.fx.Proxy):
+                raise TraceError(f"forward assigns {type(now).__name__} to {path + '.' if path else ''}{name} "
+                                 "outside the graph")
+            target = f"{path}.{name}" if path else name
+            with graph.inserting_before(output):
+                write = graph.call_method("copy_", (graph.get_attr(target), now.node))
+            write.meta[WRITE_BACK] = target
+
+    def _restore(self) -> None:
+        for _, module, name, original in self.slots:
+            (module._parameters if name in module._parameters else module._buffers)[name] = original
+
+    def __exit__(self, kind, error, tb):
+        self._restore()
+        changed = {(path + "." + name if path else name): t for path, _, name, t in self.slots
+                   if id(t) in self.values and t._version != self.values[id(t)][0]}
+        with torch.no_grad():
+            for t in changed.values():
+                t.copy_(self.values[id(t)][1])
+        if changed and error is None and self.refuse:
+            raise TraceError(f"tracing wrote {', '.join(list(changed)[:3])} in place outside the graph (its forward "
+                             "reaches the buffer other than as a module attribute); the state is restored")
+        return False
+
+
+def check_write_backs(gm: torch.fx.GraphModule) -> None:
+    """A write-back copies into the buffer; eager rebinds it. Same values only when the new one
+    has the buffer's shape and dtype and carries no autograd history."""
+    for node in gm.graph.nodes:
+        if WRITE_BACK not in node.meta:
+            continue
+        buffer, value = (meta.tensor_info(a) for a in node.args)
+        if value is None or (value.shape, value.dtype) != (buffer.shape, buffer.dtype) or value.requires_grad:
+            got = "no tensor" if value is None else f"{value.short()}{' requiring grad' if value.requires_grad else ''}"
+            raise Unreplayable(
+                f"forward rebinds buffer {node.meta[WRITE_BACK]} ({buffer.short()}) to {got}; a graph replays a "
+                "buffer update by copying into the buffer (torch.export too), which keeps its shape and dtype and "
+                "drops autograd history: give the new value the buffer's shape and dtype, detached")
+
+
+class Unreplayable(TraceError):
+    """The model does something no frontend replays as eager does: no other frontend is tried."""
