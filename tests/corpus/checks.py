@@ -16,6 +16,9 @@ each step, so the runs see the same state.
   recompute  budget at f = 0.5 (parameters, gradients and half of the rest of the predicted step),
              or where that is refused, just above the least budget the BudgetError names:
              relative error <= 1e-5
+  pair       passes=[a, b] for an ordered pair of passes (check_pair): refused with the reason
+             (an order the pass manager does not accept, a budget the second plan cannot meet),
+             or as exact as either alone (with precision: loss within 1e-2 of autocast's)
 Relative error is max |optimized - eager| / max |eager| over the loss and each gradient; where
 eager's float32 is itself less accurate than that, the distance to a float64 step decides
 (graphopt.verify.compare, which verify=True uses too).
