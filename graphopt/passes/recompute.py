@@ -85,31 +85,30 @@ def _hoist_state_writes(gm: torch.fx.GraphModule) -> int:
     moved = 0
     nodes = list(gm.graph.nodes)
     start = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
-    for k, n in enumerate(nodes):
-        if n.op not in ("call_function", "call_method") or recomputable(n, gm) is None or n.users:
+    for n in list(nodes):
+        if n.op not in ("call_function", "call_method") or n.users or recomputable(n, gm) is None:
             continue
         inputs = n.all_input_nodes
         if not inputs or any(i.op not in ("placeholder", "get_attr") for i in inputs):
             continue
+        k = nodes.index(n)
         place = max([start] + [nodes.index(i) for i in inputs if i.op == "placeholder"])
         state = {i.target for i in inputs if i.op == "get_attr"}
+        movers = [i for i in inputs if i.op == "get_attr" and nodes.index(i) > place] + [n]
+        if place >= k or nodes[place + 1:place + 1 + len(movers)] == movers:
+            continue  # among the placeholders (fx's asserts on concrete arguments), or already there
         if any(i in inputs or (i.op == "get_attr" and i.target in state)
                for m in nodes[place + 1:k] for i in m.all_input_nodes):
             continue
-        movers = [i for i in inputs if i.op == "get_attr" and nodes.index(i) > place] + [n]
-        if nodes.index(movers[0]) == place + 1 and all(nodes.index(m) == place + 1 + j for j, m in enumerate(movers)):
-            continue  # already there
         anchor = nodes[place] if place >= 0 else None
         for m in movers:
             nodes.remove(m)
             if anchor is None:
                 next(iter(gm.graph.nodes)).prepend(m)
-                nodes.insert(0, m)
             else:
                 anchor.append(m)
-                nodes.insert(nodes.index(anchor) + 1, m)
+            nodes.insert(nodes.index(anchor) + 1 if anchor is not None else 0, m)
             anchor = m
-            place = nodes.index(m)
         moved += 1
     return moved
 
