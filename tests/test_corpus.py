@@ -10,7 +10,7 @@ import torch
 import graphopt
 from graphopt.checkpointing import recomputable
 
-from corpus import CORPUS, QUICK, build
+from corpus import CORPUS, QUICK, REGRESSIONS, build
 from corpus.checks import CHECKS, PAIR_PASSES, run, step
 
 pytestmark = pytest.mark.realmodels
@@ -20,6 +20,8 @@ def pytest_generate_tests(metafunc):
     scope = metafunc.config.getoption("--corpus")
     if "corpus_model" in metafunc.fixturenames:
         metafunc.parametrize("corpus_model", list(CORPUS) if scope == "all" else list(QUICK))
+    if "regression" in metafunc.fixturenames:
+        metafunc.parametrize("regression", [] if scope == "all" else REGRESSIONS, ids="-".join)
     if "pair_model" in metafunc.fixturenames:
         metafunc.parametrize("pair_model", PAIR_MODELS[scope])
 
@@ -28,6 +30,12 @@ def pytest_generate_tests(metafunc):
 def test_each_pass_is_exact_on_the_model(corpus_model, check):
     result = run(corpus_model, check)
     assert result.passed, f"{corpus_model} {check}: {result.cell()}: {result.detail}"
+
+
+def test_the_check_that_once_failed(regression):
+    name, check = regression
+    result = run(name, check)
+    assert result.passed, f"{name} {check}: {result.cell()}: {result.detail}"
 
 
 # The pairs run on one model of each kind (export and fx frontends); test-real adds more.
