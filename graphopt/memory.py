@@ -15,6 +15,7 @@ measure_peak runs a real step: torch.cuda.max_memory_allocated on CUDA, live ten
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -27,6 +28,22 @@ from .meta import tensor_info
 from .saved import StepFacts, record_step, storage_key
 
 GB = 10**9
+
+
+def size_text(n: int) -> str:
+    """Bytes in the unit that reads best, decimal as budgets are: 812 kB, 12.4 MB, 1.234 GB."""
+    if abs(n) >= GB:
+        return f"{n / GB:.3f} GB"
+    if abs(n) >= 10**6:
+        return f"{n / 1e6:.1f} MB"
+    return f"{n / 1e3:.0f} kB"
+
+
+def budget_text(n: int) -> str:
+    """A budget_gb value of at least n bytes, in three significant digits (rounded up)."""
+    gb = n / GB
+    scale = 10 ** (math.floor(math.log10(gb)) - 2) if gb > 0 else 1
+    return f"{math.ceil(gb / scale) * scale:.3g}"
 
 
 @dataclass

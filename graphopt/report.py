@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .memory import size_text
+
 
 @dataclass
 class PassRecord:
@@ -35,7 +37,7 @@ class Report:
         body = [["00", f"trace ({self.frontend})", f"{self.trace_ms:.1f}", f"{self.nodes}", "", "", "", ""]]
         for k, r in enumerate(self.passes, 1):
             err = "" if r.max_rel_err is None else f"{r.max_abs_err:.2e} abs / {r.max_rel_err:.2e} rel"
-            peak = "" if r.peak_bytes is None else _gib(r.peak_bytes)
+            peak = "" if r.peak_bytes is None else size_text(r.peak_bytes)
             body.append([
                 f"{k:02d}", r.name, f"{r.time_ms:.1f}", f"{r.nodes_before} -> {r.nodes_after}",
                 "yes" if r.changed else "no", err, peak, _stats_text(r.stats),
@@ -60,10 +62,6 @@ class Report:
 
     def __str__(self) -> str:
         return self.to_text()
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"
 
 
 def _stats_text(stats: dict) -> str:

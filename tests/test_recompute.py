@@ -1,5 +1,6 @@
 """The recompute pass: measured peak under budget_gb, gradients equal to eager, clear errors."""
 import copy
+import re
 
 import pytest
 import torch
@@ -189,3 +190,15 @@ def test_node_times_leave_the_model_as_it_was():
     calls = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
     assert sorted(times) == sorted(calls) and all(t > 0 for t in times.values())
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))  # batch norm ran in training
+
+
+def test_budget_error_speaks_in_the_unit_of_its_figures_and_its_advice_fits():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    x = torch.randn(512, 64)
+    with pytest.raises(graphopt.BudgetError) as info:
+        graphopt.optimize(model, (x,), budget_gb=1e-5)
+    text = str(info.value)
+    assert "0.000 GB" not in text and re.search(r"below the \d+\.\d MB", text)
+    advised = float(re.search(r"Raise budget_gb to ([0-9.e-]+)", text).group(1))
+    assert advised >= info.value.min_budget_gb
+    graphopt.optimize(model, (x,), budget_gb=advised)  # the advice is a budget the pass accepts

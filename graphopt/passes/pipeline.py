@@ -36,7 +36,7 @@ from .. import ops
 from ..cost import node_times
 from ..dump import note
 from ..errors import BudgetError, OptionError
-from ..memory import GB
+from ..memory import GB, budget_text, size_text
 from ..meta import TensorInfo, tensor_info
 from ..partition import SCHEDULES, StageFacts, least_memory, partition
 from ..purity import CALLS
@@ -166,8 +166,9 @@ class Pipeline(Pass):
             share = f" ({per_rank} virtual stages per device)" if per_rank > 1 else ""
             raise BudgetError(
                 f"no cut into {stages} stages keeps every device under budget_gb={self.settings['budget_gb']:g}"
-                f"{share}: the least any cut needs on its fullest device is {need * per_rank / GB:.4f} GB (the "
-                f"balanced cut's {max(balanced.stage_memory) * per_rank / GB:.4f} GB). Raise budget_gb, use more "
+                f"{share}: the least any cut needs on its fullest device is {size_text(need * per_rank)} (the "
+                f"balanced cut's {size_text(max(balanced.stage_memory) * per_rank)}). Raise budget_gb to "
+                f"{budget_text(need * per_rank)} or more, use more "
                 "stages or fewer microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'.",
                 min_budget_gb=need * per_rank / GB,
                 breakdown={f"balanced cut, stage {s}": m for s, m in enumerate(balanced.stage_memory)})

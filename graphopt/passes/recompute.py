@@ -31,7 +31,7 @@ from ..checkpointing import RecomputeSegment, checkpoint_segments, inline_segmen
 from ..cost import recompute_costs
 from ..dump import note
 from ..errors import BudgetError
-from ..memory import GB, Estimate, estimate_peak, measure_step
+from ..memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
 from ..plot import memory_csv, memory_png
 from ..saved import record_step
 from ..solver import make_atoms, model_peak, solve
@@ -217,12 +217,13 @@ class Recompute(Pass):
                measured: bool = False) -> BudgetError:
         minimum = int(minimum / (1 - self.settings["headroom"]))
         parts = {k: v for k, v in breakdown.items() if v}
-        detail = ", ".join(f"{k} {v / GB:.3f} GB" for k, v in parts.items())
+        detail = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items())
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         how = "as measured" if measured else "by the estimate"
         return BudgetError(
-            f"budget_gb={budget_gb:g} is below the {minimum / GB:.3f} GB that {what} needs at least, {how} "
-            f"({detail}). Raise budget_gb to {minimum / GB:.3f} or more, halve activations with "
+            f"budget_gb={budget_gb:g} ({size_text(int(budget_gb * GB))}) is below the {size_text(minimum)} that "
+            f"{what} needs at least, {how} ({detail}). Raise budget_gb to {budget_text(minimum)} or more, "
+            "halve activations with "
             "precision='bf16', or split the model over devices with stages=N.",
             min_budget_gb=minimum / GB, breakdown=parts,
         )
