@@ -96,22 +96,24 @@ def output_tensors(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return found
 
 
-def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, optimizer_state_bytes: int = 0) -> Estimate:
-    """Predicted peak bytes of forward + backward of gm's outputs, on the example inputs.
+def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = True,
+                  optimizer_state_bytes: int = 0) -> Estimate:
+    """Predicted peak bytes of forward + backward of gm's outputs, on the example inputs; with
+    train=False, of a forward without grad (nothing saved, no gradients).
 
     optimizer_state_bytes: resident optimizer state (e.g. 2x parameter bytes for Adam).
     """
-    facts = record_step(gm, flat_inputs)
+    facts = record_step(gm, flat_inputs, train)
     live = _Live()
     live.add("parameters", sum(p.untyped_storage().nbytes() for p in gm.parameters()), "parameters")
     live.add("buffers", sum(b.untyped_storage().nbytes() for b in gm.buffers()), "buffers")
     live.add("optimizer state", optimizer_state_bytes, "optimizer state")
-    _simulate(gm, facts, live, set())
+    _simulate(gm, facts, live, set(), backward=train)
     return Estimate(live.peak, live.at_peak, live.timeline)
 
 
 def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_grads: set[int],
-              segment: bool = False) -> None:
+              segment: bool = False, backward: bool = True) -> None:
     """Forward then backward of gm. For a recompute segment (segment=True) its inputs are
     already resident, the gradients of its inputs and outputs belong to the caller, and its
     outputs are not held: the recompute keeps only what the segment's backward needs."""
@@ -149,6 +151,8 @@ def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_gra
                 if last_use.get(key) == index[n.name] and owner[0] == "node" and owner[1] not in placeholders:
                     free(key, f"free {owner[1]}")
 
+    if not backward:
+        return
     # Backward: gradients of the outputs, then each node's backward in reverse graph order.
     grads: dict[str, int] = {}
     for m in returned:

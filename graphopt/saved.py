@@ -187,8 +187,9 @@ class _PolicyOutputs(TorchDispatchMode):
         return out
 
 
-def record_step(gm: torch.fx.GraphModule, flat_inputs: list) -> StepFacts:
-    """Run gm's forward once on FakeTensors and record storages and saved tensors."""
+def record_step(gm: torch.fx.GraphModule, flat_inputs: list, train: bool = True) -> StepFacts:
+    """Run gm's forward once on FakeTensors and record storages and saved tensors (none when
+    train is False: an inference forward runs without grad)."""
     from .trace import _fake_state
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -198,7 +199,7 @@ def record_step(gm: torch.fx.GraphModule, flat_inputs: list) -> StepFacts:
             recorder.owner.setdefault(storage_key(t), ("state", name))
         inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
         recorder.policy_mode = _PolicyOutputs(recorder)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
+        with torch.set_grad_enabled(train), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
                 recorder.policy_mode:
             recorder.run(*inputs)
     return recorder.facts()

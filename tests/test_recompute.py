@@ -202,3 +202,14 @@ def test_budget_error_speaks_in_the_unit_of_its_figures_and_its_advice_fits():
     advised = float(re.search(r"Raise budget_gb to ([0-9.e-]+)", text).group(1))
     assert advised >= info.value.min_budget_gb
     graphopt.optimize(model, (x,), budget_gb=advised)  # the advice is a budget the pass accepts
+
+
+def test_an_inference_budget_is_a_forward_without_gradients():
+    model, args, kwargs = zoo.gpt(targets=False)
+    with pytest.raises(graphopt.BudgetError) as info:
+        graphopt.optimize(model, args, example_kwargs=kwargs, train=False, budget_gb=1e-6)
+    breakdown = info.value.breakdown
+    assert "gradients" not in breakdown and "parameter gradients" not in breakdown
+    traced = graphopt.trace(model.train(), args, kwargs)
+    training = estimate_peak(traced, placeholder_values(traced, args, kwargs)).peak_bytes
+    assert info.value.min_budget_gb * GB < 0.6 * training

@@ -125,7 +125,7 @@ class Inplace(Pass):
                 rewrites.append((n, op, call))
         if not rewrites:
             return PassResult(gm, False, {"rewritten": {}, "skipped": skipped})
-        before = estimate_peak(gm, inputs).peak_bytes
+        before = estimate_peak(gm, inputs, train=ctx.train).peak_bytes
         # Step 3
         done, replaced = {}, {}
         for n, op, (target, args, kwargs) in rewrites:
@@ -144,7 +144,7 @@ class Inplace(Pass):
         gm.graph.lint()
         gm.recompile()
         # Step 4
-        after = estimate_peak(gm, inputs).peak_bytes
+        after = estimate_peak(gm, inputs, train=ctx.train).peak_bytes
         return PassResult(gm, True, {
             "rewritten": done, "skipped": skipped, "peak_before_bytes": before, "predicted_peak_bytes": after,
             "saved_bytes": before - after,

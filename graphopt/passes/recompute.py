@@ -146,7 +146,7 @@ class Recompute(Pass):
         target = int(limit * (1 - self.settings["headroom"]))
         inputs = ctx.flat_inputs(gm)
         # Step 1
-        before = estimate_peak(gm, inputs)
+        before = estimate_peak(gm, inputs, train=ctx.train)
         stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
         if not ctx.train:
             if before.peak_bytes > target:
