@@ -14,6 +14,7 @@ import torch.fx
 
 from . import meta
 from .errors import TraceError
+from .verify import Snapshot
 
 WRITE_BACK = "graphopt_write_back"  # on the copy_ that writes a buffer forward rebinds: its name
 
@@ -30,11 +31,11 @@ class StateWatch:
     """
 
     def __init__(self, model: torch.nn.Module, refuse: bool = True):
-        self.model, self.refuse = model, refuse  # refuse=False: only restore (export records what it runs)
+        self.refuse = refuse  # False: only restore (export records what it runs)
         self.slots = [(path, m, name, t) for path, m in model.named_modules(remove_duplicate=False)
                       for kind in ("_buffers", "_parameters") for name, t in getattr(m, kind).items()]
-        self.values = {id(t): (t._version, t.detach().clone()) for *_, t in self.slots
-                       if t is not None and not isinstance(t, torch.nn.Parameter)}
+        self.names = {id(t): f"{path}.{name}" if path else name for path, _, name, t in self.slots}
+        self.values = Snapshot([t for *_, t in self.slots if t is not None and not isinstance(t, torch.nn.Parameter)])
 
     def __enter__(self):
         return self
@@ -61,13 +62,9 @@ class StateWatch:
 
     def __exit__(self, kind, error, tb):
         self._restore()
-        changed = {(path + "." + name if path else name): t for path, _, name, t in self.slots
-                   if id(t) in self.values and t._version != self.values[id(t)][0]}
-        with torch.no_grad():
-            for t in changed.values():
-                t.copy_(self.values[id(t)][1])
-        if changed and error is None and self.refuse:
-            raise TraceError(f"tracing wrote {', '.join(list(changed)[:3])} in place outside the graph (its forward "
+        written = [self.names[id(t)] for t in self.values.restore()]
+        if written and error is None and self.refuse:
+            raise TraceError(f"tracing wrote {', '.join(written[:3])} in place outside the graph (its forward "
                              "reaches the buffer other than as a module attribute); the state is restored")
         return False
 

@@ -54,22 +54,33 @@ def preserved_state(module: torch.nn.Module):
             p.grad = g
 
 
+class Snapshot:
+    """The values of some tensors, to put back those written since (by their version counters)."""
+
+    def __init__(self, tensors):
+        self.saved = [(t, t._version, t.detach().clone()) for t in tensors]
+
+    def restore(self) -> list[torch.Tensor]:
+        """Copy back every tensor written since the snapshot; return those."""
+        written = [(t, value) for t, version, value in self.saved if t._version != version]
+        with torch.no_grad():
+            for t, value in written:
+                t.copy_(value)
+        return [t for t, _ in written]
+
+
 @contextlib.contextmanager
 def preserved_inputs(inputs):
     """Save and restore the gradients and values of the input tensors around trial runs: an
     input that requires grad collects one, and a forward may write into its inputs."""
     tensors = list({id(t): t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}.values())
-    saved = [(t, t.grad, t._version, t.detach().clone()) for t in tensors]
+    grads, values = [(t, t.grad) for t in tensors if t.is_leaf], Snapshot(tensors)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for t, grad, version, value in saved:
-                if t._version != version:
-                    t.copy_(value)
-        for t, grad, *_ in saved:
-            if t.is_leaf:
-                t.grad = grad
+        values.restore()
+        for t, grad in grads:
+            t.grad = grad
 
 
 @contextlib.contextmanager

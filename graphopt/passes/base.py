@@ -66,6 +66,12 @@ def to_bool(value) -> bool:
     raise ValueError(f"{value!r} is not a boolean (use true or false)")
 
 
+def plans_memory_after(*names: str) -> dict[str, str]:
+    """runs_after for a pass that plans memory: every pass that changes it must come first."""
+    return {name: f"the plan is made for the memory of the graph it is given, which {name} changes"
+            for name in names}
+
+
 @dataclass
 class PassContext:
     """Everything a pass may read besides the graph: the example inputs and the run's settings."""

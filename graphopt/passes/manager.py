@@ -1,8 +1,9 @@
 """The pass manager: runs passes and owns everything around them.
 
-The order of the passes is checked first (Pass.runs_after). For each pass: run it, then lint and recompile the graph it returns (re-annotating it when
-it has nodes without metadata), time it, optionally verify its numbers against the eager model, and record a report row and
-the dumps. Passes themselves only rewrite and report stats.
+The order of the passes is checked first (Pass.runs_after). For each pass: run it, then lint
+and recompile the graph it returns (re-annotating it when it has nodes without metadata), time
+it, optionally verify its numbers against the eager model, and record a report row and the
+dumps. Passes themselves only rewrite and report stats.
 """
 from __future__ import annotations
 

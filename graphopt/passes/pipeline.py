@@ -42,7 +42,7 @@ from ..partition import SCHEDULES, StageFacts, least_memory, partition
 from ..purity import CALLS
 from ..saved import record_step, storage_key
 from ..stages import split_stages
-from .base import Option, Pass, PassContext, PassResult, count, positive, to_bool
+from .base import Option, Pass, PassContext, PassResult, count, plans_memory_after, positive, to_bool
 from .registry import register
 
 # gradient + optimizer state bytes per parameter byte
@@ -105,8 +105,7 @@ class Pipeline(Pass):
     """Cut the graph into balanced pipeline stages (stage_0 ... stage_{N-1})."""
 
     name = "pipeline"
-    runs_after = {name: "the plan is made for the memory of the graph it is given, which " + name + " changes"
-                  for name in ("fuse", "inplace", "precision", "recompute")}
+    runs_after = plans_memory_after("fuse", "inplace", "precision", "recompute")
     options = {
         "stages": Option(None, count, "number of pipeline stages"),
         "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),

@@ -37,7 +37,7 @@ from ..saved import record_step
 from ..solver import make_atoms, model_peak, solve
 from ..trace import annotate
 from ..verify import trial_run
-from .base import Option, Pass, PassContext, PassResult, positive, to_bool
+from .base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
 from .registry import register
 
 CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
@@ -128,8 +128,7 @@ class Recompute(Pass):
     """Recompute the cheapest activations in backward so a training step fits budget_gb."""
 
     name = "recompute"
-    runs_after = {name: "the plan is made for the memory of the graph it is given, which " + name + " changes"
-                  for name in ("fuse", "inplace", "precision")}
+    runs_after = plans_memory_after("fuse", "inplace", "precision")
     options = {
         "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
         # The estimate is within a few percent of a measured step, not exact: plans aim below.
@@ -164,7 +163,10 @@ class Recompute(Pass):
         cost = recompute_costs(gm, nodes, inputs) if self.settings["profile"] else flops
         atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)])
         # Step 3
-        search = _Search(gm, inputs, nodes, sel, _candidates(atoms))
+        candidates = _candidates(atoms)
+        if not candidates:  # nothing may be recomputed: the step as it is is the least
+            raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
+        search = _Search(gm, inputs, nodes, sel, candidates)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -261,8 +263,6 @@ class _Search:
         smallest estimate seen) when even the costliest is over."""
         fits = lambda k: self.estimate(k).peak_bytes <= target  # noqa: E731
         last = len(self.candidates) - 1
-        if last < 0:  # nothing may be recomputed: the step as it is is the least
-            return None, estimate_peak(self.gm, self.inputs)
         if not fits(last):
             return None, min(self.estimates.values(), key=lambda e: e.peak_bytes)
         lo, hi = 0, last  # candidates[hi] fits

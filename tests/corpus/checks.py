@@ -146,17 +146,24 @@ def recompute_budget(case: Case, f: float = RECOMPUTE_F) -> float:
     return budget_at(estimate_peak(gm, placeholder_values(gm, case.args, case.kwargs)), f)
 
 
-def check_recompute(case: Case) -> Result:
-    budget, refused = recompute_budget(case), ""
+def planned_budget(case: Case) -> tuple[float, object, str]:
+    """(budget in GB, the optimized module, how the budget was chosen): f = 0.5, or where that
+    is refused, 1% above the least budget the BudgetError names."""
+    budget = recompute_budget(case)
     try:
+        return budget, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget), ""
+    except graphopt.BudgetError as e:
+        budget = e.min_budget_gb * 1.01
         opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget)
-    except graphopt.BudgetError as e:  # then 1% above the least budget it names
-        refused, budget = f"f={RECOMPUTE_F} refused, near the least budget: ", e.min_budget_gb * 1.01
-        opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget)
+        return budget, opt, f"f={RECOMPUTE_F} refused, near the least budget: "
+
+
+def check_recompute(case: Case) -> Result:
+    budget, opt, how = planned_budget(case)
     result = _compare(case, opt, EXACT)
     stats = opt.graphopt_report.passes[-1].stats
-    result.detail = (f"{refused}budget {budget * 1e3:.2f} MB, {stats.get('recomputed_nodes', 0)} nodes recomputed; "
-                     + result.detail)
+    result.detail = f"{how}budget {budget * 1e3:.2f} MB, {stats.get('recomputed_nodes', 0)} nodes recomputed; " + \
+        result.detail
     return result
 
 
@@ -169,12 +176,7 @@ def _pair_spec(name: str, case: Case) -> str:
     if name == "precision":
         return "precision{dtype=bf16}"
     if name == "recompute":
-        budget = recompute_budget(case)
-        try:
-            graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget)
-        except graphopt.BudgetError as e:
-            budget = e.min_budget_gb * 1.01
-        return f"recompute{{budget_gb={budget:.9g}}}"
+        return f"recompute{{budget_gb={planned_budget(case)[0]:.9g}}}"
     if name == "pipeline":
         return "pipeline{stages=2 microbatches=1}"
     return name
