@@ -1,10 +1,14 @@
-"""Peak bytes of live tensor storages on CPU, where no allocator keeps statistics.
+"""Peak bytes of live tensor storages, where no allocator keeps statistics: a real step on
+CPU, and a step run on FakeTensors (memory.estimate_peak), which allocate nothing.
 
 Every storage an op creates (forward, backward, optimizer, communication buffers) is counted
 from the moment it appears until Python's last reference to it goes, each storage once
 however many views share it; tensors given as resident count from the start. This is what
 torch's MemTracker does for storages, but MemTracker also hooks every module and refuses a
 module called more than once per step, which is how a pipeline stage runs its microbatches.
+
+Each storage is counted in a category (what `where()` says when it appears); the bytes by
+category at the peak and, with `timeline=True`, the live bytes after every change are kept.
 """
 from __future__ import annotations
 
@@ -12,43 +16,96 @@ import weakref
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+CUDA_BLOCK = 512
 
 
 class LiveStorage(TorchDispatchMode):
     """with LiveStorage(resident) as live: ...; live.peak is the most bytes live at once."""
 
-    def __init__(self, resident=()):
+    def __init__(self, resident=(), category: str = "resident", timeline: bool = False):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._seen: set[int] = set()
-        for t in resident:
-            self._add(t)
+        self.by_category: dict[str, int] = {}
+        self.at_peak: dict[str, int] = {}
+        self.timeline: list[tuple[str, int]] | None = [] if timeline else None
+        self._seen: dict[int, tuple[str, int]] = {}  # storage -> (category, bytes)
+        self.add(resident, category)
 
-    def _add(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
-            return
-        try:
-            storage = t.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # tensor subclasses without one storage
-            return
-        key = storage.data_ptr() or id(storage)
-        if key in self._seen or storage.nbytes() == 0:
-            return
-        self._seen.add(key)
-        self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, storage.nbytes())
+    def where(self) -> tuple[str, str]:
+        """(category, event) of storages appearing now."""
+        return "allocated", ""
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def add(self, tensors, category: str, event: str | None = None) -> None:
+        """Count tensors made outside the tracked code (resident ones) in `category`."""
+        for t in tensors:
+            self._add(t, category, event or category)
+
+    def add_bytes(self, category: str, nbytes: int, event: str) -> None:
+        """Bytes held for the whole step that no tensor here stands for (optimizer state)."""
+        self._change(category, nbytes, event)
+
+    def recategorize(self, t: torch.Tensor, category: str) -> None:
+        """Count t's storage in another category from now (a gradient that became a .grad)."""
+        key = _key(t)
         if key in self._seen:
-            self._seen.discard(key)
-            self.live -= nbytes
+            old, nbytes = self._seen[key]
+            self._seen[key] = (category, nbytes)
+            self.by_category[old] -= nbytes
+            self.by_category[category] = self.by_category.get(category, 0) + nbytes
+
+    def _add(self, t: torch.Tensor, category: str, event: str, nbytes: int | None = None) -> None:
+        if (t.device.type == "meta" and not isinstance(t, FakeTensor)) or not hasattr(t, "untyped_storage"):
+            return  # a real meta tensor has no memory; a fake one stands for the model it was made from
+        key = _key(t)
+        if key is None or key in self._seen:
+            return
+        nbytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
+        if t.device.type == "cuda" and nbytes:  # a fake: CUDA's allocator hands out 512-byte blocks
+            nbytes = -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+        if nbytes == 0:
+            return
+        self._seen[key] = (category, nbytes)
+        self._change(category, nbytes, event)
+        weakref.finalize(t.untyped_storage(), self._free, key)
+
+    def _free(self, key: int) -> None:
+        if key in self._seen:
+            category, nbytes = self._seen.pop(key)
+            self._change(category, -nbytes, "free")
+
+    def _change(self, category: str, nbytes: int, event: str) -> None:
+        self.live += nbytes
+        self.by_category[category] = self.by_category.get(category, 0) + nbytes
+        if self.timeline is not None:
+            self.timeline.append((event, self.live))
+        if self.live > self.peak:
+            self.peak, self.at_peak = self.live, {k: v for k, v in self.by_category.items() if v}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if tensors:
+            category, event = self.where()
+            sizes = self.sizes(func, args, kwargs or {}, tensors)
+            for t, nbytes in zip(tensors, sizes):
+                self._add(t, category, event, nbytes)
         return out
+
+    def sizes(self, func, args, kwargs, out: list[torch.Tensor]) -> list[int | None]:
+        """Bytes each output of func occupies; None: its storage's own size."""
+        return [None] * len(out)
+
+
+def _key(t: torch.Tensor) -> int | None:
+    """Identity of t's storage: its address, or for a FakeTensor's (meta, no address) the
+    storage object, which lives as long as the storage does."""
+    try:
+        storage = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # tensor subclasses without one storage
+        return None
+    return id(storage) if storage.device.type == "meta" else storage.data_ptr() or id(storage)

@@ -2,30 +2,27 @@
 
 GB means 10**9 bytes everywhere in graphopt (budget_gb=8 is 8e9 bytes).
 
-estimate_peak walks the step the way eager autograd runs it, counting each storage once
-(storages and saved tensors come from one recorded FakeTensor forward, saved.py):
-  forward   in graph order, a node's new output storages are allocated, with the tensors its
-            kernel saves for backward; a storage is freed after its last use unless a
-            backward still needs it or it is a graph output;
-  backward  in reverse order, a node's backward needs the gradient of its output, one
-            workspace of that size, and makes gradients for its inputs; parameter gradients
-            stay, the rest and the node's saved tensors are freed once its backward has run.
-measure_peak runs a real step: torch.cuda.max_memory_allocated on CUDA, live tensor storages
-(live_storage.py) on CPU.
+The step is the user's: forward, then backward from the scalar loss the model returns (or,
+when it returns none, from every output with a gradient of its size), other outputs dropped.
+estimate_peak runs that step on FakeTensors under the instrument that measures a real one on
+CPU (live_storage.py): every storage eager autograd allocates is counted, with the node of
+the graph that made it. Only what no fake kernel shows is measured on a real sample (the
+workspace of the RNN kernels). measure_peak runs a real step: torch.cuda.max_memory_allocated
+on CUDA, live tensor storages on CPU.
 """
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .live_storage import LiveStorage
 from .meta import tensor_info
-from .saved import StepFacts, record_step, storage_key
 
 GB = 10**9
 
@@ -57,23 +54,6 @@ class Estimate:
         return self.peak_bytes / GB
 
 
-class _Live:
-    """Live bytes by category; the peak is kept with the breakdown at that moment."""
-
-    def __init__(self):
-        self.bytes: dict[str, int] = {}
-        self.peak, self.at_peak, self.timeline = 0, {}, []
-
-    def add(self, category: str, n: int, event: str):
-        if n == 0:
-            return
-        self.bytes[category] = self.bytes.get(category, 0) + n
-        total = sum(self.bytes.values())
-        self.timeline.append((event, total))
-        if total > self.peak:
-            self.peak, self.at_peak = total, dict(self.bytes)
-
-
 def budget_at(estimate: Estimate, f: float) -> float:
     """The budget in GB that keeps parameters and gradients and f of the rest of the step's peak."""
     fixed = 2 * estimate.breakdown.get("parameters", 0)
@@ -96,112 +76,131 @@ def output_tensors(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return found
 
 
+def backward_roots(out) -> list[torch.Tensor]:
+    """The outputs one training step backpropagates from: its scalar losses (a model that
+    computes its loss, as transformers' do with labels) when it returns any, else every
+    floating output that requires grad (a loss computed outside, whose gradient is the
+    output's size)."""
+    from .verify import tensor_leaves
+
+    leaves = [t for t in tensor_leaves(out) if t.requires_grad and t.is_floating_point()]
+    losses = [t for t in leaves if t.dim() == 0]
+    return losses or leaves
+
+
 def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = True,
                   optimizer_state_bytes: int = 0) -> Estimate:
-    """Predicted peak bytes of forward + backward of gm's outputs, on the example inputs; with
-    train=False, of a forward without grad (nothing saved, no gradients).
+    """Predicted peak bytes of one training step of gm on the example inputs: forward, then
+    backward from backward_roots; with train=False, of a forward without grad.
+
+    The step runs on FakeTensors, which allocate nothing, under the instrument that measures
+    a real one (LiveStorage): what autograd saves, the gradients it makes, accumulates and
+    copies, each backward kernel's temporaries, a recompute segment's rerun and an opaque op's
+    workspace are what the real step allocates, not a model of it.
 
     optimizer_state_bytes: resident optimizer state (e.g. 2x parameter bytes for Adam).
     """
-    facts = record_step(gm, flat_inputs, train)
-    live = _Live()
-    live.add("parameters", sum(p.untyped_storage().nbytes() for p in gm.parameters()), "parameters")
-    live.add("buffers", sum(b.untyped_storage().nbytes() for b in gm.buffers()), "buffers")
-    live.add("optimizer state", optimizer_state_bytes, "optimizer state")
-    _simulate(gm, facts, live, set(), backward=train)
-    return Estimate(live.peak, live.at_peak, live.timeline)
+    from .checkpointing import recomputing
+    from .trace import _fake_state
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _fake_state(gm, mode):
+        params = list(gm.parameters())
+        inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
+        tracker = _StepTracker(recomputing)
+        tracker.add(params, "parameters")
+        tracker.add(list(gm.buffers()), "buffers")
+        tracker.add([v for v in inputs if isinstance(v, torch.Tensor)], "inputs")
+        tracker.add_bytes("optimizer state", optimizer_state_bytes, "optimizer state")
+        hooks = [p.register_post_accumulate_grad_hook(tracker.parameter_gradient)
+                 for p in params if p.requires_grad] if train else []
+        try:
+            with mode, tracker, torch.set_grad_enabled(train):
+                # Only the roots outlive the forward, as in `model(x).loss.backward()`.
+                out = _Forward(gm, tracker).run(*inputs)
+                roots = backward_roots(out) if train else []
+                del out
+                if roots:
+                    tracker.phase = "backward"
+                    torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+        finally:
+            for h in hooks:
+                h.remove()
+    return Estimate(tracker.peak, tracker.at_peak, tracker.timeline)
 
 
-def _simulate(gm: torch.fx.GraphModule, facts: StepFacts, live: _Live, param_grads: set[int],
-              segment: bool = False, backward: bool = True) -> None:
-    """Forward then backward of gm. For a recompute segment (segment=True) its inputs are
-    already resident, the gradients of its inputs and outputs belong to the caller, and its
-    outputs are not held: the recompute keeps only what the segment's backward needs."""
-    nodes = list(gm.graph.nodes)
-    index = {n.name: i for i, n in enumerate(nodes)}
-    made, last_use = facts.lifetimes(nodes)
-    size = {key: nbytes for key, (_, nbytes) in made.items()}  # storages graph nodes make
-    needed_by: dict[int, set[str]] = {}  # storage -> nodes whose backward still needs it
-    internal: dict[str, int] = {}
-    for name, items in facts.saved.items():
-        for s in {s.storage: s for s in items}.values():
-            if s.source == "node":
-                needed_by.setdefault(s.storage, set()).add(name)
-            elif s.source == "internal":
-                internal[name] = internal.get(name, 0) + s.nbytes
-    returned = output_tensors(gm)
-    held = set() if segment else {key for m in returned for key, _ in facts.storages.get(m.name, [])}
-    placeholders = {n.name for n in nodes if n.op == "placeholder"}
+class _StepTracker(LiveStorage):
+    """LiveStorage naming each storage by the part of the step that makes it: a graph node's
+    forward, its backward, a segment's rerun in backward, a parameter's gradient."""
 
-    def free(key: int, event: str):
-        if size.get(key) and key not in held and not needed_by.get(key):
-            live.add("activations", -size[key], event)
-            size[key] = 0
+    def __init__(self, recomputing):
+        super().__init__(timeline=True)
+        self.recomputing = recomputing
+        self.phase, self.node = "forward", ""
 
-    # Forward
-    for n in nodes:
-        if n.op == "output" or (segment and n.op == "placeholder"):
-            continue
-        category = "inputs" if n.op == "placeholder" else "activations"
-        new = [k for k, _ in facts.storages.get(n.name, []) if facts.owner.get(k) == ("node", n.name)]
-        live.add(category, sum(size[k] for k in dict.fromkeys(new)) + internal.get(n.name, 0), f"forward {n.name}")
-        for m in [n, *n.all_input_nodes]:
-            for key, _ in facts.storages.get(m.name, []):
-                owner = facts.owner[key]
-                if last_use.get(key) == index[n.name] and owner[0] == "node" and owner[1] not in placeholders:
-                    free(key, f"free {owner[1]}")
+    def where(self) -> tuple[str, str]:
+        if self.phase == "forward":
+            return "activations", f"forward {self.node}"
+        current = torch._C._current_autograd_node()
+        name = "" if current is None else current.metadata.get(_MADE_BY) or current.name()
+        if self.recomputing():
+            return "recomputed", f"recompute {name}"
+        return "gradients", f"backward {name}"
 
-    if not backward:
-        return
-    # Backward: gradients of the outputs, then each node's backward in reverse graph order.
-    grads: dict[str, int] = {}
-    for m in returned:
-        if facts.grad_bytes.get(m.name, 0) and not (segment and m.op == "placeholder"):
-            grads[m.name] = facts.grad_bytes[m.name]
-            if not segment:
-                live.add("gradients", grads[m.name], f"grad of output {m.name}")
-    callers = set(grads) if segment else set()
-    for n in reversed(nodes):
-        if n.name not in grads or n.op in ("placeholder", "get_attr"):
-            continue
-        if n.name in facts.segments:  # runs its forward again, then its own backward
-            if n.target.selective:  # what it kept passes to the rerun, which frees it as it goes
-                live.add("activations", -internal.pop(n.name, 0), f"backward {n.name}: kept outputs to the rerun")
-            inner = _Live()
-            _simulate(n.target.module, facts.segments[n.name], inner, param_grads, True)
-            live.add("recomputed", inner.peak, f"backward {n.name}: recompute and backward")
-            live.add("recomputed", -inner.peak, f"backward {n.name}: done")
-            live.add("parameter gradients", inner.bytes.get("parameter gradients", 0), f"backward {n.name}: parameter gradients")
-        for m in n.all_input_nodes:
-            if m.name not in grads and facts.grad_bytes.get(m.name, 0) and m.op != "get_attr" \
-                    and not (segment and m.op == "placeholder"):
-                grads[m.name] = facts.grad_bytes[m.name]
-                live.add("gradients", grads[m.name], f"backward {n.name}: grad of {m.name}")
-        for p in _params_used(gm, n):
-            key = storage_key(p)
-            if key not in param_grads:
-                param_grads.add(key)
-                live.add("parameter gradients", p.untyped_storage().nbytes(), f"backward {n.name}: parameter gradient")
-        # Most backward kernels build one temporary the size of the incoming gradient
-        # (f'(x) before the multiply, the recomputed softmax, ...), freed when they return.
-        live.add("transient", grads[n.name], f"backward {n.name}: workspace")
-        live.add("transient", -grads[n.name], f"backward {n.name}: workspace freed")
-        if n.name not in callers:
-            live.add("gradients", -grads[n.name], f"backward {n.name} done")
-        live.add("activations", -internal.get(n.name, 0), f"free saved by {n.name}")
-        for s in {s.storage: s for s in facts.saved.get(n.name, []) if s.source == "node"}.values():
-            needed_by[s.storage].discard(n.name)
-            free(s.storage, f"free {s.owner}")
+    def parameter_gradient(self, p: torch.Tensor) -> None:
+        self.recategorize(p.grad, "parameter gradients")
+
+    def sizes(self, func, args, kwargs, out):
+        if func not in _FAKE_WORKSPACE or not isinstance(out[0], FakeTensor):
+            return super().sizes(func, args, kwargs, out)
+        return _measured_sizes(func, args, kwargs)
 
 
-def _params_used(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.nn.Parameter]:
-    """Trainable parameters a node reads: its module's own, or get_attr inputs."""
-    if node.op == "call_function" and hasattr(node.target, "module"):  # a recompute segment
-        return []  # counted by the segment's own simulation
-    if node.op == "call_module":
-        return [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
-    attrs = [operator.attrgetter(m.target)(gm) for m in node.all_input_nodes if m.op == "get_attr"]
-    return [a for a in attrs if isinstance(a, torch.nn.Parameter) and a.requires_grad]
+# Kernels whose fake implementation returns an empty workspace or reserve that the real
+# kernel fills (an LSTM's gates for its backward): their outputs are measured instead.
+_FAKE_WORKSPACE = {torch.ops.aten.mkldnn_rnn_layer.default, torch.ops.aten._cudnn_rnn.default,
+                   torch.ops.aten.miopen_rnn.default}
+
+
+def _measured_sizes(func, args, kwargs) -> list[int]:
+    """Output bytes of one real run of func on zeros of the same shapes, once per signature."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    shapes = tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensors)
+    others = repr(pytree.tree_map_only(torch.Tensor, lambda t: None, (args, kwargs)))
+
+    key = (func, shapes, others)
+    if key not in _MEASURED:
+        with _disable_current_modes():
+            real_args, real_kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device), (args, kwargs))
+            out = func(*real_args, **real_kwargs)
+            _MEASURED[key] = [t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
+                              if isinstance(t, torch.Tensor)]
+    return _MEASURED[key]
+
+
+_MEASURED: dict = {}
+
+
+_MADE_BY = "graphopt_node"
+
+
+class _Forward(torch.fx.Interpreter):
+    """Runs the graph, freeing each value after its last use as the generated code does, and
+    tells the tracker which node runs; each autograd node it makes is tagged with the graph
+    node (in its metadata: a reference would keep an unused output's saved tensors alive)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, tracker: _StepTracker):
+        super().__init__(gm)
+        self.tracker = tracker
+
+    def run_node(self, n: torch.fx.Node):
+        self.tracker.node = n.name
+        out = super().run_node(n)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault(_MADE_BY, n.name)
+        return out
 
 
 def measure_peak(fn, *track) -> int:
@@ -227,15 +226,14 @@ def measure_peak(fn, *track) -> int:
 
 
 def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> int:
-    """Measured peak bytes of one training step of `module`: forward, then backward of every
-    floating output that requires grad (with ones as its gradient). Gradients are cleared after."""
-    from .verify import tensor_leaves
-
+    """Measured peak bytes of one training step of `module`: forward, then backward from
+    backward_roots (with ones as their gradients), the step estimate_peak predicts. Gradients
+    are cleared after."""
     kwargs = kwargs or {}
 
     def step():
-        leaves = [t for t in tensor_leaves(module(*args, **kwargs)) if t.requires_grad and t.is_floating_point()]
-        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+        roots = backward_roots(module(*args, **kwargs))
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
 
     try:
         return measure_peak(step, module, *args, *kwargs.values())

@@ -12,6 +12,7 @@ TensorInfo on every tensor-producing node: a 10 GB model traces on a laptop.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -184,14 +185,34 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> l
     return [bound.arguments[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+@contextlib.contextmanager
 def _fake_state(module: torch.nn.Module, mode: FakeTensorMode):
     """Swap the module's parameters, buffers and a graph's tensor constants (export lifts a
-    tensor forward reaches other than as a buffer) for FakeTensors while the context is open.
+    tensor forward reaches other than as a buffer) for FakeTensors while the context is open;
+    the same for the graph of every recompute segment it calls, which holds its own references.
 
     Nothing real is allocated or written: BatchNorm's in-place counter updates land on fakes,
-    and models built on the meta device run just the same. from_tensor memoizes, so tied
-    weights stay one fake tensor.
+    a backward's gradients on fake parameters, and models built on the meta device run just
+    the same. from_tensor memoizes, so a tensor shared (tied weights, a segment's parameter)
+    stays one fake tensor.
     """
+    from .checkpointing import RecomputeSegment
+
+    modules, k = [module], 0
+    while k < len(modules):
+        if isinstance(modules[k], torch.fx.GraphModule):
+            modules += [n.target.module for n in modules[k].graph.nodes if isinstance(n.target, RecomputeSegment)]
+        k += 1
+    # Every state read before any swap: a segment shares leaf modules with its graph.
+    states = [(m, {name: mode.from_tensor(t) for name, t in _state(m).items()}) for m in modules]
+    with contextlib.ExitStack() as stack:
+        for m, fakes in states:
+            stack.enter_context(_reparametrize_module(m, fakes))
+        yield
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and, for a graph, the tensor attributes its get_attr nodes read."""
     state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
     if isinstance(module, torch.fx.GraphModule):
         for node in module.graph.nodes:
@@ -199,7 +220,7 @@ def _fake_state(module: torch.nn.Module, mode: FakeTensorMode):
                 value = functools.reduce(getattr, node.target.split("."), module)
                 if isinstance(value, torch.Tensor):
                     state[node.target] = value
-    return _reparametrize_module(module, {name: mode.from_tensor(t) for name, t in state.items()})
+    return state
 
 
 class _Annotator(FakeTensorProp):

@@ -194,7 +194,7 @@ def test_node_times_leave_the_model_as_it_was():
 
 def test_budget_error_speaks_in_the_unit_of_its_figures_and_its_advice_fits():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
-    x = torch.randn(512, 64)
+    x = torch.randn(1024, 64)
     with pytest.raises(graphopt.BudgetError) as info:
         graphopt.optimize(model, (x,), budget_gb=1e-5)
     text = str(info.value)

@@ -43,6 +43,9 @@ from .registry import register
 CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
 LOOK_BELOW = 3    # cheaper candidates checked after the bisection
 CALIBRATIONS = 3  # re-plans after a measured step over budget
+# On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
+# allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
+CUDA_HEADROOM = 0.05
 
 
 def _least_allowance(atoms) -> int:
@@ -70,7 +73,9 @@ def _candidates(atoms) -> list:
     return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
 
 
-def _fraction(value) -> float:
+def _fraction(value) -> float | None:
+    if value is None:
+        return None
     value = float(value)
     if not 0 <= value < 0.5:
         raise ValueError("must be in [0, 0.5), e.g. 0.05 for 5%")
@@ -131,8 +136,8 @@ class Recompute(Pass):
     runs_after = plans_memory_after("fuse", "inplace", "precision")
     options = {
         "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
-        # The estimate is within a few percent of a measured step, not exact: plans aim below.
-        "headroom": Option(0.05, _fraction, "fraction of the budget kept free for estimate error, in [0, 0.5)"),
+        "headroom": Option(None, _fraction, "fraction of the budget kept free for what the estimate cannot see, "
+                                            "in [0, 0.5); default 0 on CPU, CUDA_HEADROOM on CUDA"),
         "profile": Option(False, to_bool, "cost recompute by each node's measured time instead of its FLOPs"),
         "calibrate": Option(False, to_bool, "measure one real step and plan again while it is over budget"),
     }
@@ -142,8 +147,11 @@ class Recompute(Pass):
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
         limit = int(budget_gb * GB)
-        target = int(limit * (1 - self.settings["headroom"]))
         inputs = ctx.flat_inputs(gm)
+        self.headroom = self.settings["headroom"]
+        if self.headroom is None:
+            self.headroom = CUDA_HEADROOM if _on_cuda(gm, inputs) else 0.0
+        target = int(limit * (1 - self.headroom))
         # Step 1
         before = estimate_peak(gm, inputs, train=ctx.train)
         stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
@@ -217,7 +225,7 @@ class Recompute(Pass):
 
     def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
                measured: bool = False) -> BudgetError:
-        minimum = int(minimum / (1 - self.settings["headroom"]))
+        minimum = int(minimum / (1 - self.headroom))
         parts = {k: v for k, v in breakdown.items() if v}
         detail = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items())
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
@@ -284,6 +292,11 @@ class _Search:
         for n in self.nodes:
             if n.op.startswith("call"):
                 note(n, "recompute", self.decision.get(n, "kept"))
+
+
+def _on_cuda(gm: torch.fx.GraphModule, inputs: list) -> bool:
+    tensors = [*gm.parameters(), *gm.buffers(), *(v for v in inputs if isinstance(v, torch.Tensor))]
+    return any(t.device.type == "cuda" for t in tensors)
 
 
 def _measure(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
