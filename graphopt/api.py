@@ -38,11 +38,11 @@ def _check_number(name: str, value, kind, positive=True):
 
 # optimize() arguments that refine a pass another argument asks for: argument -> (that argument, option)
 REFINEMENTS = {"profile": ("budget_gb", "profile"), "calibrate": ("budget_gb", "calibrate"),
-               "precision_policy": ("precision", "policy")}
+               "optimizer": ("budget_gb", "optimizer"), "precision_policy": ("precision", "policy")}
 
 
 def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
-                   calibrate=False, precision_policy=None) -> list[Pass]:
+                   calibrate=False, precision_policy=None, optimizer=None) -> list[Pass]:
     """The pass list for optimize(): the given (or default) passes plus those the arguments ask for."""
     _check_number("budget_gb", budget_gb, numbers.Real)
     _check_number("stages", stages, numbers.Integral)
@@ -61,9 +61,16 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
             raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
                               "budget_gb caps each stage's predicted memory: leave calibrate out.")
         stage_options = {k: v for k, v in (("budget_gb", budget_gb), ("profile", profile)) if v}
+        if optimizer is not None:
+            if not isinstance(optimizer, str):
+                raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
+                                  "(e.g. optimizer='adam'), not an instance.")
+            stage_options["optimizer"] = optimizer
+            optimizer = None
         requested["budget_gb"] = None
         refinements["profile"] = False
     refinements["precision_policy"] = precision_policy
+    refinements["optimizer"] = optimizer
     for arg, value in refinements.items():
         base = REFINEMENTS[arg][0]
         if value and requested[base] is None:
@@ -102,6 +109,7 @@ def optimize(
     profile: bool = False,
     calibrate: bool = False,
     precision_policy: dict | str | None = None,
+    optimizer=None,
     frontend: str = "auto",
     dump_dir: str | os.PathLike | None = None,
     verify: bool = False,
@@ -118,6 +126,10 @@ def optimize(
     profile: with budget_gb, cost recomputation by each node's measured time, not its FLOPs;
       with stages, cost the stages so.
     calibrate: with budget_gb, run one real step and plan again while it measures over budget.
+    optimizer: with budget_gb, the optimizer the step ends with: a torch.optim.Optimizer or
+      "sgd", "momentum", "adam", "adamw". Its state and its step() are then in the budget,
+      measured by running its class on stand-in tensors; without it the budget covers forward
+      and backward. With stages, a name: the state each stage holds (default "adam").
     precision_policy: with precision, per-op modes overriding autocast's, e.g.
       {"softmax": "low", "linear": "fp32"} (modes: low, fp32, promote, follow).
     precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass); the
@@ -137,7 +149,7 @@ def optimize(
     if train is not None and not isinstance(train, bool):
         raise OptionError(f"train must be True, False or None, got {train!r}.")
     pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages, profile=profile,
-                              calibrate=calibrate, precision_policy=precision_policy)
+                              calibrate=calibrate, precision_policy=precision_policy, optimizer=optimizer)
     settings = dict(pipeline=pipeline, frontend=frontend, verify=verify,
                     dump_dir=dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP"))
     if train is not None:

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .live_storage import LiveStorage
 from .meta import tensor_info
+from .optimizer_memory import OptimizerMemory
 
 GB = 10**9
 
@@ -89,7 +90,7 @@ def backward_roots(out) -> list[torch.Tensor]:
 
 
 def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = True,
-                  optimizer_state_bytes: int = 0) -> Estimate:
+                  optimizer: OptimizerMemory | None = None) -> Estimate:
     """Predicted peak bytes of one training step of gm on the example inputs: forward, then
     backward from backward_roots; with train=False, of a forward without grad.
 
@@ -98,7 +99,8 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
     copies, each backward kernel's temporaries, a recompute segment's rerun and an opaque op's
     workspace are what the real step allocates, not a model of it.
 
-    optimizer_state_bytes: resident optimizer state (e.g. 2x parameter bytes for Adam).
+    optimizer: its state is resident through the step, and its step() runs after backward,
+    while every gradient is alive (optimizer_memory.py).
     """
     from .checkpointing import recomputing
     from .trace import _fake_state
@@ -111,7 +113,8 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
         tracker.add(params, "parameters")
         tracker.add(list(gm.buffers()), "buffers")
         tracker.add([v for v in inputs if isinstance(v, torch.Tensor)], "inputs")
-        tracker.add_bytes("optimizer state", optimizer_state_bytes, "optimizer state")
+        if optimizer is not None:
+            tracker.add_bytes("optimizer state", optimizer.state_bytes, "optimizer state")
         hooks = [p.register_post_accumulate_grad_hook(tracker.parameter_gradient)
                  for p in params if p.requires_grad] if train else []
         try:
@@ -123,6 +126,9 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
                 if roots:
                     tracker.phase = "backward"
                     torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+                if roots and optimizer is not None:
+                    tracker.add_bytes("optimizer step", optimizer.step_bytes, "optimizer step")
+                    tracker.add_bytes("optimizer step", -optimizer.step_bytes, "optimizer step done")
         finally:
             for h in hooks:
                 h.remove()

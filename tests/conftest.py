@@ -65,3 +65,12 @@ FX_ZOO = {
 def pytest_addoption(parser):
     parser.addoption("--corpus", choices=("quick", "all"), default="quick",
                      help="real-model corpus: the quick subset (make test) or every model (make test-real)")
+
+
+def pytest_generate_tests(metafunc):
+    """corpus_model: every real-model corpus model under --corpus=all, else corpus.QUICK."""
+    if "corpus_model" in metafunc.fixturenames:
+        from corpus import CORPUS, QUICK
+
+        all_ = metafunc.config.getoption("--corpus") == "all"
+        metafunc.parametrize("corpus_model", list(CORPUS) if all_ else list(QUICK))

@@ -10,7 +10,7 @@ import torch
 import graphopt
 from graphopt.checkpointing import recomputable
 
-from corpus import CORPUS, QUICK, REGRESSIONS, build
+from corpus import REGRESSIONS, build
 from corpus.checks import CHECKS, PAIR_PASSES, run, step
 
 pytestmark = pytest.mark.realmodels
@@ -18,8 +18,6 @@ pytestmark = pytest.mark.realmodels
 
 def pytest_generate_tests(metafunc):
     scope = metafunc.config.getoption("--corpus")
-    if "corpus_model" in metafunc.fixturenames:
-        metafunc.parametrize("corpus_model", list(CORPUS) if scope == "all" else list(QUICK))
     if "regression" in metafunc.fixturenames:
         metafunc.parametrize("regression", [] if scope == "all" else REGRESSIONS, ids="-".join)
     if "pair_model" in metafunc.fixturenames:

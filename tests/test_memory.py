@@ -72,3 +72,71 @@ def test_estimate_follows_recompute_segments(layers, selective):
     assert abs(estimate.peak_bytes - measured) <= 0.10 * measured, (estimate.peak_bytes, measured)
     assert estimate.breakdown.get("recomputed", 0) > 0
     assert estimate.peak_bytes < estimate_peak(plain, placeholder_values(plain, args, kwargs)).peak_bytes
+
+
+# ---------------------------------------------------------------- the optimizer in the budget
+
+def _real_optimizer_memory(model, optimizer):
+    """State bytes and step temporaries of a real second step() (the first makes the state)."""
+    from graphopt.live_storage import LiveStorage
+
+    saved = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    resident = [*model.parameters(), *(p.grad for p in model.parameters()), *state]
+    with LiveStorage(resident) as live:
+        optimizer.step()
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+            p.grad = None
+    optimizer.state.clear()
+    return sum(t.untyped_storage().nbytes() for t in state), live.peak - live.live
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, weight_decay=0.1),  # weight decay copies every gradient
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.Adam([{"params": list(ps)[:2], "lr": 1e-3}, {"params": list(ps)[2:]}]),
+], ids=["adamw", "adam-decay", "sgd-momentum", "adam-groups"])
+def test_optimizer_state_and_step_are_measured_as_a_real_step_makes_them(make):
+    from graphopt.optimizer_memory import optimizer_memory
+
+    model, _, _ = zoo.mlp(batch=8, width=128, depth=3)
+    optimizer = make(model.parameters())
+    predicted = optimizer_memory(optimizer, list(model.parameters()))
+    assert (predicted.state_bytes, predicted.step_bytes) == _real_optimizer_memory(model, optimizer)
+    assert not optimizer.state  # measuring it did not step the user's optimizer
+
+
+def test_a_budget_with_an_optimizer_holds_for_the_whole_loop():
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+    plain = graphopt.trace(model, args, kwargs)
+    without = estimate_peak(plain, placeholder_values(plain, args, kwargs))
+    budget_gb = (without.peak_bytes * 0.8) / GB
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb, optimizer=optimizer)
+    stats = opt.graphopt_report.passes[-1].stats
+    assert "AdamW" in opt.graphopt_report.passes[-1].name
+
+    def loop_step():
+        opt(*args, **kwargs).loss.backward()
+        optimizer.step()
+
+    from graphopt.memory import measure_peak
+
+    saved = [p.detach().clone() for p in model.parameters()]
+    loop_step()  # the state exists from the first step on
+    for p in model.parameters():
+        p.grad = None
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    measured = measure_peak(loop_step, opt, *args, *kwargs.values(), *state)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+            p.grad = None
+    assert measured <= budget_gb * GB
+    assert abs(stats["predicted_peak_bytes"] - measured) <= 0.01 * measured

@@ -40,6 +40,11 @@ class Option:
     choices: tuple | None = None
 
 
+def _text(value) -> str:
+    """An option value as pipeline text; an object (an optimizer) by its class."""
+    return type(value).__name__ if isinstance(value, torch.optim.Optimizer) else str(value)
+
+
 def positive(value) -> float:
     value = float(value)
     if value <= 0:
@@ -124,7 +129,7 @@ class Pass:
         changed = {k: v for k, v in self.settings.items() if v != self.options[k].default}
         if not changed:
             return self.name
-        return f"{self.name}{{{','.join(f'{k}={v}' for k, v in changed.items())}}}"
+        return f"{self.name}{{{','.join(f'{k}={_text(v)}' for k, v in changed.items())}}}"
 
     def __repr__(self) -> str:
         return f"<pass {self.spec()}>"

@@ -32,6 +32,7 @@ from ..cost import recompute_costs
 from ..dump import note
 from ..errors import BudgetError
 from ..memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
+from ..optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ..plot import memory_csv, memory_png
 from ..saved import record_step
 from ..solver import make_atoms, model_peak, solve
@@ -140,6 +141,8 @@ class Recompute(Pass):
                                             "in [0, 0.5); default 0 on CPU, CUDA_HEADROOM on CUDA"),
         "profile": Option(False, to_bool, "cost recompute by each node's measured time instead of its FLOPs"),
         "calibrate": Option(False, to_bool, "measure one real step and plan again while it is over budget"),
+        "optimizer": Option(None, check_optimizer, "the optimizer whose state and step() the budget covers: "
+                                                   "a torch.optim.Optimizer or " + ", ".join(NAMED)),
     }
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -152,8 +155,10 @@ class Recompute(Pass):
         if self.headroom is None:
             self.headroom = CUDA_HEADROOM if _on_cuda(gm, inputs) else 0.0
         target = int(limit * (1 - self.headroom))
+        optimizer = self.settings["optimizer"]
+        self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
         # Step 1
-        before = estimate_peak(gm, inputs, train=ctx.train)
+        before = estimate_peak(gm, inputs, train=ctx.train, optimizer=self.optimizer)
         stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
         if not ctx.train:
             if before.peak_bytes > target:
@@ -174,7 +179,7 @@ class Recompute(Pass):
         candidates = _candidates(atoms)
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        search = _Search(gm, inputs, nodes, sel, candidates)
+        search = _Search(gm, inputs, nodes, sel, candidates, self.optimizer)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -243,8 +248,9 @@ class _Search:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
-                 candidates: list):
+                 candidates: list, optimizer=None):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
+        self.optimizer = optimizer
         self.estimates: dict[int, Estimate] = {}
         self.decision: dict[torch.fx.Node, str] = {}
 
@@ -262,7 +268,7 @@ class _Search:
     def estimate(self, k: int) -> Estimate:
         if k not in self.estimates:
             self.rewrite(self.candidates[k])
-            self.estimates[k] = estimate_peak(self.gm, self.inputs)
+            self.estimates[k] = estimate_peak(self.gm, self.inputs, optimizer=self.optimizer)
             self.undo()
         return self.estimates[k]
 

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 
 @dataclass
@@ -20,18 +21,32 @@ class Case:
         if self.loss is None:
             self.loss = own_loss
 
+    def repeated(self, k: int) -> "Case":
+        """The same model on k copies of the batch (targets too): activations k times larger."""
+        def grow(t):
+            return t.repeat(k, *[1] * (t.dim() - 1)) if t.dim() else t
+        args, kwargs = pytree.tree_map_only(torch.Tensor, grow, (self.args, self.kwargs))
+        loss = self.loss.repeated(k) if hasattr(self.loss, "repeated") else self.loss
+        return Case(self.model, args, kwargs, loss)
+
 
 def own_loss(out) -> torch.Tensor:
     """The loss a model with labels computes itself (transformers' ModelOutput.loss)."""
     return out["loss"] if isinstance(out, dict) else out.loss
 
 
-def cross_entropy(targets: torch.Tensor) -> Callable:
+@dataclass
+class cross_entropy:  # noqa: N801 (used as a function: the loss of a Case)
     """Cross-entropy of a classifier's logits against fixed targets."""
-    def loss(out):
+
+    targets: torch.Tensor
+
+    def __call__(self, out) -> torch.Tensor:
         logits = out if isinstance(out, torch.Tensor) else out[0]
-        return F.cross_entropy(logits.float(), targets)
-    return loss
+        return F.cross_entropy(logits.float(), self.targets)
+
+    def repeated(self, k: int) -> "cross_entropy":
+        return cross_entropy(self.targets.repeat(k))
 
 
 def images(batch: int = 2, size: int = 64, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,171 @@
+"""Recompute on the real-model corpus: peak and step time from graphopt's least budget to eager.
+
+    python bench/recompute_sweep.py [--models a,b] [--points 9] [--device cpu|cuda] [--out DIR]
+    make sweep
+
+Per model (tests/corpus, at the memory tests' batch, corpus/memory.py): the eager step's
+measured peak and time; graphopt's least budget (what its BudgetError names); POINTS budgets
+from that least to the eager peak, each with graphopt's predicted and measured peak and its
+step time over eager's (median of 5, same run); and the model's own checkpointing
+(transformers' gradient_checkpointing_enable(), timm's set_grad_checkpointing()) as a
+reference point, with graphopt planned at its measured peak. Writes DIR/<model>.png (peak and
+time against the budget), DIR/points.csv and DIR/README.md (the table); the default DIR is
+bench/results/recompute_sweep-<device>.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def sweep_model(name: str, points: int, device: str) -> dict:
+    import graphopt
+    from corpus.memory import memory_case, optimized_point, own_checkpointing, user_step_peak, user_step_seconds
+    from graphopt.memory import GB
+
+    case = memory_case(name)
+    if device != "cpu":
+        case.model.to(device)
+        case.args, case.kwargs = _to(case.args, device), _to(case.kwargs, device)
+        case.loss = _loss_to(case.loss, device)
+    eager_peak, eager_s = user_step_peak(case.model, case), user_step_seconds(case.model, case)
+    try:
+        graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=1e-9)
+    except graphopt.BudgetError as e:
+        least = int(e.min_budget_gb * GB)
+    rows = []
+    budgets = [int(least + (eager_peak - least) * k / (points - 1)) for k in range(points)]
+    for k, budget in enumerate(budgets):
+        point, opt = optimized_point(case, f"{k}", budget)
+        rows.append(_row(name, "graphopt", point, opt, case, eager_peak, eager_s, user_step_seconds))
+    with own_checkpointing(case.model) as own:
+        own_row = None
+        if own:
+            own_peak, own_s = user_step_peak(case.model, case), user_step_seconds(case.model, case)
+            own_row = {"model": name, "kind": own, "budget": own_peak, "predicted": "", "measured": own_peak,
+                       "time_ratio": round(own_s / eager_s, 3), "recomputed": "", "refused": ""}
+    if own_row:
+        point, opt = optimized_point(case, "at own", own_row["budget"])
+        rows.append(_row(name, "graphopt at own's peak", point, opt, case, eager_peak, eager_s, user_step_seconds))
+        rows.append(own_row)
+    return {"name": name, "eager_peak": eager_peak, "eager_s": eager_s, "least": least, "rows": rows, "own": own_row}
+
+
+def _row(name, kind, point, opt, case, eager_peak, eager_s, seconds) -> dict:
+    return {"model": name, "kind": kind, "budget": point.budget, "predicted": point.predicted or "",
+            "measured": point.measured or "",
+            "time_ratio": round(seconds(opt, case) / eager_s, 3) if opt is not None else "",
+            "recomputed": point.recomputed if opt is not None else "", "refused": point.refused}
+
+
+def _to(value, device):
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def _loss_to(loss, device):
+    if hasattr(loss, "targets"):
+        return type(loss)(loss.targets.to(device))
+    return loss
+
+
+def picture(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mb = 1e6
+    fitted = [r for r in result["rows"] if r["kind"] == "graphopt" and r["measured"] != ""]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, dpi=100)
+    budgets = [r["budget"] / mb for r in fitted]
+    top.plot(budgets, [r["measured"] / mb for r in fitted], "o-", label="graphopt, measured")
+    top.plot(budgets, [r["predicted"] / mb for r in fitted], "x--", label="graphopt, predicted")
+    span = [result["least"] / mb, result["eager_peak"] / mb]
+    top.plot(span, span, ":", color="grey", label="budget")
+    top.axhline(result["eager_peak"] / mb, color="black", linewidth=0.8, label="eager")
+    bottom.plot(budgets, [r["time_ratio"] for r in fitted], "o-", label="graphopt")
+    bottom.axhline(1.0, color="black", linewidth=0.8, label="eager")
+    own = result["own"]
+    if own:
+        top.plot([own["budget"] / mb], [own["measured"] / mb], "*", markersize=12, color="crimson", label=own["kind"])
+        bottom.plot([own["budget"] / mb], [own["time_ratio"]], "*", markersize=12, color="crimson", label=own["kind"])
+    top.set_ylabel("peak of one step (MB)")
+    bottom.set_ylabel("step time / eager")
+    bottom.set_xlabel("budget_gb (MB)")
+    top.set_title(f"{result['name']}: recompute from graphopt's least budget to eager")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def table(results: list[dict], device: str) -> str:
+    mb = 1e6
+    lines = [
+        f"# Recompute sweep on the real-model corpus ({device})",
+        "",
+        f"Generated {datetime.date.today()} by `python bench/recompute_sweep.py` on {platform.machine()} "
+        f"with torch {torch.__version__}; one PNG per model beside this file. Peaks are measured "
+        "(live tensor storages on CPU, torch.cuda.max_memory_allocated on CUDA); times are medians "
+        "of 5 steps over eager's median in the same run.",
+        "",
+        "| model | eager peak | graphopt least | own checkpointing peak | least / own | time at own's peak: "
+        "graphopt / own | worst estimate error | budgets overshot |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        fitted = [row for row in r["rows"] if row["measured"] != "" and row["predicted"] != ""]
+        worst = max((abs(row["predicted"] - row["measured"]) / row["measured"] for row in fitted), default=0)
+        over = sum(row["measured"] > row["budget"] for row in fitted)
+        own = r["own"]
+        at_own = next((row for row in r["rows"] if row["kind"] == "graphopt at own's peak"), None)
+        own_cells = ["-", "-", "-"]
+        if own:
+            time_cell = f"{at_own['time_ratio']:.2f} / {own['time_ratio']:.2f}" if at_own and at_own["time_ratio"] != "" \
+                else "refused"
+            own_cells = [f"{own['measured'] / mb:.2f} MB", f"{r['least'] / own['measured']:.2f}", time_cell]
+        lines.append(f"| {r['name']} | {r['eager_peak'] / mb:.2f} MB | {r['least'] / mb:.2f} MB | "
+                     + " | ".join(own_cells) + f" | {100 * worst:.2f}% | {over} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from corpus import CORPUS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(CORPUS))
+    parser.add_argument("--points", type=int, default=9)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(ROOT, "bench", "results", f"recompute_sweep-{args.device}")
+    os.makedirs(out, exist_ok=True)
+    results = []
+    for name in args.models.split(","):
+        result = sweep_model(name, args.points, args.device)
+        results.append(result)
+        picture(result, os.path.join(out, f"{name}.png"))
+        print(table([result], args.device).splitlines()[-1], flush=True)
+    with open(os.path.join(out, "points.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(results[0]["rows"][0]))
+        writer.writeheader()
+        for r in results:
+            writer.writerows(r["rows"])
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(table(results, args.device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""What an optimizer adds to a training step's memory: its state, resident from the first
+step on, and the temporaries of its step(), which runs while every gradient is alive.
+
+Both are measured, not assumed: the optimizer's own class runs step() twice on FakeTensor
+copies of its parameters under the instrument that measures a real step (live_storage.py).
+The first step makes the state; the second, with the state resident, shows the temporaries
+(foreach Adam's square roots and sums, weight decay's copies, ...). Only the parameters and
+gradients are fakes: the optimizer's step counters stay real scalars, as they are on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .errors import OptionError
+from .live_storage import LiveStorage
+
+# optimizer= by name: the class and the settings it is built with
+NAMED = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {}),
+    "adamw": (torch.optim.AdamW, {}),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    state_bytes: int  # resident through the whole step
+    step_bytes: int   # temporaries of step(), above parameters, gradients and state
+
+
+def check_optimizer(value):
+    """An optimizer= value: a torch.optim.Optimizer, one of NAMED, or None."""
+    if value is None or isinstance(value, torch.optim.Optimizer):
+        return value
+    if isinstance(value, str) and value.lower() in NAMED:
+        return value.lower()
+    raise ValueError(f"must be a torch.optim.Optimizer or one of {', '.join(NAMED)}, got {value!r}")
+
+
+def optimizer_memory(optimizer, params: list[torch.Tensor]) -> OptimizerMemory:
+    """State and step temporaries of `optimizer` (an instance: its class, settings and parameter
+    groups; a name in NAMED: that optimizer over `params`, the trainable ones)."""
+    if isinstance(optimizer, str):
+        cls, settings = NAMED[optimizer]
+        groups = [{**settings, "params": [p for p in params if p.requires_grad]}]
+    else:
+        cls = type(optimizer)
+        groups = [dict(g) for g in optimizer.param_groups]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = {}
+    for g in groups:
+        g["params"] = [fakes.setdefault(id(p), _fake_parameter(mode, p)) for p in g["params"]]
+    try:
+        fake_optimizer = cls(groups)
+    except Exception as e:  # noqa: BLE001 (the user's optimizer class, whatever it raises)
+        raise OptionError(f"optimizer={type(optimizer).__name__}: cannot build it again over stand-in "
+                          f"parameters to measure its memory ({type(e).__name__}: {e}); give its name "
+                          f"instead ({', '.join(NAMED)}).") from e
+    resident = [t for p in fakes.values() for t in (p, p.grad)]
+    with LiveStorage(resident) as first:
+        fake_optimizer.step()
+    state = [t for s in fake_optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    with LiveStorage(resident + state) as second:
+        fake_optimizer.step()
+    return OptimizerMemory(second.live - sum(t.untyped_storage().nbytes() for t in resident),
+                           second.peak - second.live)
+
+
+def _fake_parameter(mode: FakeTensorMode, p: torch.Tensor) -> torch.Tensor:
+    fake = torch.nn.Parameter(mode.from_tensor(p.detach()), requires_grad=True)
+    with mode:
+        fake.grad = torch.zeros_like(fake)
+    return fake

@@ -1,0 +1,164 @@
+"""Memory on the real-model corpus: predicted against measured peaks, budgets held, and reach
+against the model's own checkpointing. Shared by tests/test_corpus_memory.py and
+bench/recompute_sweep.py.
+
+The measured step is the user's: forward, the case's loss, backward, gradients None before
+(live tensor storages on CPU, graphopt.memory.measure_peak). The corpus's batch is repeated
+MEMORY_BATCH times so that activations, which recompute trades, outweigh parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import graphopt
+from graphopt.memory import GB, budget_at, estimate_peak, measure_peak
+from graphopt.trace import placeholder_values
+
+from . import build
+from .case import Case
+
+MEMORY_BATCH = 8
+FRACTIONS = (0.3, 0.5, 0.7)
+WITHIN = 0.03  # the predicted peak is within 3% of the measured one
+UNDER = 0.01   # and never under it by more than 1%
+
+
+def memory_case(name: str) -> Case:
+    return build(name).repeated(MEMORY_BATCH)
+
+
+def user_step_peak(module: torch.nn.Module, case: Case) -> int:
+    """Measured peak bytes of forward, the case's loss and backward; gradients None before and after."""
+    def run():
+        case.loss(module(*case.args, **case.kwargs)).backward()
+
+    _clear(case.model)
+    try:
+        torch.manual_seed(0)
+        return measure_peak(run, case.model, *case.args, *case.kwargs.values())
+    finally:
+        _clear(case.model)
+
+
+def user_step_seconds(module: torch.nn.Module, case: Case, repeats: int = 5) -> float:
+    """Median wall time of the user's step (after one warm-up step)."""
+    times = []
+    for k in range(repeats + 1):
+        _clear(case.model)
+        start = time.perf_counter()
+        case.loss(module(*case.args, **case.kwargs)).backward()
+        times.append(time.perf_counter() - start)
+    _clear(case.model)
+    return statistics.median(times[1:])
+
+
+def _clear(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+@contextlib.contextmanager
+def own_checkpointing(model: torch.nn.Module):
+    """The model's own one-line checkpointing, on while the context is open: transformers'
+    gradient_checkpointing_enable(), timm's set_grad_checkpointing(). Yields its name, or
+    None for a model without one."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        # transformers 5 renamed it; the old name warns
+        enable = "activation_checkpointing_enable" if hasattr(model, "activation_checkpointing_enable") \
+            else "gradient_checkpointing_enable"
+        getattr(model, enable)()
+        try:
+            yield f"{enable}()"
+        finally:
+            getattr(model, enable.replace("enable", "disable"))()
+        return
+    if hasattr(model, "set_grad_checkpointing"):
+        try:
+            model.set_grad_checkpointing(True)
+        except (AssertionError, NotImplementedError):
+            yield None
+            return
+        try:
+            yield "set_grad_checkpointing()"
+        finally:
+            model.set_grad_checkpointing(False)
+        return
+    yield None
+
+
+@dataclass
+class Point:
+    label: str                   # "no recompute", "f=0.5", "own checkpointing"
+    budget: int | None           # bytes asked for (None: no budget)
+    predicted: int | None = None
+    measured: int | None = None  # of the optimized module's step
+    refused: str = ""            # the BudgetError, when the budget was refused
+    least: int | None = None     # the least budget the BudgetError names
+    recomputed: int = 0          # nodes
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted is None or not self.measured:
+            return None
+        return (self.predicted - self.measured) / self.measured
+
+
+def optimized_point(case: Case, label: str, budget: int | None, frontend: str = "auto") -> tuple[Point, torch.nn.Module | None]:
+    kwargs = {"frontend": frontend} if budget is None else {"budget_gb": budget / GB, "frontend": frontend}
+    try:
+        opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, **kwargs)
+    except graphopt.BudgetError as e:
+        return Point(label, budget, refused=str(e).splitlines()[0][:160], least=int(e.min_budget_gb * GB)), None
+    if budget is None:
+        predicted = estimate_peak(opt, placeholder_values(opt, case.args, case.kwargs)).peak_bytes
+        recomputed = 0
+    else:
+        stats = opt.graphopt_report.passes[-1].stats
+        predicted, recomputed = stats["predicted_peak_bytes"], stats.get("recomputed_nodes", 0)
+    return Point(label, budget, predicted, user_step_peak(opt, case), recomputed=recomputed), opt
+
+
+def own_checkpointing_peak(case: Case) -> tuple[str | None, int | None]:
+    """(its name, the measured peak of the user's step with it) or (None, None)."""
+    with own_checkpointing(case.model) as name:
+        return (name, user_step_peak(case.model, case)) if name else (None, None)
+
+
+def memory_points(case: Case, fractions=FRACTIONS, own: bool = True, frontend: str = "auto") -> list[Point]:
+    """No recompute, then budgets of parameters + gradients + f of the rest of the predicted
+    step, then the measured peak of the model's own checkpointing."""
+    first, plain = optimized_point(case, "no recompute", None, frontend)
+    points = [first]
+    estimate = estimate_peak(plain, placeholder_values(plain, case.args, case.kwargs))
+    budgets = [(f"f={f}", int(budget_at(estimate, f) * GB)) for f in fractions]
+    if own:
+        name, peak = own_checkpointing_peak(case)
+        if name:
+            budgets.append((f"own: {name}", peak))
+    points += [optimized_point(case, label, budget, frontend)[0] for label, budget in budgets]
+    return points
+
+
+def point_problems(point: Point) -> list[str]:
+    """What breaks the memory promise at one point: a fitted plan over its budget, an estimate
+    off by more than WITHIN or under by more than UNDER, a refusal whose least budget is not
+    above the budget asked for, or of the budget the model's own checkpointing meets."""
+    problems = []
+    if point.refused:
+        if point.least is None or point.least <= point.budget:
+            problems.append(f"{point.label}: refused although its least budget {point.least} <= {point.budget}")
+        if point.label.startswith("own"):
+            problems.append(f"{point.label}: graphopt refuses the {point.budget} bytes the model's own "
+                            f"checkpointing meets; its least is {point.least}")
+        return problems
+    if point.budget is not None and point.measured > point.budget:
+        problems.append(f"{point.label}: measured {point.measured} over the budget {point.budget}")
+    if abs(point.error) > WITHIN or point.error < -UNDER:
+        problems.append(f"{point.label}: predicted {point.predicted} vs measured {point.measured} "
+                        f"({100 * point.error:+.2f}%)")
+    return problems
