@@ -15,6 +15,7 @@ The answer depends on the device the fakes claim (CPU and CUDA kernels save diff
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -203,6 +204,15 @@ def record_step(gm: torch.fx.GraphModule, flat_inputs: list, train: bool = True)
                 recorder.policy_mode:
             recorder.run(*inputs)
     return recorder.facts()
+
+
+def params_read(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[int, torch.nn.Parameter]:
+    """The parameters a node reads, by storage: its leaf module's, or its get_attr inputs'."""
+    if node.op == "call_module":
+        tensors = list(gm.get_submodule(node.target).parameters())
+    else:
+        tensors = [operator.attrgetter(i.target)(gm) for i in node.all_input_nodes if i.op == "get_attr"]
+    return {storage_key(t): t for t in tensors if isinstance(t, torch.nn.Parameter)}
 
 
 def saved_tensors(gm: torch.fx.GraphModule, flat_inputs: list) -> dict[str, list[Saved]]:

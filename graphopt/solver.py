@@ -12,12 +12,20 @@ selectively. With
               checkpoint keeps as well, so that its backward reruns only the cheap ops
 
 the forward ends holding prefix(end) = the sum over segments of kept (plain), cross (full) or
-cross + sel (selective). The backward runs the segments in reverse: when it reaches segment s,
-what the segments after s kept is freed already; a checkpointed s saves again what it saved
-the first time, so it holds prefix(s) + cross(s) + sel(s) + kept(s). The predicted peak is the
-largest of these and prefix(end). It leaves out what every plan holds (parameters, inputs,
-outputs, gradients in flight), so it ranks plans rather than predicts the step: the caller
-checks the plans it considers with the full estimate (memory.py).
+cross + sel (selective). The backward runs the segments in reverse. When it reaches segment s,
+what the segments after s kept is freed already, and it holds
+
+    grads(s)  the parameter gradients made by the backward of s and every later segment (they
+              stay to the optimizer), and the gradient flowing into s, taken as large as what
+              crosses its end;
+
+a plain s holds prefix(s) + kept(s) + grads(s); a checkpointed s saves again what it saved
+the first time, so it holds prefix(s) + cross(s) + sel(s) + kept(s) + grads(s). The predicted
+peak is the largest of these and prefix(end). The parameter gradients are why an early layer
+of a convnet, whose activations are large, can set the step's peak in backward. The model
+leaves out what every plan holds (parameters, inputs, outputs), so it ranks plans rather
+than predicts the step: the caller checks the plans it considers with the full estimate
+(memory.py).
 
 Algorithm:
   1. Atoms: cut the node order where few bytes cross (at most `max_cuts` cut points, chosen
@@ -50,6 +58,8 @@ class Atom:
     recomputable: bool
     sel: int = 0        # bytes of the outputs a selective checkpoint keeps
     sel_cost: int = 0   # cost of those outputs' nodes, which a selective checkpoint does not rerun
+    grads: int = 0      # parameter gradients alive when its backward runs (made by it or later atoms)
+    out: int = 0        # bytes live across its end: the gradient flowing into its backward is as large
 
 
 @dataclass(frozen=True)
@@ -67,19 +77,25 @@ class Plan:
 
 
 def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomputable: list[bool],
-               sel: list[int] | None = None, sel_cost: list[int] | None = None, max_cuts: int = 96) -> list[Atom]:
+               sel: list[int] | None = None, sel_cost: list[int] | None = None, max_cuts: int = 96,
+               param_grads: list[int] | None = None) -> list[Atom]:
     """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
-    sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it."""
+    sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it;
+    param_grads[i]: bytes of the parameter gradients node i's backward makes first."""
     n = len(kept)
     sel, sel_cost = sel or [0] * n, sel_cost or [0] * n
+    param_grads = param_grads or [0] * n
     forced = {0, n}
     for i, ok in enumerate(recomputable):
         if not ok:
             forced.update((i, i + 1))
     free_cuts = sorted((live_after[i - 1], i) for i in range(1, n) if i not in forced)
     cuts = sorted(forced | {i for _, i in free_cuts[:max_cuts]})
+    made_after = [0] * (n + 1)  # parameter gradients made by the backward of node i or later
+    for i in range(n - 1, -1, -1):
+        made_after[i] = made_after[i + 1] + param_grads[i]
     return [Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(cost[a:b]), all(recomputable[a:b]),
-                 sum(sel[a:b]), sum(sel_cost[a:b]))
+                 sum(sel[a:b]), sum(sel_cost[a:b]), made_after[a], live_after[b - 1])
             for a, b in zip(cuts, cuts[1:])]
 
 
@@ -92,11 +108,12 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
             j, kind = starts[i]
             run = atoms[i:j]
             sel = sum(a.sel for a in run) if kind == SELECTIVE else 0
-            peak = max(peak, held + atoms[i].cross + sel + sum(a.kept for a in run))
+            peak = max(peak, held + atoms[i].cross + sel + sum(a.kept for a in run) + atoms[i].grads + atoms[j - 1].out)
             held += atoms[i].cross + sel
             i = j
         else:
             held += atoms[i].kept
+            peak = max(peak, held + atoms[i].grads + atoms[i].out)
             i += 1
     return max(peak, held)
 
@@ -123,7 +140,8 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
         row = cost[i]
         if row.min() >= INF:
             continue
-        _relax(cost[i + 1], how[i + 1], row, units(atoms[i].kept), buckets, 0, (i, PLAIN))
+        in_backward = atoms[i].kept + atoms[i].grads + atoms[i].out
+        _relax(cost[i + 1], how[i + 1], row, units(atoms[i].kept), buckets - units(in_backward), 0, (i, PLAIN))
         if not atoms[i].recomputable:
             continue
         kept = spent = sel = sel_cost = 0
@@ -135,11 +153,12 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
             spent += atoms[j - 1].cost
             sel += atoms[j - 1].sel
             sel_cost += atoms[j - 1].sel_cost
-            if units(cross + kept) > buckets:  # grows with j: no longer segment fits either
+            grads = atoms[i].grads + atoms[j - 1].out
+            if units(cross + kept + atoms[i].grads) > buckets:  # grows with j: no longer segment fits either
                 break
-            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept), spent, (i, FULL))
+            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept + grads), spent, (i, FULL))
             if sel:
-                _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept),
+                _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept + grads),
                        spent - sel_cost, (i, SELECTIVE))
     # Step 3
     final = cost[n]

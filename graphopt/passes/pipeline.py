@@ -27,7 +27,6 @@ Algorithm:
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx
@@ -40,7 +39,7 @@ from ..memory import GB, budget_text, size_text
 from ..meta import TensorInfo, tensor_info
 from ..partition import SCHEDULES, StageFacts, least_memory, partition
 from ..purity import CALLS
-from ..saved import record_step, storage_key
+from ..saved import params_read, record_step, storage_key
 from ..stages import split_stages
 from .base import Option, Pass, PassContext, PassResult, count, plans_memory_after, positive, to_bool
 from .registry import register
@@ -59,7 +58,7 @@ def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam",
         cost = [3 * times.get(n.name, 0.0) for n in nodes]
     else:
         cost = [3 * ops.flops(n, gm) if n.op in CALLS else 0 for n in nodes]
-    params = [_params(gm, n) for n in nodes]
+    params = [{key: p.untyped_storage().nbytes() for key, p in params_read(gm, n).items()} for n in nodes]
     last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
     # A cut before position i is crossed by every value made before i and used at or after i.
     order = {n: i for i, n in enumerate(nodes)}
@@ -89,15 +88,6 @@ def _sendable(info) -> bool:
     (they send only those, and a copy would change the strides that the receiving stage's views
     of an export graph were recorded for)."""
     return isinstance(info, TensorInfo) and info.contiguous
-
-
-def _params(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[int, int]:
-    if node.op == "call_module":
-        tensors = list(gm.get_submodule(node.target).parameters())
-    else:
-        tensors = [operator.attrgetter(i.target)(gm) for i in node.all_input_nodes if i.op == "get_attr"]
-    return {storage_key(t): t.untyped_storage().nbytes() for t in tensors
-            if isinstance(t, torch.nn.Parameter)}
 
 
 @register

@@ -34,7 +34,7 @@ from ..errors import BudgetError
 from ..memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
 from ..optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ..plot import memory_csv, memory_png
-from ..saved import record_step
+from ..saved import params_read, record_step
 from ..solver import make_atoms, model_peak, solve
 from ..trace import annotate
 from ..verify import trial_run
@@ -120,13 +120,22 @@ def _hoist_state_writes(gm: torch.fx.GraphModule) -> int:
 
 
 def _node_facts(gm: torch.fx.GraphModule, facts):
-    """Per node in graph order: bytes kept for backward, bytes live after it, recomputable, and
-    the bytes a selective segment keeps of it."""
+    """Per node in graph order: bytes kept for backward, bytes live after it, recomputable, the
+    bytes a selective segment keeps of it, and the parameter gradients its backward makes
+    first (of the trainable parameters it is the last to read: backward runs in reverse)."""
     nodes = list(gm.graph.nodes)
     kept, live_after = facts.kept_and_live(nodes)
     ok = [recomputable(n, gm) is None for n in nodes]
     sel = [facts.policy_bytes.get(n.name, 0) for n in nodes]
-    return nodes, kept, live_after, ok, sel
+    last_reader = {}
+    for i, n in enumerate(nodes):
+        for key, p in params_read(gm, n).items():
+            if p.requires_grad:
+                last_reader[key] = (i, p.untyped_storage().nbytes())
+    grads = [0] * len(nodes)
+    for i, nbytes in last_reader.values():
+        grads[i] += nbytes
+    return nodes, kept, live_after, ok, sel, grads
 
 
 @register
@@ -171,10 +180,11 @@ class Recompute(Pass):
         if _hoist_state_writes(gm):
             gm.recompile()
         facts = record_step(gm, inputs)
-        nodes, kept, live_after, ok, sel = _node_facts(gm, facts)
+        nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
         flops = recompute_costs(gm, nodes)
         cost = recompute_costs(gm, nodes, inputs) if self.settings["profile"] else flops
-        atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)])
+        atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)],
+                           param_grads=grads)
         # Step 3
         candidates = _candidates(atoms)
         if not candidates:  # nothing may be recomputed: the step as it is is the least
