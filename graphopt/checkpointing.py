@@ -146,6 +146,8 @@ def _once_form(node: torch.fx.Node, gm: torch.fx.GraphModule):
 
 def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     """None when the node may run twice with the same effect; otherwise why not."""
+    if node.op == "get_attr":
+        return None  # stays in the main graph; a segment reads the attribute itself
     if node.op not in CALLS:
         return f"{node.op} nodes stay in the main graph"
     if tensor_info(node) is None and (node.target is getattr or getattr(node.target, "__module__", None) == "_operator"):
@@ -191,7 +193,9 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     selective = selective or [False] * len(segments)
     for k, nodes in enumerate(segments):
-        nodes = sorted(nodes, key=order.__getitem__)
+        nodes = [n for n in sorted(nodes, key=order.__getitem__) if n.op != "get_attr"]
+        if not nodes:
+            continue
         for n in nodes:
             why = recomputable(n, gm)
             if why:

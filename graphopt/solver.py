@@ -91,6 +91,16 @@ def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomput
             forced.update((i, i + 1))
     free_cuts = sorted((live_after[i - 1], i) for i in range(1, n) if i not in forced)
     cuts = sorted(forced | {i for _, i in free_cuts[:max_cuts]})
+    # The cheapest cuts can all fall where little crosses (a network's last, small-resolution
+    # stage), leaving its large early activations in one atom: split any atom keeping more than
+    # its share at its cheapest inner cut, up to max_cuts more.
+    share = sum(kept) / max(max_cuts, 1)
+    for _ in range(max_cuts):
+        a, b = max(zip(cuts, cuts[1:]), key=lambda ab: sum(kept[ab[0]:ab[1]]))
+        inner = [i for i in range(a + 1, b) if i not in forced]
+        if sum(kept[a:b]) <= share or not inner:
+            break
+        cuts = sorted([*cuts, min(inner, key=lambda i: (live_after[i - 1], abs(2 * i - a - b)))])
     made_after = [0] * (n + 1)  # parameter gradients made by the backward of node i or later
     for i in range(n - 1, -1, -1):
         made_after[i] = made_after[i + 1] + param_grads[i]
