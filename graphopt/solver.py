@@ -29,10 +29,12 @@ than predicts the step: the caller checks the plans it considers with the full e
 
 Algorithm:
   1. Atoms: cut the node order where few bytes cross (at most `max_cuts` cut points, chosen
-     by crossing bytes) and around every node that cannot be recomputed.
+     by crossing bytes) and around every node that cannot be recomputed; an atom keeping more
+     than its share of the bytes is split at its cheapest inner cut.
   2. A dynamic program over atoms and prefix memory, in `buckets` units of the allowance
-     (each use rounded up: a plan never exceeds the allowance; with allowance <= buckets a
-     unit is a byte and the program is exact): the least recompute cost covering the first
+     (what a plain atom holds rounded to the nearest unit, every other use up; with
+     allowance <= buckets a unit is a byte and the program is exact): the least recompute
+     cost covering the first
      i atoms with m units held. A run of recomputable atoms may be one checkpointed segment,
      full or selective, where its backward fits: m + its rerun <= allowance.
   3. The plan of least cost, ties broken by least memory. Deterministic: the same graph and
@@ -128,7 +130,7 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
     return max(peak, held)
 
 
-def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
+def solve(atoms: list[Atom], allowance: int, buckets: int = 1024) -> Plan | None:
     """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does."""
     as_is = model_peak(atoms, [])
     if as_is <= allowance:
@@ -141,6 +143,11 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
     def units(nbytes: int) -> int:
         return int(np.ceil(nbytes / unit - 1e-9))
 
+    def held_units(nbytes: int) -> int:
+        # What an atom adds to the memory held: rounded to nearest, as hundreds of small atoms
+        # each rounded up would claim more than the allowance itself.
+        return int(np.floor(nbytes / unit + 0.5))
+
     n = len(atoms)
     # Step 2. cost[i, m]: least cost covering atoms[:i] holding m units; how[i, m]: (previous i, kind).
     cost = np.full((n + 1, buckets + 1), INF, dtype=np.int64)
@@ -151,7 +158,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
         if row.min() >= INF:
             continue
         in_backward = atoms[i].kept + atoms[i].grads + atoms[i].out
-        _relax(cost[i + 1], how[i + 1], row, units(atoms[i].kept), buckets - units(in_backward), 0, (i, PLAIN))
+        _relax(cost[i + 1], how[i + 1], row, held_units(atoms[i].kept), buckets - units(in_backward), 0, (i, PLAIN))
         if not atoms[i].recomputable:
             continue
         kept = spent = sel = sel_cost = 0
@@ -180,7 +187,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 256) -> Plan | None:
     while i > 0:
         prev, kind = (int(v) for v in how[i, m])
         if kind == PLAIN:
-            m -= units(atoms[prev].kept)
+            m -= held_units(atoms[prev].kept)
         else:
             run_sel = sum(a.sel for a in atoms[prev:i]) if kind == SELECTIVE else 0
             m -= units(atoms[prev].cross + run_sel)

@@ -1,9 +1,11 @@
 """recompute: insert recompute checkpoints so one training step fits budget_gb (GB = 10**9 bytes).
 
 Algorithm:
-  1. Estimate the step's peak as it is (memory.estimate_peak). Within budget: nothing to do.
+  1. Estimate the step's peak as it is (memory.estimate_peak: the step run on FakeTensors,
+     with optimizer= its state and step() too). Within budget: nothing to do.
      In inference only the forward runs and recompute cannot help: over budget is an error.
-  2. State writes that read no computed value move up (they would cut segments). Per node,
+  2. Attribute reads move to the top, and state writes that read no computed value move up
+     (they would cut segments). Per node,
      from one recorded FakeTensor forward (saved.py): the bytes it keeps for backward, the
      bytes live across it, whether it may run twice (checkpointing.recomputable), what a
      selective segment keeps of it, and its recompute cost: FLOPs (ops.flops), or with
@@ -12,9 +14,10 @@ Algorithm:
      allowances, from the least the solver can meet to none; the distinct plans by
      increasing cost. The solver's model ranks plans; it is not exact.
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
-     checkpointing.py, then undone) decides: the costliest plan must fit, or BudgetError
-     names the smallest estimated peak as the least budget that works. A bisection over the
-     candidates, then a look at a few cheaper ones, finds the cheapest plan that fits.
+     checkpointing.py, then undone) decides. When the costliest plan fits, a bisection over
+     the candidates, then a look at a few cheaper ones, finds the cheapest plan that fits;
+     when it does not, every candidate is looked at, and if none fits, BudgetError names the
+     smallest estimated peak (the step as it is included) as the least budget that works.
   5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
      model state restored) and, while it measures over budget, plan again for a budget
      lowered by the overshoot (at most CALIBRATIONS times).
@@ -119,6 +122,28 @@ def _hoist_state_writes(gm: torch.fx.GraphModule) -> int:
     return moved
 
 
+def _attributes_first(gm: torch.fx.GraphModule) -> int:
+    """Move every attribute read to just after the placeholders. A segment reads the attributes
+    it needs itself, so one left inside its node range would stay behind in the main graph and
+    undoing the segment would put the nodes back in another order than the plan's."""
+    nodes = list(gm.graph.nodes)
+    anchor = next((n for n in reversed(nodes) if n.op == "placeholder"), None)
+    moved = 0
+    for n in nodes:
+        if n.op != "get_attr":
+            continue
+        if anchor is None:
+            first = next(iter(gm.graph.nodes))
+            if first is not n:
+                first.prepend(n)
+                moved += 1
+        elif anchor.next is not n:
+            anchor.append(n)
+            moved += 1
+        anchor = n
+    return moved
+
+
 def _node_facts(gm: torch.fx.GraphModule, facts):
     """Per node in graph order: bytes kept for backward, bytes live after it, recomputable, the
     bytes a selective segment keeps of it, and the parameter gradients its backward makes
@@ -177,7 +202,7 @@ class Recompute(Pass):
             return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0},
                               _pictures({"as traced": before}, limit))
         # Step 2
-        if _hoist_state_writes(gm):
+        if _attributes_first(gm) + _hoist_state_writes(gm):
             gm.recompile()
         facts = record_step(gm, inputs)
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
@@ -193,7 +218,8 @@ class Recompute(Pass):
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
-            raise self._error(budget_gb, after.peak_bytes, after.breakdown, inference=False)
+            least = min(after, before, key=lambda e: e.peak_bytes)
+            raise self._error(budget_gb, least.peak_bytes, least.breakdown, inference=False)
         search.rewrite(plan)
         if self.settings["calibrate"]:
             for round_ in range(1, CALIBRATIONS + 1):
@@ -287,8 +313,11 @@ class _Search:
         smallest estimate seen) when even the costliest is over."""
         fits = lambda k: self.estimate(k).peak_bytes <= target  # noqa: E731
         last = len(self.candidates) - 1
-        if not fits(last):
-            return None, min(self.estimates.values(), key=lambda e: e.peak_bytes)
+        if not fits(last):  # the costliest is not always the smallest: look at every one
+            fitting = [k for k in range(last) if fits(k)]
+            if not fitting:
+                return None, min(self.estimates.values(), key=lambda e: e.peak_bytes)
+            return self.candidates[fitting[0]], self.estimates[fitting[0]]
         lo, hi = 0, last  # candidates[hi] fits
         while lo < hi:
             mid = (lo + hi) // 2
