@@ -80,10 +80,11 @@ class Plan:
 
 def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomputable: list[bool],
                sel: list[int] | None = None, sel_cost: list[int] | None = None, max_cuts: int = 96,
-               param_grads: list[int] | None = None) -> list[Atom]:
+               param_grads: list[int] | None = None, boundaries=()) -> list[Atom]:
     """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
     sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it;
-    param_grads[i]: bytes of the parameter gradients node i's backward makes first."""
+    param_grads[i]: bytes of the parameter gradients node i's backward makes first;
+    boundaries: node indices where an atom starts, besides those chosen here (blocks' starts)."""
     n = len(kept)
     sel, sel_cost = sel or [0] * n, sel_cost or [0] * n
     param_grads = param_grads or [0] * n
@@ -92,7 +93,7 @@ def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomput
         if not ok:
             forced.update((i, i + 1))
     free_cuts = sorted((live_after[i - 1], i) for i in range(1, n) if i not in forced)
-    cuts = sorted(forced | {i for _, i in free_cuts[:max_cuts]})
+    cuts = sorted(forced | set(boundaries) | {i for _, i in free_cuts[:max_cuts]})
     # The cheapest cuts can all fall where little crosses (a network's last, small-resolution
     # stage), leaving its large early activations in one atom: split any atom keeping more than
     # its share at its cheapest inner cut, up to max_cuts more.

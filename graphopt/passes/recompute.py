@@ -11,8 +11,9 @@ Algorithm:
      selective segment keeps of it, and its recompute cost: FLOPs (ops.flops), or with
      profile=True its measured forward time (cost.py).
   3. Candidate plans (solver.py): the least recompute cost for each of CANDIDATES activation
-     allowances, from the least the solver can meet to none; the distinct plans by
-     increasing cost. The solver's model ranks plans; it is not exact.
+     allowances, from the least the solver can meet to none; and the plans that recompute
+     each repeated block whole (_block_plans), as the model's own checkpointing would; the
+     distinct plans by increasing cost. The solver's model ranks plans; it is not exact.
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
      checkpointing.py, then undone) decides. When the costliest plan fits, a bisection over
      the candidates, then a look at a few cheaper ones, finds the cheapest plan that fits;
@@ -38,7 +39,7 @@ from ..memory import GB, Estimate, budget_text, estimate_peak, measure_step, siz
 from ..optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ..plot import memory_csv, memory_png
 from ..saved import params_read, record_step
-from ..solver import make_atoms, model_peak, solve
+from ..solver import Plan, Segment, make_atoms, model_peak, solve
 from ..trace import annotate
 from ..verify import trial_run
 from .base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
@@ -75,6 +76,62 @@ def _candidates(atoms) -> list:
         if plan is not None and plan.segments:
             plans.setdefault(tuple(plan.segments), plan)
     return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
+
+
+def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], live_after: list[int]) -> list[Plan]:
+    """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
+    does (transformers' decoder layers, timm's blocks or stages): one plan per level of
+    numbered children in the module tree (`layers.3`, `stages.1.blocks.0`), from the nodes'
+    nn_module_stack. A block whose nodes are not contiguous, or hold one that cannot run
+    twice, is left out. The solver's model ranks these plans less well than it ranks its own,
+    and a one-line plan is the baseline a user compares with."""
+    levels: dict[int, dict[str, list[int]]] = {}
+    for i, n in enumerate(nodes):
+        if not n.op.startswith("call"):
+            continue
+        for entry in (n.meta.get("nn_module_stack") or {}).values():
+            path = entry[0] if isinstance(entry, tuple) else str(entry)
+            parts = path.split(".")
+            if parts[-1].isdigit():
+                levels.setdefault(sum(p.isdigit() for p in parts), {}).setdefault(path, []).append(i)
+    plans = []
+    for blocks in levels.values():
+        segments = []
+        for members in blocks.values():
+            start, stop = min(members), max(members) + 1
+            inside = set(members)
+            if all(ok[k] and (k in inside or not nodes[k].op.startswith("call")) for k in range(start, stop)):
+                segments.append(Segment(start, stop, False))
+        if len(segments) < 2:
+            continue
+        segments.sort(key=lambda seg: seg.start)
+        # and the same with the runs between the blocks (embeddings, the head) recomputed too
+        between, start = [], None
+        bounds = {k for seg in segments for k in range(seg.start, seg.stop)}
+        for k in range(len(nodes) + 1):
+            free = k < len(nodes) and k not in bounds and ok[k] and nodes[k].op.startswith("call")
+            if free and start is None:
+                start = k
+            elif not free and start is not None:
+                between.append(Segment(start, k, False))
+                start = None
+        variants = [segments, sorted(segments + between, key=lambda seg: seg.start)]
+        # The first blocks' backward runs last, when every parameter gradient is alive: their
+        # rerun can set the peak. Halving them at their cheapest inner cut lowers it.
+        for k in range(1, min(3, len(segments)) + 1):
+            variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
+        for chosen in variants:
+            plans.append(Plan(chosen, sum(sum(cost[seg.start:seg.stop]) for seg in chosen), 0))
+    return plans
+
+
+def _halves(seg: Segment, live_after: list[int]) -> list[Segment]:
+    """seg cut in two where the fewest bytes cross, nearest its middle among equals."""
+    if seg.stop - seg.start < 2:
+        return [seg]
+    cut = min(range(seg.start + 1, seg.stop),
+              key=lambda i: (live_after[i - 1], abs(2 * i - seg.start - seg.stop)))
+    return [Segment(seg.start, cut, seg.selective), Segment(cut, seg.stop, seg.selective)]
 
 
 def _fraction(value) -> float | None:
@@ -208,10 +265,14 @@ class Recompute(Pass):
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
         flops = recompute_costs(gm, nodes)
         cost = recompute_costs(gm, nodes, inputs) if self.settings["profile"] else flops
+        blocks = _block_plans(nodes, ok, cost, live_after)
         atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)],
-                           param_grads=grads)
+                           param_grads=grads, boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)})
         # Step 3
         candidates = _candidates(atoms)
+        seen = {tuple(p.segments) for p in candidates}
+        candidates += [p for p in blocks if tuple(p.segments) not in seen]
+        candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
         search = _Search(gm, inputs, nodes, sel, candidates, self.optimizer)
