@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TIMM        := timm==1.0.31
 TORCHVISION := torchvision==0.28.0
 
-.PHONY: demo test test-real fuzz corpus bench clean
+.PHONY: demo test test-real fuzz corpus sweep bench clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ fuzz: $(STAMP)
 # The corpus table: model x check, errors and times (bench/corpus_report.py).
 corpus: $(STAMP)
 	$(PY) bench/corpus_report.py
+
+# Recompute on every corpus model from graphopt's least budget to eager, against the model's
+# own checkpointing: PNGs and a table in bench/results/recompute_sweep-cpu/.
+sweep: $(STAMP)
+	$(PY) bench/recompute_sweep.py
 
 bench: $(STAMP)
 	$(PY) -m pytest bench -q -o testpaths=bench --benchmark-columns=min,median,max,rounds --benchmark-sort=name

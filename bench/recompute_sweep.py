@@ -8,9 +8,10 @@ measured peak and time; graphopt's least budget (what its BudgetError names); PO
 from that least to the eager peak, each with graphopt's predicted and measured peak and its
 step time over eager's (median of 5, same run); and the model's own checkpointing
 (transformers' gradient_checkpointing_enable(), timm's set_grad_checkpointing()) as a
-reference point, with graphopt planned at its measured peak. Writes DIR/<model>.png (peak and
-time against the budget), DIR/points.csv and DIR/README.md (the table); the default DIR is
-bench/results/recompute_sweep-<device>.
+reference point, with graphopt planned at its measured peak. Recompute FLOPs are the step's
+matmul and convolution FLOPs (torch.utils.flop_counter) less eager's. Writes
+DIR/<model>.png (peak and time against the budget), DIR/points.csv and DIR/README.md (the
+table); the default DIR is bench/results/recompute_sweep-<device>.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def sweep_model(name: str, points: int, device: str) -> dict:
         case.args, case.kwargs = _to(case.args, device), _to(case.kwargs, device)
         case.loss = _loss_to(case.loss, device)
     eager_peak, eager_s = user_step_peak(case.model, case), user_step_seconds(case.model, case)
+    eager_flops = step_flops(case.model, case)
     try:
         graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=1e-9)
     except graphopt.BudgetError as e:
@@ -46,24 +48,40 @@ def sweep_model(name: str, points: int, device: str) -> dict:
     budgets = [int(least + (eager_peak - least) * k / (points - 1)) for k in range(points)]
     for k, budget in enumerate(budgets):
         point, opt = optimized_point(case, f"{k}", budget)
-        rows.append(_row(name, "graphopt", point, opt, case, eager_peak, eager_s, user_step_seconds))
+        rows.append(_row(name, "graphopt", point, opt, case, eager_peak, eager_s, user_step_seconds, eager_flops))
     with own_checkpointing(case.model) as own:
         own_row = None
         if own:
             own_peak, own_s = user_step_peak(case.model, case), user_step_seconds(case.model, case)
             own_row = {"model": name, "kind": own, "budget": own_peak, "predicted": "", "measured": own_peak,
-                       "time_ratio": round(own_s / eager_s, 3), "recomputed": "", "refused": ""}
+                       "time_ratio": round(own_s / eager_s, 3),
+                       "recompute_gflops": round((step_flops(case.model, case) - eager_flops) / 1e9, 4),
+                       "recomputed": "", "refused": ""}
     if own_row:
         point, opt = optimized_point(case, "at own", own_row["budget"])
-        rows.append(_row(name, "graphopt at own's peak", point, opt, case, eager_peak, eager_s, user_step_seconds))
+        rows.append(_row(name, "graphopt at own's peak", point, opt, case, eager_peak, eager_s, user_step_seconds,
+                         eager_flops))
         rows.append(own_row)
     return {"name": name, "eager_peak": eager_peak, "eager_s": eager_s, "least": least, "rows": rows, "own": own_row}
 
 
-def _row(name, kind, point, opt, case, eager_peak, eager_s, seconds) -> dict:
+def step_flops(module, case) -> int:
+    """Matmul and convolution FLOPs of one user step (torch.utils.flop_counter): the step's
+    FLOPs less eager's are what recompute adds."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        case.loss(module(*case.args, **case.kwargs)).backward()
+    for p in case.model.parameters():
+        p.grad = None
+    return counter.get_total_flops()
+
+
+def _row(name, kind, point, opt, case, eager_peak, eager_s, seconds, eager_flops) -> dict:
     return {"model": name, "kind": kind, "budget": point.budget, "predicted": point.predicted or "",
             "measured": point.measured or "",
             "time_ratio": round(seconds(opt, case) / eager_s, 3) if opt is not None else "",
+            "recompute_gflops": round((step_flops(opt, case) - eager_flops) / 1e9, 4) if opt is not None else "",
             "recomputed": point.recomputed if opt is not None else "", "refused": point.refused}
 
 
@@ -120,9 +138,10 @@ def table(results: list[dict], device: str) -> str:
         "(live tensor storages on CPU, torch.cuda.max_memory_allocated on CUDA); times are medians "
         "of 5 steps over eager's median in the same run.",
         "",
-        "| model | eager peak | graphopt least | own checkpointing peak | least / own | time at own's peak: "
-        "graphopt / own | worst estimate error | budgets overshot |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | eager peak | graphopt least | own checkpointing peak | least / own | at own's peak, step time "
+        "over eager: graphopt / own | at own's peak, recompute GFLOPs: graphopt / own | worst estimate error "
+        "| budgets overshot |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fitted = [row for row in r["rows"] if row["measured"] != "" and row["predicted"] != ""]
@@ -130,11 +149,12 @@ def table(results: list[dict], device: str) -> str:
         over = sum(row["measured"] > row["budget"] for row in fitted)
         own = r["own"]
         at_own = next((row for row in r["rows"] if row["kind"] == "graphopt at own's peak"), None)
-        own_cells = ["-", "-", "-"]
+        own_cells = ["-", "-", "-", "-"]
         if own:
-            time_cell = f"{at_own['time_ratio']:.2f} / {own['time_ratio']:.2f}" if at_own and at_own["time_ratio"] != "" \
-                else "refused"
-            own_cells = [f"{own['measured'] / mb:.2f} MB", f"{r['least'] / own['measured']:.2f}", time_cell]
+            fitted_at_own = at_own is not None and at_own["time_ratio"] != ""
+            time_cell = f"{at_own['time_ratio']:.2f} / {own['time_ratio']:.2f}" if fitted_at_own else "refused"
+            flops_cell = f"{at_own['recompute_gflops']:.3f} / {own['recompute_gflops']:.3f}" if fitted_at_own else "-"
+            own_cells = [f"{own['measured'] / mb:.2f} MB", f"{r['least'] / own['measured']:.2f}", time_cell, flops_cell]
         lines.append(f"| {r['name']} | {r['eager_peak'] / mb:.2f} MB | {r['least'] / mb:.2f} MB | "
                      + " | ".join(own_cells) + f" | {100 * worst:.2f}% | {over} |")
     return "\n".join(lines) + "\n"
