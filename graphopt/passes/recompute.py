@@ -240,7 +240,7 @@ class Recompute(Pass):
         budget_gb = self.settings["budget_gb"]
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
-        limit = int(budget_gb * GB)
+        limit = round(budget_gb * GB)
         inputs = ctx.flat_inputs(gm)
         self.headroom = self.settings["headroom"]
         if self.headroom is None:

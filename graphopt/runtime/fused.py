@@ -5,8 +5,9 @@
    one pass, recomputing the intermediates.
 2. Where it runs: CUDA tensors run the generated Triton kernels; CPU (and other) tensors run the
    torch reference (codegen/reference.py), except under TRITON_INTERPRET=1, where CPU tensors run the
-   Triton kernels in Triton's interpreter: that is how CI tests the codegen. Fake and meta tensors
-   only get outputs of the right shapes and dtypes.
+   Triton kernels in Triton's interpreter: that is how CI tests the codegen. FakeTensors take the
+   same path without launching a kernel, so they allocate what a real run allocates; meta
+   tensors only get outputs of the right shapes and dtypes.
 3. Kernels are cached in a module-level dict by their Spec (ops, params, dtypes, layout patterns,
    merged rank, offset width), never by sizes: a new batch size reuses the kernel. Each FusedOp also
    remembers its plans and kernels by its inputs' dtypes, shapes and strides, so a repeated call
@@ -242,13 +243,18 @@ class FusedOp:
         plan = entry.plan
         device = _device(inputs)
         dtypes = [d for _, d in entry.outputs]
-        if _shape_only(inputs) or plan.layout.numel == 0:
+        if plan.layout.numel == 0 or (_shape_only(inputs) and device.type == "meta"):
             return [torch.empty(s, dtype=d, device=device) for s, d in entry.outputs], dtypes
-        STATS["launches"] += 1
+        # FakeTensors take the path the device takes, allocating what it allocates (the memory
+        # estimate counts it); only the kernel launch is left out.
+        fake = _shape_only(inputs)
+        STATS["launches"] += not fake
         if not _runs_kernel(device):
             values = self._reference(entry).reference_forward(*inputs)
             return [torch.empty(s, dtype=d, device=device).copy_(v) for v, (s, d) in zip(values, entry.outputs)], dtypes
         outputs = [torch.empty(s, dtype=d, device=device) for s, d in entry.outputs]
+        if fake:
+            return outputs, dtypes
         loaded = [inputs[k].to(device) for k in entry.loaded]
         kernel = self._kernel_for(entry, FORWARD, lambda: forward_source(self.group, plan.spec, plan.dtypes))
         _launch(kernel, plan, loaded + outputs, device, entry.scalars)
@@ -262,11 +268,12 @@ class FusedOp:
         result: list[torch.Tensor | None] = [None] * len(inputs)
         if not program.grads:
             return result
-        if _shape_only(list(inputs) + [g for g in grads if g is not None]) or plan.layout.numel == 0:
+        fake = _shape_only(list(inputs) + [g for g in grads if g is not None])
+        if plan.layout.numel == 0 or (fake and device.type == "meta"):
             for k in program.grads:
                 result[k] = torch.zeros(inputs[k].shape, dtype=inputs[k].dtype, device=device)
             return result
-        STATS["launches"] += 1
+        STATS["launches"] += not fake
         if not _runs_kernel(device):
             values = self._reference(entry).reference_backward(*inputs, *grads)
             for k, v in zip(program.grads, values):
@@ -278,8 +285,9 @@ class FusedOp:
                                   dtype=operands[f"d{k}"].dtype, device=device) for k in program.grads}
         tensors = ([inputs[k].to(device) for k in program.inputs] + [grads[i].to(device) for _, i in program.seeds]
                    + [buffers[k] for k in program.grads])
-        kernel = self._kernel_for(entry, BACKWARD, lambda: backward_source(self.group, plan.spec, program))
-        _launch(kernel, plan, tensors, device, entry.scalars)
+        if not fake:
+            kernel = self._kernel_for(entry, BACKWARD, lambda: backward_source(self.group, plan.spec, program))
+            _launch(kernel, plan, tensors, device, entry.scalars)
         for k, buffer in buffers.items():
             result[k] = buffer.sum_to_size(inputs[k].shape).to(inputs[k].dtype)
         return result
