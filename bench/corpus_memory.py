@@ -2,8 +2,8 @@
 
     python bench/corpus_memory.py [--models a,b]
 
-The measured step is the user's: forward, the case's loss, backward, gradients None before
-(live tensor storages on CPU, memory.measure_peak). The prediction is memory.estimate_peak of
+The measured step is the user's (corpus/memory.user_step_peak: forward, the case's loss,
+backward, gradients None before). The prediction is memory.estimate_peak of
 the graph the default passes give. Printed as a table with the error in percent.
 """
 from __future__ import annotations
@@ -12,31 +12,14 @@ import argparse
 import os
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-
-def measured_step(module, case) -> int:
-    from graphopt.memory import measure_peak
-
-    def run():
-        case.loss(module(*case.args, **case.kwargs)).backward()
-
-    for p in case.model.parameters():
-        p.grad = None
-    try:
-        torch.manual_seed(0)
-        return measure_peak(run, case.model, *case.args, *case.kwargs.values())
-    finally:
-        for p in case.model.parameters():
-            p.grad = None
 
 
 def main(argv=None) -> int:
     import graphopt
     from corpus import CORPUS, build
+    from corpus.memory import user_step_peak
     from graphopt.memory import estimate_peak, size_text
     from graphopt.trace import placeholder_values
 
@@ -49,7 +32,7 @@ def main(argv=None) -> int:
         case = build(name)
         opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs)
         predicted = estimate_peak(opt, placeholder_values(opt, case.args, case.kwargs)).peak_bytes
-        eager, graph = measured_step(case.model, case), measured_step(opt, case)
+        eager, graph = user_step_peak(case.model, case), user_step_peak(opt, case)
         print(f"| {name} | {opt.graphopt_report.frontend} | {size_text(predicted)} | {size_text(eager)} | "
               f"{size_text(graph)} | {100 * (predicted - graph) / graph:+.1f}% |", flush=True)
     return 0
