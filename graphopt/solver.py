@@ -1,6 +1,7 @@
 """Choose recompute segments: the least recompute cost whose predicted peak fits a budget.
 
-Cost is FLOPs, or measured time with profile=True: the solver only adds it up.
+Cost is time in nanoseconds (cost.py: estimated, or measured with profile=True): the solver
+adds up its nodes' costs, and what each checkpointed segment costs besides (SegmentCost).
 
 The graph order is cut into segments, each kept as it is or checkpointed, fully or
 selectively. With
@@ -62,6 +63,14 @@ class Atom:
     sel_cost: int = 0   # cost of those outputs' nodes, which a selective checkpoint does not rerun
     grads: int = 0      # parameter gradients alive when its backward runs (made by it or later atoms)
     out: int = 0        # bytes live across its end: the gradient flowing into its backward is as large
+    ops: int = 0        # ops it dispatches
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """What a checkpointed segment costs beyond rerunning its nodes."""
+    fixed: int = 0             # per segment
+    per_selective_op: int = 0  # per op of a selective segment
 
 
 @dataclass(frozen=True)
@@ -80,14 +89,15 @@ class Plan:
 
 def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomputable: list[bool],
                sel: list[int] | None = None, sel_cost: list[int] | None = None, max_cuts: int = 96,
-               param_grads: list[int] | None = None, boundaries=()) -> list[Atom]:
+               param_grads: list[int] | None = None, boundaries=(), ops: list[int] | None = None) -> list[Atom]:
     """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
     sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it;
     param_grads[i]: bytes of the parameter gradients node i's backward makes first;
-    boundaries: node indices where an atom starts, besides those chosen here (blocks' starts)."""
+    boundaries: node indices where an atom starts, besides those chosen here (blocks' starts);
+    ops[i]: 1 when node i dispatches an op."""
     n = len(kept)
     sel, sel_cost = sel or [0] * n, sel_cost or [0] * n
-    param_grads = param_grads or [0] * n
+    param_grads, ops = param_grads or [0] * n, ops or [0] * n
     forced = {0, n}
     for i, ok in enumerate(recomputable):
         if not ok:
@@ -108,7 +118,7 @@ def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomput
     for i in range(n - 1, -1, -1):
         made_after[i] = made_after[i + 1] + param_grads[i]
     return [Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(cost[a:b]), all(recomputable[a:b]),
-                 sum(sel[a:b]), sum(sel_cost[a:b]), made_after[a], live_after[b - 1])
+                 sum(sel[a:b]), sum(sel_cost[a:b]), made_after[a], live_after[b - 1], sum(ops[a:b]))
             for a, b in zip(cuts, cuts[1:])]
 
 
@@ -131,7 +141,7 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
     return max(peak, held)
 
 
-def solve(atoms: list[Atom], allowance: int, buckets: int = 1024) -> Plan | None:
+def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost()) -> Plan | None:
     """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does."""
     as_is = model_peak(atoms, [])
     if as_is <= allowance:
@@ -162,7 +172,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024) -> Plan | None
         _relax(cost[i + 1], how[i + 1], row, held_units(atoms[i].kept), buckets - units(in_backward), 0, (i, PLAIN))
         if not atoms[i].recomputable:
             continue
-        kept = spent = sel = sel_cost = 0
+        kept = spent = sel = sel_cost = n_ops = 0
         cross = atoms[i].cross
         for j in range(i + 1, n + 1):
             if not atoms[j - 1].recomputable:
@@ -171,13 +181,15 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024) -> Plan | None
             spent += atoms[j - 1].cost
             sel += atoms[j - 1].sel
             sel_cost += atoms[j - 1].sel_cost
+            n_ops += atoms[j - 1].ops
             grads = atoms[i].grads + atoms[j - 1].out
             if units(cross + kept + atoms[i].grads) > buckets:  # grows with j: no longer segment fits either
                 break
-            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept + grads), spent, (i, FULL))
+            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept + grads),
+                   spent + segment_cost.fixed, (i, FULL))
             if sel:
                 _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept + grads),
-                       spent - sel_cost, (i, SELECTIVE))
+                       spent - sel_cost + segment_cost.fixed + segment_cost.per_selective_op * n_ops, (i, SELECTIVE))
     # Step 3
     final = cost[n]
     if final.min() >= INF:

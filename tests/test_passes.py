@@ -97,6 +97,48 @@ def test_normalize_rewrites_spellings_into_torch_functions():
     assert_same_step(model, opt, args, {}, exact=True)
 
 
+class GroupedAttention(nn.Module):
+    """Attention with fewer key/value heads than query heads, the heads repeated as transformers'
+    repeat_kv does (or tiled, which enable_gqa does not mean), with a mask or without."""
+
+    def __init__(self, tiled: bool = False, masked: bool = True):
+        super().__init__()
+        self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 8)
+        self.tiled = tiled
+        self.register_buffer("mask", torch.ones(6, 6, dtype=torch.bool).tril() if masked else None)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 4).transpose(1, 2)
+        k = self.kv(x).view(b, s, 2, 4).transpose(1, 2)
+        v = (self.kv(x) * 2).view(b, s, 2, 4).transpose(1, 2)
+        if self.tiled:
+            k, v = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)
+        else:
+            k = k[:, :, None, :, :].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4)
+            v = v[:, :, None, :, :].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).sum(1)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("masked", [True, False])
+def test_normalize_lets_attention_repeat_key_value_heads_itself(frontend, masked):
+    model, args = GroupedAttention(masked=masked), (torch.randn(2, 6, 16),)
+    opt = graphopt.optimize(model, args, passes="normalize", frontend=frontend)
+    assert opt.graphopt_report.passes[0].stats["grouped_query_attention"] == 1
+    (attention,) = [n for n in opt.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert attention.kwargs["enable_gqa"] is True
+    assert not [n for n in opt.graph.nodes if "expand" in str(n.target)]
+    assert_same_step(model, opt, args, {}, exact=False)  # the head gradients summed in another order
+
+
+def test_normalize_leaves_tiled_heads_alone():
+    model, args = GroupedAttention(tiled=True), (torch.randn(2, 6, 16),)
+    opt = graphopt.optimize(model, args, passes="normalize")
+    assert opt.graphopt_report.passes[0].stats["grouped_query_attention"] == 0
+    assert_same_step(model, opt, args, {}, exact=True)
+
+
 class Duplicates(nn.Module):
     def __init__(self):
         super().__init__()

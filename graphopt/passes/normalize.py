@@ -19,6 +19,14 @@ Algorithm:
      later readers of x read the result instead. Eager computes the same values either way, and
      later passes see a pure op: cse may merge it, fuse may take it in, recompute may run it
      again; the inplace pass puts writes back where autograd allows.
+  7. Grouped-query attention: scaled_dot_product_attention reading keys and values whose heads
+     were repeated in the graph (transformers' repeat_kv: unsqueeze at dim 2, expand that
+     dim, reshape it into the heads) reads them unrepeated with enable_gqa=True, which repeats
+     the heads the same way inside the kernel. Eager transformers models do this themselves
+     when they pass no mask; an exported graph carries the mask, so it materializes the
+     repeated keys and values, saves them for backward and sums their gradients back. Only
+     where the kernel takes it: on CPU, and on CUDA without a mask (CUDA's kernels that take a
+     mask do not take enable_gqa, and SDPA would fall back to its slow math path).
 
 Modules with parameters or buffers, and random ops, keep their spelling: their state and
 train/eval behaviour live in the module.
@@ -176,6 +184,72 @@ class Normalize(Pass):
             rewritten[op.name] = rewritten.get(op.name, 0) + 1
         # Step 6
         functional, in_place = _functionalize(gm)
-        changed = bool(rewritten or functional)
+        # Step 7
+        grouped = _grouped_query_attention(gm)
+        changed = bool(rewritten or functional or grouped)
         return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped,
-                                        "functionalized": functional, "kept_in_place": in_place})
+                                        "functionalized": functional, "kept_in_place": in_place,
+                                        "grouped_query_attention": grouped})
+
+
+def _op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
+    op = ops.lookup(node, gm) if node.op.startswith("call") else None
+    return op.name if op is not None else None
+
+
+def _repeated_heads(node, gm: torch.fx.GraphModule):
+    """(the tensor whose heads `node` repeats as repeat_kv does, (batch, kv heads, seq, dim) ->
+    (batch, kv heads * r, seq, dim) with each head r times in a row, and the nodes that repeat
+    them); None for anything else."""
+    if not isinstance(node, torch.fx.Node) or _op_name(node, gm) not in ("reshape", "view"):
+        return None
+    expanded = node.all_input_nodes[0] if node.all_input_nodes else None
+    if expanded is None or _op_name(expanded, gm) != "expand":
+        return None
+    unsqueezed = expanded.all_input_nodes[0]
+    if _op_name(unsqueezed, gm) != "unsqueeze" and not _adds_dims(unsqueezed):
+        return None
+    base = unsqueezed.all_input_nodes[0]
+    shapes = [getattr(meta.tensor_info(n), "shape", None) for n in (base, unsqueezed, expanded, node)]
+    if any(s is None for s in shapes):
+        return None
+    # Inserting a size-1 dimension anywhere keeps the elements' order: the shapes say it all.
+    b, u, e, out = shapes
+    if len(b) != 4 or u != (b[0], b[1], 1, b[2], b[3]) or len(e) != 5 or e[:2] != b[:2] or e[3:] != b[2:]:
+        return None
+    return (base, (node, expanded, unsqueezed)) if out == (b[0], b[1] * e[2], b[2], b[3]) else None
+
+
+def _adds_dims(node: torch.fx.Node) -> bool:
+    """x[:, :, None] and the like: indexing that only inserts size-1 dimensions."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], tuple):
+        return False
+    return all(i is None or i is Ellipsis or i == slice(None) for i in node.args[1])
+
+
+def _grouped_query_attention(gm: torch.fx.GraphModule) -> int:
+    """Step 7; the number of attention calls rewritten."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if _op_name(node, gm) != "scaled_dot_product_attention":
+            continue
+        bound = ops.bind(node, gm)
+        if bound is None or bound.params.get("enable_gqa"):
+            continue
+        query, key, value, mask = bound["query"], bound["key"], bound["value"], bound["attn_mask"]
+        device = getattr(meta.tensor_info(query), "device", None) if isinstance(query, torch.fx.Node) else None
+        if device is None or not (device.type == "cpu" or (device.type == "cuda" and mask is None)):
+            continue
+        k, v = _repeated_heads(key, gm), _repeated_heads(value, gm)
+        if k is None or v is None or key is value:
+            continue
+        node.replace_input_with(key, k[0])
+        node.replace_input_with(value, v[0])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        for dead in (*k[1], *v[1]):
+            if not dead.users:
+                gm.graph.erase_node(dead)
+        done += 1
+    if done:
+        gm.recompile()
+    return done

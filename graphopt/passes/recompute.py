@@ -8,8 +8,8 @@ Algorithm:
      (they would cut segments). Per node,
      from one recorded FakeTensor forward (saved.py): the bytes it keeps for backward, the
      bytes live across it, whether it may run twice (checkpointing.recomputable), what a
-     selective segment keeps of it, and its recompute cost: FLOPs (ops.flops), or with
-     profile=True its measured forward time (cost.py).
+     selective segment keeps of it, and its recompute cost: its time, estimated from FLOPs
+     and bytes for the graph's device, or with profile=True measured (cost.py).
   3. Candidate plans (solver.py): the least recompute cost for each of CANDIDATES activation
      allowances, from the least the solver can meet to none; and the plans that recompute
      each repeated block whole (_block_plans), as the model's own checkpointing would; the
@@ -23,7 +23,7 @@ Algorithm:
      model state restored) and, while it measures over budget, plan again for a budget
      lowered by the overshoot (at most CALIBRATIONS times).
   6. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
-     before and after, recompute cost in FLOPs and as a share of the step, and a picture of
+     before and after, recompute FLOPs, time and its share of the step, and a picture of
      predicted memory through the step, before and after (kk-recompute.memory.png).
 """
 from __future__ import annotations
@@ -31,15 +31,16 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .. import ops
 from ..checkpointing import RecomputeSegment, checkpoint_segments, inline_segments, recomputable
-from ..cost import recompute_costs
+from ..cost import dispatches, rates, recompute_costs
 from ..dump import note
 from ..errors import BudgetError
 from ..memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
 from ..optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ..plot import memory_csv, memory_png
 from ..saved import params_read, record_step
-from ..solver import Plan, Segment, make_atoms, model_peak, solve
+from ..solver import Plan, Segment, SegmentCost, make_atoms, model_peak, solve
 from ..trace import annotate
 from ..verify import trial_run
 from .base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
@@ -65,20 +66,21 @@ def _least_allowance(atoms) -> int:
     return hi
 
 
-def _candidates(atoms) -> list:
+def _candidates(atoms, segment_cost: SegmentCost) -> list:
     """The solver's plans for allowances from the least it can meet to what needs no
     recompute, distinct, by increasing recompute cost (and so, roughly, decreasing peak)."""
     low, high = _least_allowance(atoms), model_peak(atoms, [])
     plans = {}
     for k in range(CANDIDATES):
         allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
-        plan = solve(atoms, allowance)
+        plan = solve(atoms, allowance, segment_cost=segment_cost)
         if plan is not None and plan.segments:
             plans.setdefault(tuple(plan.segments), plan)
     return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
 
 
-def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], live_after: list[int]) -> list[Plan]:
+def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], live_after: list[int],
+                 segment_cost: int) -> list[Plan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`), from the nodes'
@@ -121,7 +123,7 @@ def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], li
         for k in range(1, min(3, len(segments)) + 1):
             variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
         for chosen in variants:
-            plans.append(Plan(chosen, sum(sum(cost[seg.start:seg.stop]) for seg in chosen), 0))
+            plans.append(Plan(chosen, sum(sum(cost[seg.start:seg.stop]) + segment_cost for seg in chosen), 0))
     return plans
 
 
@@ -230,7 +232,7 @@ class Recompute(Pass):
         "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
         "headroom": Option(None, _fraction, "fraction of the budget kept free for what the estimate cannot see, "
                                             "in [0, 0.5); default 0 on CPU, CUDA_HEADROOM on CUDA"),
-        "profile": Option(False, to_bool, "cost recompute by each node's measured time instead of its FLOPs"),
+        "profile": Option(False, to_bool, "cost recompute by each node's measured time instead of its estimate"),
         "calibrate": Option(False, to_bool, "measure one real step and plan again while it is over budget"),
         "optimizer": Option(None, check_optimizer, "the optimizer whose state and step() the budget covers: "
                                                    "a torch.optim.Optimizer or " + ", ".join(NAMED)),
@@ -263,13 +265,17 @@ class Recompute(Pass):
             gm.recompile()
         facts = record_step(gm, inputs)
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
-        flops = recompute_costs(gm, nodes)
-        cost = recompute_costs(gm, nodes, inputs) if self.settings["profile"] else flops
-        blocks = _block_plans(nodes, ok, cost, live_after)
+        device = "cuda" if _on_cuda(gm, inputs) else "cpu"
+        cost = recompute_costs(gm, nodes, device, inputs if self.settings["profile"] else None)
+        flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
+        r = rates(device)
+        segment_cost = SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9))
+        blocks = _block_plans(nodes, ok, cost, live_after, segment_cost.fixed)
         atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)],
-                           param_grads=grads, boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)})
+                           param_grads=grads, boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)},
+                           ops=[dispatches(n, gm) for n in nodes])
         # Step 3
-        candidates = _candidates(atoms)
+        candidates = _candidates(atoms, segment_cost)
         seen = {tuple(p.segments) for p in candidates}
         candidates += [p for p in blocks if tuple(p.segments) not in seen]
         candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
@@ -319,10 +325,9 @@ class Recompute(Pass):
             "recompute_flops": sum(flops[i] for i in recomputed),
             # forward + backward: about three forwards
             "recompute_overhead_pct": round(100 * plan.recompute_cost / max(3 * sum(cost), 1), 1),
-            "cost_by": "measured time" if self.settings["profile"] else "FLOPs",
+            "cost_by": "measured time" if self.settings["profile"] else f"estimated time ({device})",
+            "recompute_ms": round(plan.recompute_cost / 1e6, 3),
         })
-        if self.settings["profile"]:
-            stats["recompute_ms"] = round(plan.recompute_cost / 1e6, 3)
         return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit))
 
     def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
