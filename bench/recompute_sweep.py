@@ -6,9 +6,9 @@
 Per model (tests/corpus, at the memory tests' batch, corpus/memory.py): the eager step's
 measured peak and time; graphopt's least budget (what its BudgetError names); POINTS budgets
 from that least to the eager peak, each with graphopt's predicted and measured peak and its
-step time over eager's (median of 5, same run); and the model's own checkpointing
-(transformers' gradient_checkpointing_enable(), timm's set_grad_checkpointing()) as a
-reference point, with graphopt planned at its measured peak. Recompute FLOPs are the step's
+step time over eager's (medians of 7 steps, run in turns with eager's); and the model's own
+checkpointing (transformers' gradient_checkpointing_enable(), timm's set_grad_checkpointing())
+as a reference point, timed in turns with eager and graphopt at its peak, with graphopt planned at its measured peak. Recompute FLOPs are the step's
 matmul and convolution FLOPs (torch.utils.flop_counter) less eager's. Writes
 DIR/<model>.png (peak and time against the budget), DIR/points.csv and DIR/README.md (the
 table); the default DIR is bench/results/recompute_sweep-<device>.
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def sweep_model(name: str, points: int, device: str) -> dict:
     import graphopt
-    from corpus.memory import memory_case, optimized_point, own_checkpointing, user_step_peak, user_step_seconds
+    from corpus.memory import memory_case, optimized_point, own_checkpointing, step_seconds, user_step, user_step_peak
     from graphopt.memory import GB
 
     case = memory_case(name)
@@ -38,8 +38,17 @@ def sweep_model(name: str, points: int, device: str) -> dict:
         case.model.to(device)
         case.args, case.kwargs = _to(case.args, device), _to(case.kwargs, device)
         case.loss = _loss_to(case.loss, device)
-    eager_peak, eager_s = user_step_peak(case.model, case), user_step_seconds(case.model, case)
-    eager_flops = step_flops(case.model, case)
+    eager_peak, eager_flops = user_step_peak(case.model, case), step_flops(case.model, case)
+    eager = user_step(case.model, case)
+
+    def row(kind, point, opt) -> dict:
+        timed = step_seconds({"eager": eager, "opt": user_step(opt, case)}) if opt is not None else None
+        return {"model": name, "kind": kind, "budget": point.budget, "predicted": point.predicted or "",
+                "measured": point.measured or "",
+                "time_ratio": round(timed["opt"] / timed["eager"], 3) if timed else "",
+                "recompute_gflops": round((step_flops(opt, case) - eager_flops) / 1e9, 4) if opt is not None else "",
+                "recomputed": point.recomputed if opt is not None else "", "refused": point.refused}
+
     try:
         graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=1e-9)
     except graphopt.BudgetError as e:
@@ -47,22 +56,25 @@ def sweep_model(name: str, points: int, device: str) -> dict:
     rows = []
     budgets = [int(least + (eager_peak - least) * k / (points - 1)) for k in range(points)]
     for k, budget in enumerate(budgets):
-        point, opt = optimized_point(case, f"{k}", budget)
-        rows.append(_row(name, "graphopt", point, opt, case, eager_peak, eager_s, user_step_seconds, eager_flops))
+        rows.append(row("graphopt", *optimized_point(case, f"{k}", budget)))
     with own_checkpointing(case.model) as own:
-        own_row = None
+        own_peak = user_step_peak(case.model, case) if own else None
         if own:
-            own_peak, own_s = user_step_peak(case.model, case), user_step_seconds(case.model, case)
-            own_row = {"model": name, "kind": own, "budget": own_peak, "predicted": "", "measured": own_peak,
-                       "time_ratio": round(own_s / eager_s, 3),
-                       "recompute_gflops": round((step_flops(case.model, case) - eager_flops) / 1e9, 4),
-                       "recomputed": "", "refused": ""}
-    if own_row:
-        point, opt = optimized_point(case, "at own", own_row["budget"])
-        rows.append(_row(name, "graphopt at own's peak", point, opt, case, eager_peak, eager_s, user_step_seconds,
-                         eager_flops))
-        rows.append(own_row)
-    return {"name": name, "eager_peak": eager_peak, "eager_s": eager_s, "least": least, "rows": rows, "own": own_row}
+            own_flops = step_flops(case.model, case)
+    own_row = None
+    if own:
+        point, opt = optimized_point(case, "at own", own_peak)
+        at_own = row("graphopt at own's peak", point, opt)
+        # the three in turns: the two ratios share one eager baseline
+        timed = step_seconds({"eager": eager, "own": user_step(case.model, case, own_checkpointing),
+                              **({"graphopt": user_step(opt, case)} if opt is not None else {})})
+        if opt is not None:
+            at_own["time_ratio"] = round(timed["graphopt"] / timed["eager"], 3)
+        own_row = {"model": name, "kind": own, "budget": own_peak, "predicted": "", "measured": own_peak,
+                   "time_ratio": round(timed["own"] / timed["eager"], 3),
+                   "recompute_gflops": round((own_flops - eager_flops) / 1e9, 4), "recomputed": "", "refused": ""}
+        rows += [at_own, own_row]
+    return {"name": name, "eager_peak": eager_peak, "least": least, "rows": rows, "own": own_row}
 
 
 def step_flops(module, case) -> int:
@@ -75,14 +87,6 @@ def step_flops(module, case) -> int:
     for p in case.model.parameters():
         p.grad = None
     return counter.get_total_flops()
-
-
-def _row(name, kind, point, opt, case, eager_peak, eager_s, seconds, eager_flops) -> dict:
-    return {"model": name, "kind": kind, "budget": point.budget, "predicted": point.predicted or "",
-            "measured": point.measured or "",
-            "time_ratio": round(seconds(opt, case) / eager_s, 3) if opt is not None else "",
-            "recompute_gflops": round((step_flops(opt, case) - eager_flops) / 1e9, 4) if opt is not None else "",
-            "recomputed": point.recomputed if opt is not None else "", "refused": point.refused}
 
 
 def _to(value, device):
@@ -136,7 +140,7 @@ def table(results: list[dict], device: str) -> str:
         f"Generated {datetime.date.today()} by `python bench/recompute_sweep.py` on {platform.machine()} "
         f"with torch {torch.__version__}; one PNG per model beside this file. Peaks are measured "
         "(live tensor storages on CPU, torch.cuda.max_memory_allocated on CUDA); times are medians "
-        "of 5 steps over eager's median in the same run.",
+        "of 7 steps over eager's, the steps run in turns; at own's peak eager, own and graphopt take turns.",
         "",
         "| model | eager peak | graphopt least | own checkpointing peak | least / own | at own's peak, step time "
         "over eager: graphopt / own | at own's peak, recompute GFLOPs: graphopt / own | worst estimate error "

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import graphopt
 from graphopt import zoo
+from graphopt.devices import check_device
 from graphopt.runtime.pipeline import PipelineRunner
 
 
@@ -27,11 +28,17 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--frontend", default="fx", choices=["fx", "export"])
     options = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error("run it with torchrun, which starts one process per stage: "
+                     "torchrun --nproc-per-node 2 examples/pipeline_gpt.py")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if options.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if options.device == "cuda" else "gloo")
-    device = torch.device(options.device, int(os.environ["LOCAL_RANK"])) if options.device == "cuda" else "cpu"
+    try:
+        device = check_device(f"cuda:{os.environ['LOCAL_RANK']}" if options.device == "cuda" else "cpu")
+    except graphopt.UsageError as e:
+        parser.error(str(e))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
     # The same model on every rank, built on the host: the runner moves only its stages to `device`.
     torch.manual_seed(0)

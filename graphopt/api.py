@@ -1,6 +1,7 @@
 """optimize(): trace -> pass pipeline -> a drop-in replacement for the model."""
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import time
@@ -9,9 +10,9 @@ import torch
 import torch.fx
 
 from . import passes as passes_pkg
-from .dump import Dumper
+from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
-from .guards import install_mode_guard, install_shape_guard
+from .guards import install_call_guard, install_mode_guard, install_shape_guard, refuse_pickling
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .report import Report
@@ -27,13 +28,11 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 ARGUMENT_PASSES = {"precision": ("precision", "dtype"), "budget_gb": ("recompute", "budget_gb"), "stages": ("pipeline", "stages")}
 
 
-def _check_number(name: str, value, kind, positive=True):
+def _check_number(name: str, value, kind, what: str):
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise OptionError(f"{name} must be a {'positive ' if positive else ''}number, got {value!r}.")
-    if positive and value <= 0:
-        raise OptionError(f"{name} must be positive, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
+        raise OptionError(f"{name} must be {what}, got {value!r}.")
 
 
 # optimize() arguments that refine a pass another argument asks for: argument -> (that argument, option)
@@ -44,8 +43,8 @@ REFINEMENTS = {"profile": ("budget_gb", "profile"), "calibrate": ("budget_gb", "
 def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
                    calibrate=False, precision_policy=None, optimizer=None) -> list[Pass]:
     """The pass list for optimize(): the given (or default) passes plus those the arguments ask for."""
-    _check_number("budget_gb", budget_gb, numbers.Real)
-    _check_number("stages", stages, numbers.Integral)
+    _check_number("budget_gb", budget_gb, numbers.Real, "a positive, finite number of GB (10**9 bytes), e.g. 8")
+    _check_number("stages", stages, numbers.Integral, "a whole number of pipeline stages, at least 1, e.g. 2")
     if precision is not None and precision not in PRECISIONS:
         raise OptionError(f"precision must be one of {', '.join(PRECISIONS)} (or None), got {precision!r}.")
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
@@ -150,8 +149,12 @@ def optimize(
         raise OptionError(f"train must be True, False or None, got {train!r}.")
     pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages, profile=profile,
                               calibrate=calibrate, precision_policy=precision_policy, optimizer=optimizer)
-    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify,
-                    dump_dir=dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP"))
+    if not isinstance(verify, bool):
+        raise OptionError(f"verify must be True or False, got {verify!r}.")
+    dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None
+    if dump_dir is not None:
+        check_dump_dir(dump_dir)
+    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, dump_dir=dump_dir)
     if train is not None:
         model.train(train)
     if example_inputs is None and example_kwargs is None:
@@ -189,6 +192,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     if dumper:
         dumper.svg(gm)
     install_mode_guard(gm, model.training)
+    install_call_guard(gm, model)
+    refuse_pickling(gm)
     if microbatches and gm.meta["graphopt_frontend"] == "export":
         install_shape_guard(
             gm, args, kwargs, f"an export graph staged for one microbatch, 1/{microbatches} of the example batch",
@@ -196,6 +201,11 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
             "on one microbatch, or optimize with frontend='fx' for a graph that runs at any batch size.")
     elif ctx.facts.get("shape_specialized"):
         install_shape_guard(gm, args, kwargs, ctx.facts["shape_specialized"])
+    elif gm.meta["graphopt_frontend"] == "export":
+        install_shape_guard(
+            gm, args, kwargs, "torch.export traced it for those shapes",
+            "call it with inputs of those shapes, use graphopt.optimize(model) without example inputs, which "
+            "builds a graph per input signature, or frontend='fx' where the model traces with it.")
     gm.graphopt_report = report
     return gm
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from . import ops
-from .meta import tensor_info
+from .meta import leaves, tensor_info
 from .purity import CALLS
 from .saved import params_read
 from .verify import trial_run
@@ -82,12 +82,6 @@ def node_times(gm: torch.fx.GraphModule, flat_inputs: list, repeats: int = 3) ->
     return {name: statistics.median(t[1:]) for name, t in timer.times.items()}
 
 
-def _nbytes(info) -> int:
-    if isinstance(info, tuple):
-        return sum(_nbytes(i) for i in info)
-    return info.nbytes if info is not None else 0
-
-
 def dispatches(node: torch.fx.Node, gm: torch.fx.GraphModule) -> int:
     """1 for a node that runs an op when the graph runs, 0 for one that does not (placeholders,
     attribute reads, Python arithmetic on sizes, getitem of a tuple)."""
@@ -103,7 +97,8 @@ def estimated_seconds(node: torch.fx.Node, gm: torch.fx.GraphModule, r: Rates) -
     op = ops.lookup(node, gm)
     if op is not None and (op.kind == "view" or (op.aliases and op.kind != "matmul")):
         return r.view_s
-    moved = _nbytes(tensor_info(node)) + sum(_nbytes(tensor_info(i)) for i in node.all_input_nodes if i.op != "get_attr")
+    made = [node, *(i for i in node.all_input_nodes if i.op != "get_attr")]  # attributes: params_read
+    moved = sum(info.nbytes for n in made for info in leaves(tensor_info(n)))
     moved += sum(p.untyped_storage().nbytes() for p in params_read(gm, node).values())
     return r.op_s + max(ops.flops(node, gm) / r.flops_per_s, moved / r.bytes_per_s)
 

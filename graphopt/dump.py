@@ -24,7 +24,8 @@ import torch
 import torch.fx
 from torch.fx.node import _get_qualified_name
 
-from .meta import TensorInfo, tensor_info
+from .errors import UsageError
+from .meta import TensorInfo, leaves, tensor_info
 from .report import Report
 
 NOTES = "graphopt"
@@ -55,7 +56,7 @@ def node_table(gm: torch.fx.GraphModule) -> str:
         if isinstance(info, TensorInfo):
             shape, dtype, nbytes = str(list(info.shape)), str(info.dtype).replace("torch.", ""), str(info.nbytes)
         elif isinstance(info, tuple):
-            parts = [i for i in info if i is not None]
+            parts = list(leaves(info))
             shape = " ".join(str(list(i.shape)) for i in parts)
             dtype = " ".join(sorted({str(i.dtype).replace("torch.", "") for i in parts}))
             nbytes = str(sum(i.nbytes for i in parts))
@@ -83,10 +84,24 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
+def check_dump_dir(directory) -> None:
+    """Raise UsageError unless `directory` can hold dumps: a directory, or a path one can be made at."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise UsageError(f"dump_dir must be a path (str or os.PathLike), got {type(directory).__name__}.")
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"dump_dir={str(directory)!r} is a file; give a directory (graphopt creates it).")
+    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    if existing is not None and not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise UsageError(f"dump_dir={str(directory)!r} cannot be written: {str(existing)!r} is not a writable "
+                         "directory; give a directory you can write to.")
+
+
 class Dumper:
     """Writes the dumps of one optimize() run into a directory it owns."""
 
     def __init__(self, directory: str | os.PathLike):
+        check_dump_dir(directory)
         self.dir = Path(directory)
         if self.dir.exists():
             # Stale dumps from an earlier run would mix into this run's diffs.

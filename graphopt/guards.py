@@ -6,6 +6,8 @@ match what the graph was built for raises instead of computing something else.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
@@ -52,12 +54,57 @@ REPLAN = ("call it with inputs of those shapes, or use graphopt.optimize(model) 
           "which plans again for each new input signature.")
 
 
+def describe(args: tuple, kwargs: dict) -> str:
+    """The tensors of a call, short: 'float32[4, 8], input_ids=int64[4, 16]'."""
+    def one(value):
+        leaves = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        return " ".join(f"{str(t.dtype).replace('torch.', '')}[{', '.join(map(str, t.shape))}]" for t in leaves)
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(p for p in parts if p and not p.endswith("="))
+
+
 def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, reason: str, advice: str = REPLAN) -> None:
     """Raise when gm is called with other shapes than it was planned for (a pass said so)."""
-    expected = signature(args, kwargs)
+    expected, shapes = signature(args, kwargs), describe(args, kwargs)
 
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) != expected:
-            raise UsageError(f"this graphopt module was planned for its example input shapes ({reason}); {advice}")
+            raise UsageError(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
+                             f"{describe(call_args, call_kwargs)}; {advice}")
 
     gm.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Raise UsageError, naming the model's signature, when gm is called with arguments the
+    model's forward() would not take (the graph's own forward has other parameter names)."""
+    try:
+        expected = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: nothing to compare with
+        return
+    name = type(model).__name__
+
+    def check(module, call_args, call_kwargs):
+        try:
+            expected.bind(*call_args, **call_kwargs)
+        except TypeError as e:
+            raise UsageError(f"this graphopt module takes the arguments of {name}.forward{expected}, "
+                             f"and this call does not fit: {e}. Call it as you call the model.") from None
+
+    gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+
+
+SAVE_ADVICE = ("graphopt modules cannot be pickled (torch.save, pickle): their graphs call "
+               "generated kernels and recompute segments that are rebuilt, not stored. Save the model's "
+               "state_dict() (this module shares its parameters and buffers), and after loading it into the "
+               "model call graphopt.optimize again.")
+
+
+def refuse_pickling(module: torch.nn.Module) -> None:
+    """Make pickling `module` raise UsageError with SAVE_ADVICE. A GraphModule has a class of its
+    own (fx makes one per instance), so the refusal touches no other module."""
+    def refuse(self, protocol=None):
+        raise UsageError(SAVE_ADVICE)
+
+    type(module).__reduce_ex__ = refuse
+    type(module).__reduce__ = refuse

@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from .guards import signature
+from .errors import UsageError
+from .guards import SAVE_ADVICE, signature
 
 
 class LazyOptimized(torch.nn.Module):
@@ -41,6 +42,9 @@ class LazyOptimized(torch.nn.Module):
             self._built[key] = gm
         self.__dict__["_last"] = gm
         return gm(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        raise UsageError(SAVE_ADVICE)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule | None:

@@ -70,6 +70,16 @@ def record(node: torch.fx.Node, value) -> None:
         node.meta[KEY] = info
 
 
+def leaves(info):
+    """The TensorInfos in what tensor_info returns: itself, or those in its tuple, nested ones
+    included (nn.LSTM's (y, (h, c)))."""
+    if isinstance(info, TensorInfo):
+        yield info
+    elif isinstance(info, tuple):
+        for i in info:
+            yield from leaves(i)
+
+
 def tensor_info(node: torch.fx.Node):
     """The node's TensorInfo (or tuple of them); None for nodes that make no tensor."""
     return node.meta.get(KEY)

@@ -140,6 +140,7 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx
     # flag change like on any module and its mode guard explains the problem at call time.
     gm.__dict__.pop("train", None)
     gm.__dict__.pop("eval", None)
+    gm.train(model.training)  # module() reports training=True whatever mode the graph was captured in
     return gm
 
 
@@ -157,8 +158,27 @@ def _register_output_dataclasses(model: torch.nn.Module, args: tuple, kwargs: di
     register_dataclasses(out)
 
 
+def _register_cache(value) -> bool:
+    """Register a transformers cache (DynamicCache, EncoderDecoderCache, ...) that a model
+    returns at its default use_cache=True, with transformers' own pytree functions for export;
+    False when this is not one or transformers has none."""
+    cls = type(value)
+    if not (cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache")):
+        return False
+    try:
+        from transformers.exporters.exporter_dynamo import register_pytree_node
+    except ImportError:
+        return False
+    if cls not in pytree.SUPPORTED_NODES:
+        register_pytree_node(cls)
+    return True
+
+
 def register_dataclasses(value) -> None:
-    """Register with pytree every dataclass type found in value (nested in containers too)."""
+    """Register with pytree every dataclass type found in value (nested in containers too), and
+    the transformers caches among them."""
+    if _register_cache(value):
+        return
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         if type(value) not in pytree.SUPPORTED_NODES:
             torch.export.register_dataclass(type(value))

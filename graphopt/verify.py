@@ -181,6 +181,14 @@ def float64_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: b
     return run_step(*float64_copy(module, args, kwargs), train=train, seed=seed)
 
 
+def autocast_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, seed: int,
+                  device: str, dtype: torch.dtype) -> dict:
+    """run_step under torch.autocast(device, dtype): what the user's own mixed precision computes,
+    the yardstick of a graph computing in half precision."""
+    with torch.autocast(device_type=device, dtype=dtype):
+        return run_step(module, args, kwargs, train=train, seed=seed)
+
+
 def _devices(args, kwargs) -> list:
     return sorted({t.device.index or 0 for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor) and t.device.type == "cuda"})

@@ -10,6 +10,7 @@ respelling, a removal) leaves the metadata as it is.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -47,8 +48,8 @@ def _text(value) -> str:
 
 def positive(value) -> float:
     value = float(value)
-    if value <= 0:
-        raise ValueError("must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("must be a positive, finite number")
     return value
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.fx
 
 from .. import ops
-from ..meta import tensor_info
+from ..meta import leaves, tensor_info
 from .base import Pass, PassContext, PassResult
 from ..purity import pure_op, written_values
 from .registry import register
@@ -37,9 +37,7 @@ def _key(value):
 
 
 def _differentiated(node: torch.fx.Node) -> bool:
-    info = tensor_info(node)
-    infos = info if isinstance(info, tuple) else (info,)
-    return any(i is not None and i.requires_grad for i in infos)
+    return any(i.requires_grad for i in leaves(tensor_info(node)))
 
 
 @register

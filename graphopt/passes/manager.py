@@ -17,7 +17,8 @@ from ..errors import GraphoptError, VerifyError
 from ..report import PassRecord, Report
 from ..meta import is_annotated
 from ..trace import annotate
-from ..verify import TOLERANCE, compare, float64_step, run_step
+from ..precision_plan import graph_device
+from ..verify import TOLERANCE, autocast_step, compare, float64_step, run_step
 from .base import Pass, PassContext
 from .registry import check_order
 
@@ -34,7 +35,7 @@ class PassManager:
         self.dumper = dumper
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, report: Report) -> torch.fx.GraphModule:
-        reference = truth = None
+        reference = truth = autocast = None
         if self.verify:
             if ctx.reference is None:
                 raise ValueError("verify=True needs the reference model in the pass context")
@@ -49,9 +50,11 @@ class PassManager:
             except GraphoptError:
                 raise
             except Exception as e:
+                # Bad input is refused before any pass runs: what reaches here is a bug in graphopt.
                 raise GraphoptError(
-                    f"pass {p.spec()!r} failed on {report.model}: {type(e).__name__}: {e}. "
-                    "Run again without this pass, or with dump_dir= to see the graph it was given."
+                    f"pass {p.spec()!r} failed on {report.model}: {type(e).__name__}: {e}. This is a bug in "
+                    "graphopt: please report it with the model (dump_dir= writes the graph the pass was given); "
+                    "meanwhile run without this pass."
                 ) from e
             gm = result.graph_module
             if result.changed:
@@ -78,6 +81,13 @@ class PassManager:
                         truth = float64_step(ctx.reference, ctx.example_args, ctx.example_kwargs, train=ctx.train,
                                              seed=0)
                     errors = compare(reference, got, truth, TOLERANCE[dtype])
+                elif not errors.within(dtype):
+                    # half precision: within tolerance of torch.autocast, or no further from float32
+                    # than autocast is, passes too
+                    if autocast is None:
+                        autocast = autocast_step(ctx.reference, ctx.example_args, ctx.example_kwargs,
+                                                 train=ctx.train, seed=0, device=graph_device(gm), dtype=dtype)
+                    errors = compare(autocast, got, reference, TOLERANCE[dtype])
                 record.max_abs_err, record.max_rel_err = errors.max_abs, errors.max_rel
                 if not errors.within(dtype):
                     if self.dumper:

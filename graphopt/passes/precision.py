@@ -38,7 +38,7 @@ import torch.fx
 from .. import ops
 from ..dump import note
 from ..errors import OptionError
-from ..meta import TensorInfo, invalidate, tensor_info
+from ..meta import TensorInfo, invalidate, leaves, tensor_info
 from ..precision_plan import ELIGIBLE, LOW, MODES, graph_device, op_mode, plan, short
 from ..runtime.autocast import under_autocast
 from .base import Option, Pass, PassContext, PassResult
@@ -272,8 +272,7 @@ class Precision(Pass):
 
 
 def _nbytes(info) -> int:
-    infos = info if isinstance(info, tuple) else (info,)
-    return sum(i.nbytes for i in infos if isinstance(i, TensorInfo))
+    return sum(i.nbytes for i in leaves(info))
 
 
 def _activation_bytes(gm, calls, before: dict, after: dict, casts: dict) -> tuple[int, int]:

@@ -90,6 +90,13 @@ def parse_pipeline(spec: str | Iterable) -> list[Pass]:
     """Passes from text, or from a list of Pass instances, names, specs or (name, options) pairs."""
     if isinstance(spec, str):
         return [parse_one(p) for p in _split_top(spec)]
+    if isinstance(spec, Pass):
+        return [spec]
+    if not isinstance(spec, Iterable) or isinstance(spec, (bytes, dict)):
+        raise OptionError(
+            f"passes must be text like 'normalize,cse' or a list of passes, got {type(spec).__name__} {spec!r}; "
+            "e.g. passes='normalize,fuse' or passes=['normalize', ('recompute', {'budget_gb': 8})]."
+        )
     passes = []
     for item in spec:
         if isinstance(item, Pass):

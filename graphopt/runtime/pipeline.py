@@ -26,6 +26,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..devices import check_device
 from ..errors import UsageError
 from ..saved import storage_key
 from ..stages import first_microbatch, stage_modules
@@ -59,6 +60,7 @@ class PipelineRunner:
     def __init__(self, staged: torch.fx.GraphModule, rank: int, world_size: int, device, *,
                  example_args: tuple, example_kwargs: dict | None = None, microbatches: int | None = None,
                  schedule: str | None = None, loss_fn=None, group=None):
+        device = check_device(device)
         planned = staged.meta.get("graphopt_pipeline", {})
         microbatches = microbatches or planned.get("microbatches")
         schedule = schedule or planned.get("schedule", "1f1b")

@@ -45,16 +45,28 @@ def user_step_peak(module: torch.nn.Module, case: Case) -> int:
         _clear(case.model)
 
 
-def user_step_seconds(module: torch.nn.Module, case: Case, repeats: int = 5) -> float:
-    """Median wall time of the user's step (after one warm-up step)."""
-    times = []
+def user_step(module: torch.nn.Module, case: Case, context=contextlib.nullcontext):
+    """The user's step as a callable: forward, the case's loss, backward; gradients None before
+    and after; run inside a fresh context(), such as own_checkpointing's."""
+    def step():
+        with context(case.model):
+            _clear(case.model)
+            case.loss(module(*case.args, **case.kwargs)).backward()
+            _clear(case.model)
+    return step
+
+
+def step_seconds(steps: dict, repeats: int = 7) -> dict:
+    """Median wall time of each step, run in turns after one warm-up round: on a shared machine
+    drift then falls on every step alike, and their ratios hold where absolute times do not."""
+    times = {name: [] for name in steps}
     for k in range(repeats + 1):
-        _clear(case.model)
-        start = time.perf_counter()
-        case.loss(module(*case.args, **case.kwargs)).backward()
-        times.append(time.perf_counter() - start)
-    _clear(case.model)
-    return statistics.median(times[1:])
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if k:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _clear(model: torch.nn.Module) -> None:

@@ -1,0 +1,217 @@
+"""Every bad input gets a specific graphopt error; every row that should work equals eager.
+
+The table is what a user gets wrong (or expects to work), row by row, with the exact error
+class; the property tests feed random option values and pass strings to optimize() and
+accept a graphopt error or a correct result, never another exception.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphopt
+from graphopt import BudgetError, GraphoptError, ModeError, OptionError, UsageError
+from hypothesis_profiles import examples
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+X = torch.randn(4, 8)
+
+
+class LSTMModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x)[0].sum()
+
+
+def _optimized(**kwargs):
+    return graphopt.optimize(mlp(), (X,), **kwargs)
+
+
+def _file(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("")
+    return str(path)
+
+
+def _save(module):
+    torch.save(module, io.BytesIO())
+
+
+# id -> (what the user does, given pytest's tmp_path; the error it must raise)
+ERRORS = {
+    "model is a function": (lambda tmp: graphopt.optimize(lambda x: x, (X,)), UsageError),
+    "inputs do not fit forward()": (lambda tmp: graphopt.optimize(mlp(), (X, X)), UsageError),
+    "example_inputs of another kind": (lambda tmp: graphopt.optimize(mlp(), {"x": X}), UsageError),
+    "budget_gb=nan": (lambda tmp: _optimized(budget_gb=float("nan")), OptionError),
+    "budget_gb=inf": (lambda tmp: _optimized(budget_gb=float("inf")), OptionError),
+    "budget_gb=-1": (lambda tmp: _optimized(budget_gb=-1), OptionError),
+    "budget_gb='8'": (lambda tmp: _optimized(budget_gb="8"), OptionError),
+    "budget_gb=True": (lambda tmp: _optimized(budget_gb=True), OptionError),
+    "budget_gb too small": (lambda tmp: _optimized(budget_gb=1e-9), BudgetError),
+    "budget_gb too small, attention": (
+        lambda tmp: graphopt.optimize(Attention(), (torch.randn(2, 8, 16),), budget_gb=1e-6), BudgetError),
+    "budget_gb too small, LSTM": (
+        lambda tmp: graphopt.optimize(LSTMModel(), (torch.randn(2, 5, 8),), budget_gb=1e-6), BudgetError),
+    "budget_gb=nan in a pass string": (lambda tmp: _optimized(passes="recompute{budget_gb=nan}"), OptionError),
+    "stages=0": (lambda tmp: _optimized(stages=0), OptionError),
+    "stages=2.0": (lambda tmp: _optimized(stages=2.0), OptionError),
+    "passes=42": (lambda tmp: _optimized(passes=42), OptionError),
+    "passes={'cse': {}}": (lambda tmp: _optimized(passes={"cse": {}}), OptionError),
+    "unknown pass": (lambda tmp: _optimized(passes="cse,nope"), OptionError),
+    "unclosed options": (lambda tmp: _optimized(passes="recompute{budget_gb=1"), OptionError),
+    "unknown option": (lambda tmp: _optimized(passes="fuse{speed=3}"), OptionError),
+    "precision='int8'": (lambda tmp: _optimized(precision="int8"), OptionError),
+    "frontend='jit'": (lambda tmp: _optimized(frontend="jit"), OptionError),
+    "train='yes'": (lambda tmp: _optimized(train="yes"), OptionError),
+    "verify='yes'": (lambda tmp: _optimized(verify="yes"), OptionError),
+    "profile=1": (lambda tmp: _optimized(budget_gb=1, profile=1), OptionError),
+    "calibrate without budget_gb": (lambda tmp: _optimized(calibrate=True), OptionError),
+    "optimizer='lion'": (lambda tmp: _optimized(budget_gb=1, optimizer="lion"), OptionError),
+    "budget_gb twice": (lambda tmp: _optimized(budget_gb=1, passes="recompute{budget_gb=1}"), OptionError),
+    "dump_dir names a file": (lambda tmp: _optimized(dump_dir=_file(tmp)), UsageError),
+    "dump_dir=42": (lambda tmp: _optimized(dump_dir=42), UsageError),
+    "called with too many arguments": (lambda tmp: _optimized()(X, X), UsageError),
+    "called with an unknown keyword": (lambda tmp: _optimized()(X, mask=X), UsageError),
+    "export graph, another batch size": (lambda tmp: _optimized(frontend="export")(torch.randn(3, 8)), UsageError),
+    "recompute plan, another batch size": (
+        lambda tmp: graphopt.optimize(mlp(), (torch.randn(64, 8),), budget_gb=1e-5)(torch.randn(32, 8)), UsageError),
+    "built for training, run in eval": (lambda tmp: _optimized(train=True).eval()(X), ModeError),
+    "torch.save": (lambda tmp: _save(_optimized()), UsageError),
+    "torch.save with fused groups": (lambda tmp: _save(_optimized(passes="normalize,fuse")), UsageError),
+    "torch.save of the lazy form": (lambda tmp: _save(graphopt.optimize(mlp())), UsageError),
+}
+
+
+@pytest.mark.parametrize("row", ERRORS)
+def test_bad_input_raises_its_graphopt_error(row, tmp_path):
+    do, expected = ERRORS[row]
+    with pytest.raises(GraphoptError) as caught:
+        do(tmp_path)
+    assert type(caught.value) is expected, f"{row}: {type(caught.value).__name__}: {caught.value}"
+    assert "failed on" not in str(caught.value)  # the pass manager's wrapper is for real bugs
+
+
+def test_budget_error_names_the_least_budget():
+    with pytest.raises(BudgetError) as caught:
+        _optimized(budget_gb=1e-9)
+    assert caught.value.min_budget_gb > 1e-9
+    graphopt.optimize(mlp(), (X,), budget_gb=caught.value.min_budget_gb * 1.001)
+
+
+def _same(model, opt, *args, tol=1e-6):
+    torch.manual_seed(0)
+    want = model(*args)
+    torch.manual_seed(0)
+    got = opt(*args)
+    for w, g in zip(torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got)):
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+
+
+def test_eval_mode_export_graph_runs():
+    model = mlp().eval()
+    opt = graphopt.optimize(model, (X,), frontend="export")
+    assert not opt.training
+    _same(model, opt, X)
+
+
+def test_dump_of_nested_tuple_outputs(tmp_path):
+    model, x = LSTMModel(), torch.randn(2, 5, 8)
+    opt = graphopt.optimize(model, (x,), dump_dir=tmp_path)
+    assert any(p.suffix == ".txt" for p in tmp_path.iterdir())
+    _same(model, opt, x)
+
+
+def test_verify_in_bf16_compares_with_autocast():
+    # a conv bias in front of a BatchNorm has a gradient that is zero in exact arithmetic: in bf16 it
+    # is rounding noise, as it is under torch.autocast
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    graphopt.optimize(model, (torch.randn(2, 3, 8, 8),), precision="bf16", verify=True)
+
+
+def test_state_dict_and_optimize_again_is_the_way_to_save():
+    model = mlp()
+    opt = graphopt.optimize(model, (X,), passes="normalize,fuse")
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = mlp()
+    for p in fresh.parameters():
+        nn.init.zeros_(p)
+    fresh.load_state_dict(torch.load(buffer))
+    _same(model, graphopt.optimize(fresh, (X,), passes="normalize,fuse"), X, tol=1e-5)
+
+
+def test_deepcopy_still_works():
+    opt = _optimized()
+    _same(opt, copy.deepcopy(opt), X)
+
+
+# Random arguments: a graphopt error or a correct result, never another exception.
+NUMBERS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3),
+                    st.sampled_from(["8", "", True, [1]]))
+PASS_TOKENS = st.sampled_from(["normalize", "cse", "dce", "fuse", "inplace", "recompute{budget_gb=1}",
+                               "recompute{budget_gb=-1}", "precision{dtype=bf16}", "precision{dtype=int4}",
+                               "fuse{", "}", "=", "nope", "cse{x=1}", "dce{}", " ", ""])
+
+
+@settings(max_examples=examples(40))
+@given(budget=NUMBERS, precision=st.sampled_from([None, "bf16", "fp16", "fp32", "fp8", 16, ""]),
+       stages=st.sampled_from([None, 0, 1.5, "2", -1]), train=st.sampled_from([None, True, False, "no"]))
+def test_random_arguments(budget, precision, stages, train):
+    _graphopt_error_or_same(dict(budget_gb=budget, precision=precision, stages=stages, train=train))
+
+
+@settings(max_examples=examples(40))
+@given(tokens=st.lists(PASS_TOKENS, max_size=4), joiner=st.sampled_from([",", ", ", ";"]))
+def test_random_pass_strings(tokens, joiner):
+    _graphopt_error_or_same(dict(passes=joiner.join(tokens)))
+
+
+def _graphopt_error_or_same(kwargs):
+    model = mlp()
+    try:
+        opt = graphopt.optimize(model, (X,), **kwargs)
+    except GraphoptError as e:
+        assert "failed on" not in str(e), e  # a pass crashing is a bug, not a bad input
+        return
+    low = kwargs.get("precision") in ("bf16", "fp16") or "precision{dtype=bf16}" in str(kwargs.get("passes"))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+        want = model(X)
+    got = opt(X)
+    tol = 2e-2 if low else 1e-5
+    assert math.isclose(float((got.float() - want.float()).abs().max()), 0.0, abs_tol=tol)
+
+
+@pytest.mark.parametrize("device", ["tpu9", "cuda", "cuda:99"])
+def test_devices_that_are_not_there(device):
+    from graphopt.devices import check_device
+
+    if device.startswith("cuda") and torch.cuda.is_available() and device == "cuda":
+        pytest.skip("a CUDA device is there")
+    with pytest.raises(UsageError):
+        check_device(device)
