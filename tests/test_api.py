@@ -163,11 +163,11 @@ def test_verify_leaves_model_state_alone():
 @pytest.mark.parametrize("kwargs, match", [
     ({"precision_policy": {"softmax": "low"}}, "give precision too"),
     ({"precision": "bf16", "precision_policy": {"softmax": "lowest"}}, "low, fp32, promote, follow"),
-    ({"stages": 0}, "positive"),
+    ({"stages": 0}, "at least 1"),
     ({"budget_gb": -1}, "positive"),
     ({"budget_gb": "4"}, "number"),
     ({"precision": "int4"}, "bf16, fp16, fp32"),
-    ({"stages": 1.5}, "number"),
+    ({"stages": 1.5}, "whole number"),
     ({"passes": "normalize,fusion"}, "available passes"),
     ({"passes": "cse{aggressive=1}"}, "no option"),
     ({"passes": ["cse", 3]}, "not a pass"),

@@ -51,6 +51,19 @@ def _optimized(**kwargs):
     return graphopt.optimize(mlp(), (X,), **kwargs)
 
 
+def _planned():
+    """A deep MLP with a recompute plan at a budget just above the least one, batch 2048."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), *[m for _ in range(4) for m in (nn.Tanh(), nn.Linear(64, 64))])
+    x = torch.randn(2048, 8)
+    try:
+        graphopt.optimize(model, (x,), budget_gb=1e-9)
+    except BudgetError as e:
+        opt = graphopt.optimize(model, (x,), budget_gb=e.min_budget_gb * 1.01)
+    assert opt.graphopt_report.passes[-1].stats["segments"] > 0
+    return opt
+
+
 def _file(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("")
@@ -97,8 +110,7 @@ ERRORS = {
     "called with too many arguments": (lambda tmp: _optimized()(X, X), UsageError),
     "called with an unknown keyword": (lambda tmp: _optimized()(X, mask=X), UsageError),
     "export graph, another batch size": (lambda tmp: _optimized(frontend="export")(torch.randn(3, 8)), UsageError),
-    "recompute plan, another batch size": (
-        lambda tmp: graphopt.optimize(mlp(), (torch.randn(64, 8),), budget_gb=1e-5)(torch.randn(32, 8)), UsageError),
+    "recompute plan, another batch size": (lambda tmp: _planned()(torch.randn(32, 8)), UsageError),
     "built for training, run in eval": (lambda tmp: _optimized(train=True).eval()(X), ModeError),
     "torch.save": (lambda tmp: _save(_optimized()), UsageError),
     "torch.save with fused groups": (lambda tmp: _save(_optimized(passes="normalize,fuse")), UsageError),
