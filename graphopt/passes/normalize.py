@@ -241,8 +241,9 @@ def _grouped_query_attention(gm: torch.fx.GraphModule) -> int:
         if device is None or not (device.type == "cpu" or (device.type == "cuda" and mask is None)):
             continue
         k, v = _repeated_heads(key, gm), _repeated_heads(value, gm)
-        if k is None or v is None or key is value:
-            continue
+        heads = [getattr(meta.tensor_info(n), "shape", (None,) * 3)[-3] for n in (query, key, value)]
+        if k is None or v is None or key is value or len(set(heads)) != 1:
+            continue  # query heads broadcast against the keys' are not grouped-query attention
         node.replace_input_with(key, k[0])
         node.replace_input_with(value, v[0])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
