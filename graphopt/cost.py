@@ -3,17 +3,25 @@ measured (profile=True).
 
 The estimate is a roofline with a fixed cost per op: max(FLOPs / rate, bytes moved /
 bandwidth) plus what dispatching one op costs (launching one kernel on CUDA; aten's dispatch
-on CPU, where a small model's elementwise ops cost little else). FLOPs alone rank a plan that
-reruns two hundred small elementwise ops below one that reruns two matmuls; on the corpus's
-transformers the first is the slower step. A checkpointed segment adds a fixed cost
-(torch.utils.checkpoint saves the RNG state and installs its hooks), and a selective one a
-cost per op (its policy runs as a dispatch mode on every op, in the forward and again in the
-rerun). The rates rank plans; they do not predict time. On CPU the per-op, per-segment and
-per-selective-op costs were measured on this project's 2-core machine (torch.profiler: about
-5 us per elementwise op, 2 us per view; a checkpoint of one op against none: about 65 us; a
-selective segment against a full one: 11 to 18 us per op); its FLOP rate and bandwidth are
-round guesses. On CUDA all are round figures (an H100 does more), not measured: no GPU has
-checked them yet.
+on CPU, where a small model's elementwise ops cost little else). Matmuls, convolutions and
+attention have one FLOP rate, every other op's arithmetic a lower one (a training-mode
+batch norm or a 3x3 max pool is bound by its arithmetic on CPU, not by its bytes). FLOPs alone
+rank a plan that reruns two hundred small elementwise ops below one that reruns two matmuls;
+on the corpus's transformers the first is the slower step. A checkpointed segment adds a fixed
+cost (torch.utils.checkpoint's hooks, and its RNG state where the segment draws), and a
+selective one a cost per op (its policy runs as a dispatch mode on every op, in the forward and
+again in the rerun). The rates rank plans; they do not predict time.
+
+On CPU every rate was measured on this project's 2-core machine, as wall time: about 6 us per
+small elementwise op with autograd recording, 1 us per view; a checkpointed segment that
+reruns one op, forward and backward against no checkpoint, about 110 us; a selective segment
+against a full one of the same ops, 27 us per op on a chain of small elementwise ops and 51 us
+on DenseNet-121's (batch norms, concatenations of many tensors), 50 us taken; 13 GB/s for ReLU and concatenation
+over timm DenseNet-121's activations, 3.4 GFLOP/s for its training-mode batch norms (five
+FLOPs per element, ops/flops.py), and its convolutions' FLOPs at 1e11 per second are within
+10% of their measured time. On CUDA the FLOP rates and bandwidth are round figures (an H100
+does more), and the per-op, per-segment and per-op policy costs, which are host-side Python
+and dispatch, are taken from the CPU's: no GPU has checked them yet.
 
 node_times runs the graph's forward on the example inputs (real tensors, the model's own
 parameters), timing each call node by itself; the median of a few runs. Buffers and the RNG
@@ -38,7 +46,8 @@ from .verify import trial_run
 
 @dataclass(frozen=True)
 class Rates:
-    flops_per_s: float
+    flops_per_s: float         # matmuls, convolutions and attention
+    vector_flops_per_s: float  # every other op's arithmetic: norms, pooling, activations
     bytes_per_s: float
     op_s: float         # dispatching one op that computes
     view_s: float       # one view or metadata op
@@ -47,8 +56,8 @@ class Rates:
 
 
 RATES = {
-    "cpu": Rates(flops_per_s=1e11, bytes_per_s=2e10, op_s=5e-6, view_s=1.5e-6, segment_s=6e-5, policy_op_s=1.2e-5),
-    "cuda": Rates(flops_per_s=2e14, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6, segment_s=6e-5, policy_op_s=1.2e-5),
+    "cpu": Rates(flops_per_s=1e11, vector_flops_per_s=3.4e9, bytes_per_s=1.3e10, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=5e-5),
+    "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=5e-5),
 }
 
 
@@ -103,7 +112,8 @@ def estimated_seconds(node: torch.fx.Node, gm: torch.fx.GraphModule, r: Rates) -
     made = [node, *(i for i in node.all_input_nodes if i.op != "get_attr")]  # attributes: params_read
     moved = sum(info.nbytes for n in made for info in leaves(tensor_info(n)))
     moved += sum(p.untyped_storage().nbytes() for p in params_read(gm, node).values())
-    return r.op_s + max(ops.flops(node, gm) / r.flops_per_s, moved / r.bytes_per_s)
+    rate = r.flops_per_s if op is not None and op.kind == "matmul" else r.vector_flops_per_s
+    return r.op_s + max(ops.flops(node, gm) / rate, moved / r.bytes_per_s)
 
 
 def recompute_costs(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], device: str = "cpu",

@@ -42,6 +42,16 @@ def pure_op(node: torch.fx.Node, gm: torch.fx.GraphModule):
     return None if op.random else op
 
 
+def may_draw(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether the call node may draw from the RNG: a random op, or one the registry does not know."""
+    if node.op not in CALLS or reads_attribute(node):
+        return False
+    op = ops.lookup(node, gm)
+    if op is None:  # Python arithmetic on sizes draws nothing; any other unknown call may
+        return tensor_info(node) is not None or getattr(node.target, "__module__", None) != "_operator"
+    return op.random
+
+
 def is_impure(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if node.op in ("placeholder", "output"):
         return True

@@ -26,6 +26,22 @@ def test_checkpointed_blocks_give_exact_gradients_with_dropout_and_less_memory()
     assert code.count("recomputed during backward") == 4 and "scaled_dot_product_attention" in code
 
 
+def test_only_segments_that_draw_save_the_rng_state():
+    model, args, kwargs = zoo.gpt(batch=2, seq=16, layers=2)  # dropout in every block
+    gm = graphopt.trace(model, args, kwargs)
+    gm = checkpoint_segments(gm, zoo.block_segments(gm))
+    assert [n.target.draws for n in gm.graph.nodes if isinstance(n.target, RecomputeSegment)] == [True, True]
+    model, args, kwargs = zoo.convnet(blocks=2)
+    gm = graphopt.trace(model, args, kwargs)
+    calls = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function") and recomputable(n, gm) is None]
+    gm = checkpoint_segments(gm, [calls[1:4]])
+    segment = next(n.target for n in gm.graph.nodes if isinstance(n.target, RecomputeSegment))
+    assert not segment.draws
+    # no RNG state saved, and none needed: the rerun draws nothing
+    torch.manual_seed(0)
+    gm(*args).sum().backward()
+
+
 @pytest.mark.parametrize("selective", [False, True])
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_batchnorm_recomputes_with_statistics_updated_once(frontend, selective):

@@ -571,6 +571,15 @@ def test_flops():
     B, H, Lq, Lk, D = 2, 4, 8, 10, 16
     assert flops(node_of(gm, aten.scaled_dot_product_attention.default)) == 4 * B * H * Lq * Lk * D + 5 * B * H * Lq * Lk
 
+    class Pools(nn.Module):
+        def forward(self, x):
+            return F.max_pool2d(x, 3, 2, 1), F.avg_pool2d(x, 2), F.max_pool1d(x[0], 3)
+
+    gm = exported(Pools(), randn(2, 4, 8, 8))
+    pools = [n for n in gm.graph.nodes if "pool" in str(n.target)]
+    # one FLOP per window element of each output: a 3x3 pool reads its input about nine times
+    assert [flops(n) for n in pools] == [2 * 4 * 4 * 4 * 9, 2 * 4 * 4 * 4 * 4, 4 * 8 * 2 * 3]
+
     traced = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(16, 32), nn.ReLU()))
     assert all(flops(n, traced) == 0 for n in traced.graph.nodes)  # no meta: 0, no exception
     FakeTensorProp(traced, FakeTensorMode(allow_non_fake_inputs=True)).propagate(randn(3, 16))

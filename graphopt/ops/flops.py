@@ -1,7 +1,8 @@
 """Forward FLOP estimates from the shapes that tracing leaves in node.meta["val"].
 
 Contractions count a multiply and an add per term (2*M*N*K); elementwise ops one per output element;
-reductions and normalizations a few per input element. Views, creation, data movement, unknown ops
+reductions and normalizations a few per input element; windowed pooling one per window element
+of each output (a 3x3 max pool reads each input about nine times over). Views, creation, data movement, unknown ops
 and nodes without shapes count 0.
 """
 from __future__ import annotations
@@ -86,6 +87,15 @@ def _tensordot(b, out):
         return 0
 
 
+def _window(b, out):
+    size = b["kernel_size"]
+    size = [size] if isinstance(size, int) else list(size)
+    spatial = len(_shape(b.operands[0])) - 2 if b.operands else len(size)
+    if len(size) == 1:
+        size = size * max(spatial, 1)
+    return out * math.prod(size)
+
+
 RULES = {
     "linear": lambda b, out: 2 * out * _last(b["x"]),
     "matmul": lambda b, out: 2 * out * _last(b["x"]),
@@ -108,6 +118,8 @@ RULES = {
     "scaled_dot_product_attention": _attention,
     "scaled_dot_product_attention_dropout": lambda b, out: _attention(b, out) + out,
     "scaled_dot_product_attention_kernel": _attention,
+    **{f"{kind}_pool{d}d": _window for kind in ("max", "avg") for d in (1, 2, 3)},
+    **{f"max_pool{d}d_with_indices": _window for d in (2, 3)},
 }
 
 
