@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     import graphopt
     from corpus import CORPUS, build
     from corpus.memory import user_step_peak
-    from graphopt.memory import estimate_peak, size_text
+    from graphopt.analysis.memory import estimate_peak, size_text
     from graphopt.trace import placeholder_values
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

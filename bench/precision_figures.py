@@ -12,8 +12,8 @@ import time
 import torch
 
 import graphopt
-from graphopt import zoo
-from graphopt.memory import measure_step
+from graphopt.analysis.memory import measure_step
+from graphopt.testing import zoo
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

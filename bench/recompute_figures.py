@@ -12,10 +12,12 @@ import time
 import torch
 
 import graphopt
-from graphopt import ops, zoo
-from graphopt.checkpointing import checkpoint_segments
-from graphopt.memory import GB, budget_at, estimate_peak, measure_step
-from graphopt.solver import make_atoms, solve
+from graphopt import ops
+from graphopt.analysis.memory import GB, estimate_peak, measure_step
+from graphopt.passes.recompute.rewrite import checkpoint_segments
+from graphopt.passes.recompute.solver import make_atoms, solve
+from graphopt.testing import zoo
+from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 def sweep_model(name: str, points: int, device: str) -> dict:
     import graphopt
     from corpus.memory import memory_case, optimized_point, own_checkpointing, step_seconds, user_step, user_step_peak
-    from graphopt.memory import GB
+    from graphopt.analysis.memory import GB
 
     case = memory_case(name)
     if device != "cpu":

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import zoo
-from graphopt.memory import measure_peak, measure_step
+from graphopt.analysis.memory import measure_peak, measure_step
+from graphopt.testing import zoo
 
 MODELS = {
     "mlp": lambda: zoo.mlp(batch=512, width=256, depth=4),

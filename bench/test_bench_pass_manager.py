@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import zoo
+from graphopt.testing import zoo
 
 from conftest import rounds
 

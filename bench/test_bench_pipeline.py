@@ -14,9 +14,10 @@ import time
 import pytest
 
 import graphopt
-from graphopt import zoo
-from graphopt.partition import Partition, equal_layer_cuts, parameter_balanced_cuts, partition, stage_costs
-from graphopt.passes.pipeline import stage_facts
+from graphopt.passes.pipeline.partition import Partition, partition
+from graphopt.passes.pipeline.pipeline_pass import stage_facts
+from graphopt.testing import zoo
+from graphopt.testing.baselines import equal_layer_cuts, parameter_balanced_cuts, stage_costs
 from graphopt.trace import placeholder_values
 
 UNEVEN = {"batch": 8, "seq": 64, "dim": 128, "heads": 4, "hidden": (256, 1024, 512, 1536, 768, 2048, 256, 512),
@@ -66,7 +67,7 @@ def _stage_memory_rank(rank, world, schedule, microbatches):
     step with Adam's state already made (its steady state)."""
     import torch
 
-    from graphopt.memory import measure_peak
+    from graphopt.analysis.memory import measure_peak
     from graphopt.runtime.pipeline import PipelineRunner
 
     torch.manual_seed(0)  # the same model on every rank
@@ -99,7 +100,7 @@ def test_stage_memory_predicted_vs_measured(benchmark, quick, figures, world, sc
     against the live tensor bytes measured on that rank through a training step."""
     if quick and (world, schedule) != (2, "1f1b"):
         pytest.skip("quick mode runs 2 ranks, 1f1b")
-    from graphopt.testing import on_gloo_ranks
+    from graphopt.testing.gloo import on_gloo_ranks
 
     microbatches = 2 * world
     rows = benchmark.pedantic(lambda: on_gloo_ranks(_stage_memory_rank, world, schedule, microbatches),

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import graphopt
-from graphopt import zoo
-from graphopt.devices import check_device
+from graphopt.runtime.devices import check_device
 from graphopt.runtime.pipeline import PipelineRunner
+from graphopt.testing import zoo
 
 
 def main():

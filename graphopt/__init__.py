@@ -5,9 +5,9 @@
 
 See README.md for the passes, the dumps and the architecture.
 """
+from .analysis.meta import TensorInfo, tensor_info
 from .api import DEFAULT_PASSES, optimize
 from .errors import BudgetError, GraphoptError, ModeError, OptionError, TraceError, UsageError, VerifyError
-from .meta import TensorInfo, tensor_info
 from .passes import available as available_passes
 from .report import PassRecord, Report
 from .trace import trace

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from . import zoo
 from .api import DEFAULT_PASSES, optimize
 from .errors import GraphoptError, UsageError
 from .passes import available
+from .testing import zoo
 
 
 def _demo(args) -> int:

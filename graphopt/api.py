@@ -1,6 +1,7 @@
 """optimize(): trace -> pass pipeline -> a drop-in replacement for the model."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -12,11 +13,12 @@ import torch.fx
 from . import passes as passes_pkg
 from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
-from .guards import install_call_guard, install_mode_guard, install_shape_guard, refuse_pickling
+from .lazy import LazyOptimized
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .report import Report
-from .stages import batch_rows, first_microbatch, splits_evenly
+from .runtime.guards import install_call_guard, install_mode_guard, install_shape_guard, refuse_pickling
+from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
 from .trace import FRONTENDS, check_inputs, trace
 
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from.
@@ -154,14 +156,12 @@ def optimize(
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None
     if dump_dir is not None:
         check_dump_dir(dump_dir)
-    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, dump_dir=dump_dir)
+    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify)
     if train is not None:
         model.train(train)
     if example_inputs is None and example_kwargs is None:
-        from .lazy import LazyOptimized
-
-        return LazyOptimized(model, settings)
-    return optimize_now(model, example_inputs, example_kwargs, **settings)
+        return LazyOptimized(model, functools.partial(optimize_now, **settings), dump_dir)
+    return optimize_now(model, example_inputs, example_kwargs, **settings, dump_dir=dump_dir)
 
 
 def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir):

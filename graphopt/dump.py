@@ -24,8 +24,9 @@ import torch
 import torch.fx
 from torch.fx.node import _get_qualified_name
 
+from .analysis.meta import TensorInfo, leaves, tensor_info
+from .analysis.segments import SegmentCall
 from .errors import UsageError
-from .meta import TensorInfo, leaves, tensor_info
 from .report import Report
 
 NOTES = "graphopt"
@@ -42,8 +43,6 @@ def notes(node: torch.fx.Node) -> dict:
 
 def graph_code(gm: torch.fx.GraphModule) -> str:
     """Readable code of gm, its submodules and its recompute segments, with source locations."""
-    from .checkpointing import segment_code
-
     segments = segment_code(gm)
     return gm.print_readable(print_output=False) + (f"\n\n{segments}" if segments else "")
 
@@ -155,3 +154,15 @@ class Dumper:
             return True
         except ImportError:
             return False
+
+
+def segment_code(gm: torch.fx.GraphModule) -> str:
+    """Readable code of every recompute segment gm calls, for the dumps."""
+    parts = []
+    for n in gm.graph.nodes:
+        if isinstance(n.target, SegmentCall):
+            seg = n.target
+            what = "its matmul outputs kept, the rest recomputed" if seg.selective else "recomputed"
+            parts.append(f"# {seg.__name__}: {what} during backward\n"
+                         + seg.module.print_readable(print_output=False))
+    return "\n".join(parts)

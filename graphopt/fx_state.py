@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from . import meta
+from .analysis import meta
 from .errors import TraceError
 from .verify import Snapshot
 

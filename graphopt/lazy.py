@@ -2,7 +2,9 @@
 
 It owns the model's submodules, parameters and buffers directly (the same dicts, not
 copies), so parameters(), state_dict() keys and optimizers see exactly the model's.
-Each new input signature or train/eval mode gets its own optimized graph, built once.
+Each new input signature or train/eval mode gets its own optimized graph, built once, by
+`build(model, args, kwargs, dump_dir=...)`: api's optimize_now with the pipeline and settings
+optimize() checked; each build after the first dumps into dump_dir/build-K.
 """
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import os
 import torch
 
 from .errors import UsageError
-from .guards import SAVE_ADVICE, signature
+from .runtime.guards import SAVE_ADVICE, signature
 
 
 class LazyOptimized(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, settings: dict):
+    def __init__(self, model: torch.nn.Module, build, dump_dir: str | None):
         super().__init__()
         # Share, not register: registering `model` as a child would prefix every state_dict key.
         self.__dict__["_model"] = model
@@ -23,7 +25,8 @@ class LazyOptimized(torch.nn.Module):
         self.__dict__["_parameters"] = model._parameters
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
-        self.__dict__["_settings"] = settings
+        self.__dict__["_build"] = build
+        self.__dict__["_dump_dir"] = dump_dir
         self.__dict__["_built"] = {}
         self.__dict__["_last"] = None
         self.training = model.training
@@ -32,13 +35,11 @@ class LazyOptimized(torch.nn.Module):
         key = (signature(args, kwargs), self.training)
         gm = self._built.get(key)
         if gm is None:
-            from .api import optimize_now
-
-            settings = dict(self._settings)
-            if settings["dump_dir"] and self._built:
-                settings["dump_dir"] = os.path.join(settings["dump_dir"], f"build-{len(self._built) + 1}")
+            dump_dir = self._dump_dir
+            if dump_dir and self._built:
+                dump_dir = os.path.join(dump_dir, f"build-{len(self._built) + 1}")
             self._model.train(self.training)
-            gm = optimize_now(self._model, args, kwargs or None, **settings)
+            gm = self._build(self._model, args, kwargs or None, dump_dir=dump_dir)
             self._built[key] = gm
         self.__dict__["_last"] = gm
         return gm(*args, **kwargs)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from .memory import GB, Estimate
+from .analysis.memory import GB, Estimate
 
 
 def memory_csv(curves: dict[str, Estimate]) -> str:

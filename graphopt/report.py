@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .memory import size_text
+from .analysis.memory import size_text
 
 
 @dataclass

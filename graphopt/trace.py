@@ -28,7 +28,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 # The swap that torch.func.functional_call itself uses; there is no public context-manager form.
 from torch.nn.utils.stateless import _reparametrize_module
 
-from . import meta
+from .analysis import meta
+from .analysis.fake_state import fake_state
 from .errors import TraceError, UsageError
 from .fx_state import StateWatch, Unreplayable, check_write_backs
 
@@ -151,7 +152,7 @@ def _register_output_dataclasses(model: torch.nn.Module, args: tuple, kwargs: di
     is registered, as torch.export asks users to do by hand.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _fake_state(model, mode):
+    with fake_state(model, mode):
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
         with mode:
             out = model(*fake_args, **fake_kwargs)
@@ -205,44 +206,6 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> l
     return [bound.arguments[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-@contextlib.contextmanager
-def _fake_state(module: torch.nn.Module, mode: FakeTensorMode):
-    """Swap the module's parameters, buffers and a graph's tensor constants (export lifts a
-    tensor forward reaches other than as a buffer) for FakeTensors while the context is open;
-    the same for the graph of every recompute segment it calls, which holds its own references.
-
-    Nothing real is allocated or written: BatchNorm's in-place counter updates land on fakes,
-    a backward's gradients on fake parameters, and models built on the meta device run just
-    the same. from_tensor memoizes, so a tensor shared (tied weights, a segment's parameter)
-    stays one fake tensor.
-    """
-    from .checkpointing import RecomputeSegment
-
-    modules, k = [module], 0
-    while k < len(modules):
-        if isinstance(modules[k], torch.fx.GraphModule):
-            modules += [n.target.module for n in modules[k].graph.nodes if isinstance(n.target, RecomputeSegment)]
-        k += 1
-    # Every state read before any swap: a segment shares leaf modules with its graph.
-    states = [(m, {name: mode.from_tensor(t) for name, t in _state(m).items()}) for m in modules]
-    with contextlib.ExitStack() as stack:
-        for m, fakes in states:
-            stack.enter_context(_reparametrize_module(m, fakes))
-        yield
-
-
-def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters, buffers and, for a graph, the tensor attributes its get_attr nodes read."""
-    state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
-    if isinstance(module, torch.fx.GraphModule):
-        for node in module.graph.nodes:
-            if node.op == "get_attr" and node.target not in state:
-                value = functools.reduce(getattr, node.target.split("."), module)
-                if isinstance(value, torch.Tensor):
-                    state[node.target] = value
-    return state
-
-
 class _Annotator(FakeTensorProp):
     """FakeTensorProp, recording each node's TensorInfo from its live result: meta["val"] is a
     detached snapshot, which would say no tensor requires grad."""
@@ -260,7 +223,7 @@ def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
     fake_inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
     for node in gm.graph.nodes:
         node.meta.pop(meta.ANNOTATED, None)
-    with _fake_state(gm, mode), torch.enable_grad():
+    with fake_state(gm, mode), torch.enable_grad():
         _Annotator(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
 
 

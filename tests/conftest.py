@@ -8,7 +8,7 @@ import hypothesis_profiles  # noqa: E402, F401  (loads the profile before test m
 import pytest
 import torch
 
-from graphopt import zoo
+from graphopt.testing import zoo
 from graphopt.verify import tensor_leaves
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import zoo
+from graphopt.testing import zoo
 
 from conftest import FX_ZOO, assert_same_step
 

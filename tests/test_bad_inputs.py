@@ -221,7 +221,7 @@ def _graphopt_error_or_same(kwargs):
 
 @pytest.mark.parametrize("device", ["tpu9", "cuda", "cuda:99"])
 def test_devices_that_are_not_there(device):
-    from graphopt.devices import check_device
+    from graphopt.runtime.devices import check_device
 
     if device.startswith("cuda") and torch.cuda.is_available() and device == "cuda":
         pytest.skip("a CUDA device is there")

@@ -5,9 +5,11 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import zoo
-from graphopt.checkpointing import RecomputeSegment, checkpoint_segments, recomputable, segment_code
-from graphopt.memory import measure_step
+from graphopt.analysis.memory import measure_step
+from graphopt.dump import segment_code
+from graphopt.passes.recompute.rewrite import checkpoint_segments, recomputable
+from graphopt.runtime.checkpoint import RecomputeSegment
+from graphopt.testing import zoo
 
 from conftest import assert_same_step
 

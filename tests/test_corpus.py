@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt.checkpointing import recomputable
+from graphopt.passes.recompute.rewrite import recomputable
 
 from corpus import REGRESSIONS, build
 from corpus.checks import CHECKS, PAIR_PASSES, run, step

@@ -52,7 +52,7 @@ def test_gpt2_with_other_passes_holds_its_budget(passes, precision, monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     import graphopt
     from corpus.memory import user_step_peak
-    from graphopt.memory import GB
+    from graphopt.analysis.memory import GB
 
     case = memory_case("hf_gpt2")
     budget = 0.6 * user_step_peak(case.model, case)
@@ -79,7 +79,7 @@ class _LSTMRegressor(torch.nn.Module):
 @pytest.mark.parametrize("f", [0.4, 1.0])
 def test_an_lstm_holds_its_budget_or_says_it_cannot(f):
     import graphopt
-    from graphopt.memory import GB, estimate_peak, measure_step
+    from graphopt.analysis.memory import GB, estimate_peak, measure_step
 
     torch.manual_seed(0)
     model, x = _LSTMRegressor(), torch.randn(8, 50, 64)

@@ -1,6 +1,6 @@
 
 import graphopt
-from graphopt import zoo
+from graphopt.testing import zoo
 
 
 def test_dump_layout(tmp_path):

@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphopt
-from graphopt import zoo
 from graphopt.dump import notes
 from graphopt.runtime import FusedOp, launch_count, running_fused
+from graphopt.testing import zoo
 
 pytest.importorskip("triton")
 # the interpreter evaluates masked-off lanes too: numpy warns, the stores are masked

@@ -19,14 +19,7 @@ from graphopt.codegen import Group, Step
 from graphopt.codegen import layout as layout_module
 from graphopt.ops import canonical_ops
 from op_cases import ATOL, CASES, GEN, randn
-from graphopt.runtime import (
-    FusedOp,
-    cache_info,
-    fused_call,
-    launch_count,
-    repro_script,
-    running_fused,
-)
+from graphopt.runtime import FusedOp, cache_info, fused_call, launch_count, repro_script, running_fused
 
 pytest.importorskip("triton")
 # the interpreter evaluates masked-off lanes too (log of 0 there): numpy warns, the stores are masked

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
 import graphopt
-from graphopt.memory import measure_peak, measure_step
+from graphopt.analysis.memory import measure_peak, measure_step
 
 from conftest import FX_ZOO, assert_same_step, step
 

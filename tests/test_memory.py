@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import zoo
-from graphopt.memory import GB, estimate_peak, measure_step
-from graphopt.saved import saved_tensors
+from graphopt.analysis.memory import GB, estimate_peak, measure_step
+from graphopt.analysis.saved import saved_tensors
+from graphopt.testing import zoo
 from graphopt.trace import placeholder_values
 
 # Sized so activations dominate parameters.
@@ -59,7 +59,7 @@ def test_estimate_allocates_nothing_on_meta_models():
 @pytest.mark.parametrize("selective", [False, True])
 @pytest.mark.parametrize("layers", [2, 4])
 def test_estimate_follows_recompute_segments(layers, selective):
-    from graphopt.checkpointing import checkpoint_segments
+    from graphopt.passes.recompute.rewrite import checkpoint_segments
     from graphopt.trace import annotate
 
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=layers)
@@ -78,7 +78,7 @@ def test_estimate_follows_recompute_segments(layers, selective):
 
 def _real_optimizer_memory(model, optimizer):
     """State bytes and step temporaries of a real second step() (the first makes the state)."""
-    from graphopt.live_storage import LiveStorage
+    from graphopt.analysis.live_storage import LiveStorage
 
     saved = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -103,7 +103,7 @@ def _real_optimizer_memory(model, optimizer):
     lambda ps: torch.optim.Adam([{"params": list(ps)[:2], "lr": 1e-3}, {"params": list(ps)[2:]}]),
 ], ids=["adamw", "adam-decay", "sgd-momentum", "adam-groups"])
 def test_optimizer_state_and_step_are_measured_as_a_real_step_makes_them(make):
-    from graphopt.optimizer_memory import optimizer_memory
+    from graphopt.analysis.optimizer_memory import optimizer_memory
 
     model, _, _ = zoo.mlp(batch=8, width=128, depth=3)
     optimizer = make(model.parameters())
@@ -126,7 +126,7 @@ def test_a_budget_with_an_optimizer_holds_for_the_whole_loop():
         opt(*args, **kwargs).loss.backward()
         optimizer.step()
 
-    from graphopt.memory import measure_peak
+    from graphopt.analysis.memory import measure_peak
 
     saved = [p.detach().clone() for p in model.parameters()]
     loop_step()  # the state exists from the first step on

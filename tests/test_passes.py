@@ -6,8 +6,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt import passes, zoo
+from graphopt import passes
 from graphopt.passes import parse_pipeline
+from graphopt.testing import zoo
 
 from conftest import FX_ZOO, assert_same_step
 
@@ -216,7 +217,7 @@ def test_available_passes_are_all_implemented():
 
 
 def test_manager_annotates_new_and_invalidated_nodes():
-    from graphopt.meta import invalidate, tensor_info
+    from graphopt.analysis.meta import invalidate, tensor_info
     from graphopt.passes import Pass, PassResult
 
     class Widen(Pass):

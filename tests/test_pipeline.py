@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import zoo
-from graphopt.partition import (SCHEDULES, StageFacts, equal_layer_cuts, imbalance, least_memory,
-                                parameter_balanced_cuts, partition, stage_costs)
-from graphopt.passes.pipeline import stage_facts
-from graphopt.stages import first_microbatch
-from graphopt.testing import free_port, on_gloo_ranks
+from graphopt.passes.pipeline.partition import SCHEDULES, StageFacts, least_memory, partition
+from graphopt.passes.pipeline.pipeline_pass import stage_facts
+from graphopt.runtime.microbatch import first_microbatch
+from graphopt.testing import zoo
+from graphopt.testing.baselines import equal_layer_cuts, imbalance, parameter_balanced_cuts, stage_costs
+from graphopt.testing.gloo import free_port, on_gloo_ranks
 from graphopt.trace import placeholder_values
 from graphopt.verify import tensor_leaves
 
@@ -256,7 +256,7 @@ def test_hugging_face_gpt2_on_gloo_equals_one_process():
 
 
 def _memory_rank(rank, world, schedule):
-    from graphopt.memory import measure_peak
+    from graphopt.analysis.memory import measure_peak
     from graphopt.runtime.pipeline import PipelineRunner
 
     model, args, kwargs = _model()

@@ -10,12 +10,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt import ops, zoo
+from graphopt import ops
+from graphopt.analysis.autocast_plan import autocast_dtypes, device_class, dtypes_of
+from graphopt.analysis.meta import TensorInfo, tensor_info
 from graphopt.dump import notes
-from graphopt.meta import TensorInfo, tensor_info
 from graphopt.passes import PassContext, parse_pipeline
 from graphopt.passes.precision import CAST
-from graphopt.precision_plan import autocast_dtypes, device_class, dtypes_of
+from graphopt.testing import zoo
 from graphopt.trace import placeholder_values
 from graphopt.verify import TOLERANCE, run_step
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import zoo
-from graphopt.memory import GB, budget_at, estimate_peak, measure_step
+from graphopt.analysis.memory import GB, estimate_peak, measure_step
+from graphopt.testing import zoo
+from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
 
 from conftest import assert_same_step
@@ -181,7 +182,7 @@ def test_profile_and_calibrate_need_a_budget():
 
 
 def test_node_times_leave_the_model_as_it_was():
-    from graphopt.cost import node_times
+    from graphopt.analysis.cost import node_times
 
     model, args, kwargs = zoo.convnet()
     gm = graphopt.trace(model, args, kwargs)

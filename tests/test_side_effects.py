@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import graphopt
-from graphopt.memory import budget_at, estimate_peak
+from graphopt.analysis.memory import estimate_peak
+from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
 
 

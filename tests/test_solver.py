@@ -2,7 +2,7 @@
 import itertools
 import random
 
-from graphopt.solver import FULL, SELECTIVE, Atom, make_atoms, model_peak, solve
+from graphopt.passes.recompute.solver import FULL, SELECTIVE, Atom, make_atoms, model_peak, solve
 
 
 def _segmentations(atoms):

@@ -3,8 +3,8 @@ import torch
 import torch.nn as nn
 
 import graphopt
-from graphopt import zoo
-from graphopt.meta import TensorInfo, tensor_info
+from graphopt.analysis.meta import TensorInfo, tensor_info
+from graphopt.testing import zoo
 
 from conftest import FX_ZOO
 

@@ -5,7 +5,7 @@ manager, the dumps and the report render it. Passes never print.
 
 Metadata: nodes a pass creates are not annotated yet, and the manager then re-annotates the
 graph by FakeTensor propagation. A pass that rewrites a node in place so that it computes
-something else calls graphopt.meta.invalidate(node); one that keeps the result (a
+something else calls graphopt.analysis.meta.invalidate(node); one that keeps the result (a
 respelling, a removal) leaves the metadata as it is.
 """
 from __future__ import annotations

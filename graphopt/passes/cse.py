@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch.fx
 
 from .. import ops
-from ..meta import leaves, tensor_info
+from ..analysis.effects import pure_op, written_values
+from ..analysis.meta import leaves, tensor_info
 from .base import Pass, PassContext, PassResult
-from ..purity import pure_op, written_values
 from .registry import register
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch.fx
 
 from .. import ops
+from ..analysis.effects import is_impure
 from .base import Pass, PassContext, PassResult
-from ..purity import is_impure
 from .registry import register
 
 

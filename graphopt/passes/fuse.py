@@ -1,7 +1,7 @@
 """fuse: run each group of elementwise ops as one generated Triton kernel, forward and backward.
 
 Algorithm:
-  1. Find the groups (graphopt.fusion_groups: maximal connected groups of registry elementwise
+  1. Find the groups (graphopt.analysis.fusion: maximal connected groups of registry elementwise
      ops that keep the graph acyclic and that codegen accepts) and why their neighbours stay out.
   2. Place each group: its node must come after every input and before every outside use of an
      output. Members are removed, so that is the spot after the last member, or else just before
@@ -24,9 +24,9 @@ import operator
 
 import torch.fx
 
+from ..analysis.fusion import FusionGroup, find_groups
+from ..analysis.meta import ANNOTATED, KEY, tensor_info
 from ..dump import note
-from ..fusion_groups import FusionGroup, find_groups
-from ..meta import ANNOTATED, KEY, tensor_info
 from ..runtime import FusedOp, repro_script, source
 from .base import Pass, PassContext, PassResult
 from .registry import register

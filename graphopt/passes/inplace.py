@@ -31,12 +31,12 @@ import torch
 import torch.fx
 
 from .. import ops
+from ..analysis.effects import state_effect
+from ..analysis.memory import estimate_peak, output_tensors
+from ..analysis.meta import tensor_info
+from ..analysis.saved import StepFacts, record_step
 from ..dump import note
-from ..memory import estimate_peak, output_tensors
-from ..meta import tensor_info
 from ..ops.twins import inplace_call
-from ..purity import state_effect
-from ..saved import StepFacts, record_step
 from .base import Pass, PassContext, PassResult
 from .registry import register
 

@@ -12,12 +12,12 @@ import time
 import torch
 import torch.fx
 
+from ..analysis.autocast_plan import graph_device
+from ..analysis.meta import is_annotated
 from ..dump import Dumper
 from ..errors import GraphoptError, VerifyError
 from ..report import PassRecord, Report
-from ..meta import is_annotated
 from ..trace import annotate
-from ..precision_plan import graph_device
 from ..verify import TOLERANCE, autocast_step, compare, float64_step, run_step
 from .base import Pass, PassContext
 from .registry import check_order

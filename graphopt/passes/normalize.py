@@ -39,8 +39,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .. import meta, ops
-from ..aliases import Aliases
+from .. import ops
+from ..analysis import meta
+from ..analysis.aliases import Aliases
 from .base import Pass, PassContext, PassResult
 from .registry import register
 

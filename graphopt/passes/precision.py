@@ -36,10 +36,10 @@ import torch
 import torch.fx
 
 from .. import ops
+from ..analysis.autocast_plan import ELIGIBLE, LOW, MODES, graph_device, op_mode, plan, short
+from ..analysis.meta import TensorInfo, invalidate, leaves, tensor_info
 from ..dump import note
 from ..errors import OptionError
-from ..meta import TensorInfo, invalidate, leaves, tensor_info
-from ..precision_plan import ELIGIBLE, LOW, MODES, graph_device, op_mode, plan, short
 from ..runtime.autocast import under_autocast
 from .base import Option, Pass, PassContext, PassResult
 from .normalize import _canonical_callable

@@ -26,11 +26,11 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ..devices import check_device
+from ..analysis.saved import storage_key
 from ..errors import UsageError
-from ..saved import storage_key
-from ..stages import first_microbatch, stage_modules
 from ..trace import placeholder_values, register_dataclasses
+from .devices import check_device
+from .microbatch import first_microbatch
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -195,3 +195,7 @@ def _tied_groups(modules, world_size) -> list[tuple[int, list[int], object]]:
             ranks = sorted(ranks)
             tied.append((key, ranks, dist.new_group(ranks) if dist.is_initialized() else None))
     return tied
+
+
+def stage_modules(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    return [getattr(gm, f"stage_{s}") for s in range(sum(1 for n, _ in gm.named_children() if n.startswith("stage_")))]

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 
 import graphopt
-from graphopt.memory import budget_at, estimate_peak
-from graphopt.meta import tensor_info
-from graphopt.precision_plan import autocast_dtypes, dtypes_of
+from graphopt.analysis.autocast_plan import autocast_dtypes, dtypes_of
+from graphopt.analysis.memory import estimate_peak
+from graphopt.analysis.meta import tensor_info
+from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
 from graphopt.verify import compare, float64_copy
 

@@ -3,7 +3,7 @@ against the model's own checkpointing. Shared by tests/test_corpus_memory.py and
 bench/recompute_sweep.py.
 
 The measured step is the user's: forward, the case's loss, backward, gradients None before
-(live tensor storages on CPU, graphopt.memory.measure_peak). The corpus's batch is repeated
+(live tensor storages on CPU, graphopt.analysis.memory.measure_peak). The corpus's batch is repeated
 MEMORY_BATCH times so that activations, which recompute trades, outweigh parameters.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 import graphopt
-from graphopt.memory import GB, budget_at, estimate_peak, measure_peak
+from graphopt.analysis.memory import GB, estimate_peak, measure_peak
+from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
 
 from . import build

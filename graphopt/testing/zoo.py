@@ -256,6 +256,6 @@ def hf_bert(batch=2, seq=16, layers=2):
     return BertModel(cfg), (ids,), {"attention_mask": torch.ones(batch, seq, dtype=torch.long)}
 
 
-# name -> builder, for the tests, the benchmarks and `python -m graphopt optimize graphopt.zoo:NAME`
+# name -> builder, for the tests, the benchmarks and `python -m graphopt optimize graphopt.testing.zoo:NAME`
 ZOO = {"mlp": mlp, "convnet": convnet, "gpt": gpt, "llama": llama, "two_heads": two_heads}
 HF_ZOO = {"hf_gpt2": hf_gpt2, "hf_bert": hf_bert}

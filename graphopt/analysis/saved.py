@@ -9,7 +9,7 @@ Every tensor the hooks see is attributed, by storage, to what made it:
     from the node's forward until its backward.
 A recompute segment (checkpointing.py) keeps only its inputs; its own forward is recorded
 separately, for the memory its backward allocates again. A selective segment also keeps the
-outputs of the kernels its policy saves (checkpointing.keeps_output), seen here as they run:
+outputs of the kernels its policy saves (segments.keeps_output), seen here as they run:
 an attention node that runs as matmuls keeps its score matrices, not just its result.
 The answer depends on the device the fakes claim (CPU and CUDA kernels save different things).
 """
@@ -25,7 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .aliases import storage_key
-from .checkpointing import RecomputeSegment, keeps_output
+from .fake_state import fake_state
+from .segments import SegmentCall, keeps_output
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class _Recorder(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node):
         self.current = n
         out = super().run_node(n)
-        if isinstance(n.target, RecomputeSegment):
+        if isinstance(n.target, SegmentCall):
             self._segment(n)
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in tensors:
@@ -180,7 +181,7 @@ class _PolicyOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         node = self.recorder.current
-        if node is not None and not isinstance(node.target, RecomputeSegment) and keeps_output(func):
+        if node is not None and not isinstance(node.target, SegmentCall) and keeps_output(func):
             kept = self.recorder.policy_outputs.setdefault(node.name, {})
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -191,11 +192,10 @@ class _PolicyOutputs(TorchDispatchMode):
 def record_step(gm: torch.fx.GraphModule, flat_inputs: list, train: bool = True) -> StepFacts:
     """Run gm's forward once on FakeTensors and record storages and saved tensors (none when
     train is False: an inference forward runs without grad)."""
-    from .trace import _fake_state
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _Recorder(gm)
-    with _fake_state(gm, mode):
+    with fake_state(gm, mode):
         for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
             recorder.owner.setdefault(storage_key(t), ("state", name))
         inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]

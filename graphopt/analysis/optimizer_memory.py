@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .errors import OptionError
+from ..errors import OptionError
 from .live_storage import LiveStorage
 
 # optimizer= by name: the class and the settings it is built with

@@ -2,131 +2,27 @@
 
 Each segment becomes its own GraphModule over the same submodules and parameters, called as
     recompute_segment_k(*inputs) == torch.utils.checkpoint.checkpoint(segment, *inputs, use_reentrant=False)
-so the forward keeps only the segment's inputs, and the backward runs it again with the RNG
-state of the first run (dropout draws the same mask). A segment that draws nothing skips saving
-and restoring the RNG state, and checkpoint calls its forward directly: the rerun stops early
-with an exception, and GraphModule's call wrapper would format a traceback for each one (about
-60 us per segment on CPU, a third of what a segment costs). The segment is held by a plain callable,
-not registered as a submodule, so the model's parameters(), state_dict() keys and optimizers
-are unchanged.
+(runtime/checkpoint.py) so the forward keeps only the segment's inputs. The segment is held by
+a plain callable, not registered as a submodule, so the model's parameters(), state_dict() keys
+and optimizers are unchanged.
 
 Nodes that change state must run exactly once and cannot be recomputed: in-place writes and
 calls the registry does not know. BatchNorm in training is the exception: in a segment it
-becomes batch_norm_once, whose recompute (flagged by checkpoint's context_fn) normalizes with
-the same batch statistics and updates copies of the running statistics, not the real ones, so
-they are updated once per step, as without recompute.
+becomes batch_norm_once (runtime/checkpoint.py), which updates the running statistics on its
+first run only.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import operator
-import threading
 
 import torch
 import torch.fx
-import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from . import ops
-from .meta import tensor_info
-from .purity import CALLS, may_draw, state_effect
-
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def _recomputing():
-    previous, _state.recomputing = getattr(_state, "recomputing", False), True
-    try:
-        yield
-    finally:
-        _state.recomputing = previous
-
-
-def recomputing() -> bool:
-    """True while a segment runs again during backward."""
-    return getattr(_state, "recomputing", False)
-
-
-@functools.lru_cache(maxsize=None)
-def keeps_output(target) -> bool:
-    """Whether a selective checkpoint keeps the op's output: matmuls, convolutions and
-    attention, whose rerun costs FLOPs; every other op is rerun."""
-    op = ops.lookup_target(target)
-    return op is not None and op.kind == "matmul"
-
-
-def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if keeps_output(op) else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _contexts():
-    return contextlib.nullcontext(), _recomputing()
-
-
-def _selective_contexts():
-    forward, recompute = create_selective_checkpoint_contexts(_policy)
-    return forward, _both(recompute, _recomputing())
-
-
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
-        yield
-
-
-class RecomputeSegment:
-    """The callable a rewritten graph calls for segment k. A selective segment keeps the
-    outputs of its matmuls, convolutions and attention and reruns only the rest."""
-
-    def __init__(self, index: int, module: torch.fx.GraphModule, selective: bool = False, draws: bool = True):
-        self.index, self.module, self.selective, self.draws = index, module, selective, draws
-        self.__name__ = self.__qualname__ = f"recompute_segment_{index}"
-        self.__module__ = __name__
-
-    def __call__(self, *args):
-        contexts = _selective_contexts if self.selective else _contexts
-        return checkpoint(self.module.forward, *args, use_reentrant=False, context_fn=contexts,
-                          preserve_rng_state=self.draws)
-
-
-def batch_norm_once(x, weight, bias, running_mean, running_var, momentum, eps):
-    """Training-mode batch norm that updates the running statistics only on its first run.
-
-    Both runs update copies, and the first copies them back: the two runs then call the same
-    ops and save the same tensors, which checkpoint (and its selective form) checks."""
-    mean, var = _copy(running_mean), _copy(running_var)
-    out = F.batch_norm(x, mean, var, weight, bias, True, momentum, eps)
-    if not recomputing():
-        for real, updated in ((running_mean, mean), (running_var, var)):
-            if real is not None:
-                real.copy_(updated)
-    return out
-
-
-class BatchNormOnce:
-    """batch_norm_once for an nn.BatchNorm module, with its num_batches_tracked and momentum=None
-    (a cumulative average) as the module's own forward has them."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.__name__ = self.__qualname__ = "batch_norm_once"
-        self.__module__ = __name__
-
-    def __call__(self, x):
-        m = self.module
-        counted = m.track_running_stats and m.num_batches_tracked is not None
-        if counted and not recomputing():
-            m.num_batches_tracked.add_(1)
-        momentum = m.momentum if m.momentum is not None else (1.0 / float(m.num_batches_tracked) if counted else 0.0)
-        return batch_norm_once(x, m.weight, m.bias, m.running_mean if m.track_running_stats else None,
-                               m.running_var if m.track_running_stats else None, momentum, m.eps)
-
-
-def _copy(t):
-    return None if t is None else t.clone()
-
+from ... import ops
+from ...analysis.effects import CALLS, may_draw, state_effect
+from ...analysis.meta import tensor_info
+from ...analysis.segments import SegmentCall
+from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 
@@ -221,22 +117,10 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
     return gm
 
 
-def segment_code(gm: torch.fx.GraphModule) -> str:
-    """Readable code of every recompute segment gm calls, for the dumps."""
-    parts = []
-    for n in gm.graph.nodes:
-        if isinstance(n.target, RecomputeSegment):
-            seg = n.target
-            what = "its matmul outputs kept, the rest recomputed" if seg.selective else "recomputed"
-            parts.append(f"# {seg.__name__}: {what} during backward\n"
-                         + seg.module.print_readable(print_output=False))
-    return "\n".join(parts)
-
-
 def inline_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Undo checkpoint_segments: put every segment's nodes back into gm's graph."""
     attrs = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}  # still there: the segment read them
-    for call in [n for n in gm.graph.nodes if isinstance(n.target, RecomputeSegment)]:
+    for call in [n for n in gm.graph.nodes if isinstance(n.target, SegmentCall)]:
         seg = call.target.module
         env = dict(zip([p for p in seg.graph.nodes if p.op == "placeholder"], call.args))
         env.update((n, attrs[n.target]) for n in seg.graph.nodes if n.op == "get_attr")

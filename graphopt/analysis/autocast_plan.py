@@ -27,10 +27,10 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_arg
 
-from . import ops
+from .. import ops
+from ..ops.variants import VARIANT_OF
+from .fake_state import fake_state
 from .meta import TensorInfo, describe, tensor_info
-from .ops.variants import VARIANT_OF
-from .trace import _fake_state
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("low", "fp32", "promote", "follow")  # what a policy may ask for
@@ -185,7 +185,7 @@ def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: d
     result = Plan()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
-    with _fake_state(gm, fake_mode), fake_mode:
+    with fake_state(gm, fake_mode), fake_mode:
         _Planner(gm, result, modes, low, original, device).run(*fake_inputs)
     return result
 

@@ -31,18 +31,18 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .. import ops
-from ..cost import node_times
-from ..dump import note
-from ..errors import BudgetError, OptionError
-from ..memory import GB, budget_text, size_text
-from ..meta import TensorInfo, tensor_info
-from ..partition import SCHEDULES, StageFacts, least_memory, partition
-from ..purity import CALLS
-from ..saved import params_read, record_step, storage_key
-from ..stages import split_stages
-from .base import Option, Pass, PassContext, PassResult, count, plans_memory_after, positive, to_bool
-from .registry import register
+from ... import ops
+from ...analysis.cost import node_times
+from ...analysis.effects import CALLS
+from ...analysis.memory import GB, budget_text, size_text
+from ...analysis.meta import TensorInfo, tensor_info
+from ...analysis.saved import params_read, record_step, storage_key
+from ...dump import note
+from ...errors import BudgetError, OptionError
+from ..base import Option, Pass, PassContext, PassResult, count, plans_memory_after, positive, to_bool
+from ..registry import register
+from .partition import SCHEDULES, StageFacts, least_memory, partition
+from .split import split_stages
 
 # gradient + optimizer state bytes per parameter byte
 OPTIMIZERS = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}

@@ -31,20 +31,21 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .. import ops
-from ..checkpointing import RecomputeSegment, checkpoint_segments, inline_segments, recomputable
-from ..cost import dispatches, rates, recompute_costs
-from ..dump import note
-from ..errors import BudgetError
-from ..memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
-from ..optimizer_memory import NAMED, check_optimizer, optimizer_memory
-from ..plot import memory_csv, memory_png
-from ..saved import params_read, record_step
-from ..solver import Plan, Segment, SegmentCost, make_atoms, model_peak, solve
-from ..trace import annotate
-from ..verify import trial_run
-from .base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
-from .registry import register
+from ... import ops
+from ...analysis.cost import dispatches, rates, recompute_costs
+from ...analysis.memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
+from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
+from ...analysis.saved import params_read, record_step
+from ...analysis.segments import SegmentCall
+from ...dump import note
+from ...errors import BudgetError
+from ...plot import memory_csv, memory_png
+from ...trace import annotate
+from ...verify import trial_run
+from ..base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
+from ..registry import register
+from .rewrite import checkpoint_segments, inline_segments, recomputable
+from .solver import Plan, Segment, SegmentCost, make_atoms, model_peak, solve
 
 CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
 LOOK_BELOW = 3    # cheaper candidates checked after the bisection
@@ -308,7 +309,7 @@ class Recompute(Pass):
                                       inference=False, measured=True)
         # Step 6
         for n in gm.graph.nodes:
-            if isinstance(n.target, RecomputeSegment):
+            if isinstance(n.target, SegmentCall):
                 note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
                 for i in n.all_input_nodes:
                     if i.op.startswith("call"):

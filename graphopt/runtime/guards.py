@@ -12,7 +12,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .errors import ModeError, UsageError
+from ..errors import ModeError, UsageError
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:

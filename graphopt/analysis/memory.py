@@ -21,9 +21,11 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .fake_state import fake_state
 from .live_storage import LiveStorage
 from .meta import tensor_info
 from .optimizer_memory import OptimizerMemory
+from .segments import recomputing
 
 GB = 10**9
 
@@ -55,12 +57,6 @@ class Estimate:
         return self.peak_bytes / GB
 
 
-def budget_at(estimate: Estimate, f: float) -> float:
-    """The budget in GB that keeps parameters and gradients and f of the rest of the step's peak."""
-    fixed = 2 * estimate.breakdown.get("parameters", 0)
-    return (fixed + f * (estimate.peak_bytes - fixed)) / GB
-
-
 def output_tensors(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The nodes whose tensors the graph returns, looking through containers it builds
     (a dataclass or dict constructed in the graph is a node without tensor metadata)."""
@@ -82,7 +78,7 @@ def backward_roots(out) -> list[torch.Tensor]:
     computes its loss, as transformers' do with labels) when it returns any, else every
     floating output that requires grad (a loss computed outside, whose gradient is the
     output's size)."""
-    from .verify import tensor_leaves
+    from ..verify import tensor_leaves
 
     leaves = [t for t in tensor_leaves(out) if t.requires_grad and t.is_floating_point()]
     losses = [t for t in leaves if t.dim() == 0]
@@ -102,11 +98,9 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
     optimizer: its state is resident through the step, and its step() runs after backward,
     while every gradient is alive (optimizer_memory.py).
     """
-    from .checkpointing import recomputing
-    from .trace import _fake_state
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _fake_state(gm, mode):
+    with fake_state(gm, mode):
         params = list(gm.parameters())
         inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
         tracker = _StepTracker(recomputing)

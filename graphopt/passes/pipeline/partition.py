@@ -175,29 +175,3 @@ class _Memory:
 
     def of(self, stage: int, a: int, b: int) -> int:
         return int(self.bytes(stage, np.array([a]), b)[0])
-
-
-def stage_costs(cost: list[float], cuts: list[int]) -> list[float]:
-    return [float(sum(cost[cuts[s]:cuts[s + 1]])) for s in range(len(cuts) - 1)]
-
-
-def imbalance(costs: list[float]) -> float:
-    mean = sum(costs) / len(costs)
-    return max(costs) / mean if mean else 1.0
-
-
-def parameter_balanced_cuts(facts: StageFacts, stages: int) -> list[int]:
-    """The baseline DeepSpeed's partition_method="parameters" stands for: stages holding equal
-    parameter bytes (a node weighs what it reads), cut at the same allowed places."""
-    weights = [float(sum(p.values())) for p in facts.params]
-    by_params = StageFacts(weights, facts.kept, facts.params, facts.cross, facts.can_cut, facts.state_factor,
-                           facts.work)
-    return partition(by_params, stages).cuts
-
-
-def equal_layer_cuts(layer_starts: list[int], nodes: int, stages: int) -> list[int]:
-    """The baseline of Megatron and DeepSpeed's "uniform": the same number of layers per stage
-    (the embedding goes with the first, the head with the last); layer_starts are the node
-    positions where each layer begins."""
-    layers = len(layer_starts)
-    return [0] + [layer_starts[round(s * layers / stages)] for s in range(1, stages)] + [nodes]

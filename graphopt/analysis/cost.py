@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from . import ops
+from .. import ops
+from ..verify import trial_run
+from .effects import CALLS
 from .meta import leaves, tensor_info
-from .purity import CALLS
 from .saved import params_read
-from .verify import trial_run
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from . import ops
+from .. import ops
 from .aliases import Aliases
 from .meta import tensor_info
 

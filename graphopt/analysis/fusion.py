@@ -30,9 +30,9 @@ import networkx as nx
 import torch
 import torch.fx
 
-from . import codegen, ops
+from .. import codegen, ops
+from .effects import CALLS, reads_attribute, may_write, state_effect, written_values
 from .meta import TensorInfo, tensor_info
-from .purity import CALLS, reads_attribute, may_write, state_effect, written_values
 
 CYCLE = "would create a cycle (path {path})"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def check_device(device) -> torch.device:

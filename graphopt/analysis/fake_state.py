@@ -1,0 +1,48 @@
+"""A module's state as FakeTensors, for analyses that run a graph without touching memory."""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .segments import segment_modules
+
+
+@contextlib.contextmanager
+def fake_state(module: torch.nn.Module, mode: FakeTensorMode):
+    """Swap the module's parameters, buffers and a graph's tensor constants (export lifts a
+    tensor forward reaches other than as a buffer) for FakeTensors while the context is open;
+    the same for the graph of every recompute segment it calls, which holds its own references.
+
+    Nothing real is allocated or written: BatchNorm's in-place counter updates land on fakes,
+    a backward's gradients on fake parameters, and models built on the meta device run just
+    the same. from_tensor memoizes, so a tensor shared (tied weights, a segment's parameter)
+    stays one fake tensor.
+    """
+    modules, k = [module], 0
+    while k < len(modules):
+        if isinstance(modules[k], torch.fx.GraphModule):
+            modules += segment_modules(modules[k])
+        k += 1
+    # Every state read before any swap: a segment shares leaf modules with its graph.
+    states = [(m, {name: mode.from_tensor(t) for name, t in _state(m).items()}) for m in modules]
+    with contextlib.ExitStack() as stack:
+        for m, fakes in states:
+            stack.enter_context(_reparametrize_module(m, fakes))
+        yield
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and, for a graph, the tensor attributes its get_attr nodes read."""
+    state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    if isinstance(module, torch.fx.GraphModule):
+        for node in module.graph.nodes:
+            if node.op == "get_attr" and node.target not in state:
+                value = functools.reduce(getattr, node.target.split("."), module)
+                if isinstance(value, torch.Tensor):
+                    state[node.target] = value
+    return state

@@ -1,0 +1,43 @@
+"""How pipeline schedules cut a batch: every tensor input of one or more dimensions along dim 0
+(as torch.distributed.pipelining splits it), other values whole."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UsageError
+
+
+def first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
+    """The first of `microbatches` parts of a batch, split as torch.distributed.pipelining
+    splits it: every tensor of one or more dimensions along dim 0 (tensor_split), other
+    values whole."""
+    sizes = {int(v.shape[0]) for v in _batched(args, kwargs)}
+    if len(sizes) > 1:  # one of them is not a batch: splitting it would pair the wrong rows
+        raise UsageError(f"the tensor inputs have different sizes along dim 0 ({sorted(sizes)}), and pipeline "
+                         "schedules split every tensor input along dim 0 into microbatches: make the inputs "
+                         "that are not batches (a mask shared by all rows, say) buffers of the model, or "
+                         "give them a leading batch dimension.")
+
+    def first(v):
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return v
+        if v.shape[0] < microbatches:
+            raise UsageError(f"an example input has {v.shape[0]} rows along dim 0, fewer than the "
+                             f"{microbatches} microbatches it is split into: give a larger example batch "
+                             "or fewer microbatches.")
+        return v.tensor_split(microbatches)[0]
+
+    return tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()}
+
+
+def _batched(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim()]
+
+
+def batch_rows(args: tuple, kwargs: dict) -> int | None:
+    """The fewest rows along dim 0 among the inputs a schedule splits (None: none is split)."""
+    return min((v.shape[0] for v in _batched(args, kwargs)), default=None)
+
+
+def splits_evenly(args: tuple, kwargs: dict, microbatches: int) -> bool:
+    return all(v.shape[0] % microbatches == 0 for v in _batched(args, kwargs))

@@ -1,0 +1,38 @@
+"""What tests and benchmarks measure graphopt against: budgets at a share of a step's peak,
+and the pipeline partitions of other libraries (equal layers, equal parameters)."""
+from __future__ import annotations
+
+from ..analysis.memory import GB, Estimate
+from ..passes.pipeline.partition import Partition, StageFacts, partition
+
+
+def budget_at(estimate: Estimate, f: float) -> float:
+    """The budget in GB that keeps parameters and gradients and f of the rest of the step's peak."""
+    fixed = 2 * estimate.breakdown.get("parameters", 0)
+    return (fixed + f * (estimate.peak_bytes - fixed)) / GB
+
+
+def stage_costs(cost: list[float], cuts: list[int]) -> list[float]:
+    return [float(sum(cost[cuts[s]:cuts[s + 1]])) for s in range(len(cuts) - 1)]
+
+
+def imbalance(costs: list[float]) -> float:
+    """Slowest stage over the mean stage: 1.0 is perfect balance."""
+    return Partition([], costs).imbalance
+
+
+def parameter_balanced_cuts(facts: StageFacts, stages: int) -> list[int]:
+    """The baseline DeepSpeed's partition_method="parameters" stands for: stages holding equal
+    parameter bytes (a node weighs what it reads), cut at the same allowed places."""
+    weights = [float(sum(p.values())) for p in facts.params]
+    by_params = StageFacts(weights, facts.kept, facts.params, facts.cross, facts.can_cut, facts.state_factor,
+                           facts.work)
+    return partition(by_params, stages).cuts
+
+
+def equal_layer_cuts(layer_starts: list[int], nodes: int, stages: int) -> list[int]:
+    """The baseline of Megatron and DeepSpeed's "uniform": the same number of layers per stage
+    (the embedding goes with the first, the head with the last); layer_starts are the node
+    positions where each layer begins."""
+    layers = len(layer_starts)
+    return [0] + [layer_starts[round(s * layers / stages)] for s in range(1, stages)] + [nodes]
