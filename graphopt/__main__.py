@@ -12,6 +12,7 @@ import torch
 from .api import DEFAULT_PASSES, optimize
 from .errors import GraphoptError, UsageError
 from .passes import available
+from .precisions import PRECISIONS
 from .testing import zoo
 
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     opt.add_argument("--budget-gb", type=float, default=None, help="peak memory budget of a training step, GB (10^9 bytes)")
     opt.add_argument("--profile", action="store_true", help="with --budget-gb: cost recompute by measured node times")
     opt.add_argument("--calibrate", action="store_true", help="with --budget-gb: measure a real step and re-plan if over")
-    opt.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None)
+    opt.add_argument("--precision", choices=PRECISIONS, default=None)
     opt.add_argument("--stages", type=int, default=None, help="number of pipeline stages")
     opt.add_argument("--mode", choices=["train", "eval"], default=None, help="build for training or inference (default: the model's mode)")
     opt.add_argument("--frontend", choices=["auto", "fx", "export"], default="auto")

@@ -15,6 +15,7 @@ from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .lazy import LazyOptimized
 from .passes.base import Pass, PassContext
+from .precisions import PRECISIONS
 from .passes.manager import PassManager
 from .report import Report
 from .runtime.guards import install_call_guard, install_mode_guard, install_shape_guard, refuse_pickling
@@ -24,7 +25,6 @@ from .trace import FRONTENDS, check_inputs, trace
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from.
 DEFAULT_PASSES = ("normalize", "cse", "dce")
 
-PRECISIONS = ("bf16", "fp16", "fp32")
 
 # optimize() argument -> (the pass it asks for, that pass's option)
 ARGUMENT_PASSES = {"precision": ("precision", "dtype"), "budget_gb": ("recompute", "budget_gb"), "stages": ("pipeline", "stages")}
@@ -167,8 +167,8 @@ def optimize(
 def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir):
     """Trace `model` in its current mode and run `pipeline` over it."""
     args, kwargs = check_inputs(model, example_inputs, example_kwargs)
-    stager = next((p for p in pipeline if p.name == "pipeline"), None)
-    microbatches = stager.microbatches(batch_rows(args, kwargs)) if stager else None
+    rows = batch_rows(args, kwargs)
+    microbatches = next((m for m in (p.microbatches_of(rows) for p in pipeline) if m), None)
     batch = args, kwargs
     if microbatches:  # pipeline stages run on microbatches: trace and plan for one
         args, kwargs = first_microbatch(args, kwargs, microbatches)
@@ -184,9 +184,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         trace_ms=(time.perf_counter() - start) * 1e3, nodes=len(gm.graph.nodes),
         dump_dir=str(dump_dir) if dump_dir else None,
     )
-    ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model)
-    if microbatches:
-        ctx.facts["microbatches"] = microbatches
+    ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
+                      microbatches=microbatches)
     dumper = Dumper(dump_dir) if dump_dir else None
     gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
     if dumper:
@@ -199,8 +198,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
             gm, args, kwargs, f"an export graph staged for one microbatch, 1/{microbatches} of the example batch",
             "run it through graphopt.runtime.pipeline.PipelineRunner, which splits a batch into microbatches, call it "
             "on one microbatch, or optimize with frontend='fx' for a graph that runs at any batch size.")
-    elif ctx.facts.get("shape_specialized"):
-        install_shape_guard(gm, args, kwargs, ctx.facts["shape_specialized"])
+    elif ctx.specialized:
+        install_shape_guard(gm, args, kwargs, ctx.specialized)
     elif gm.meta["graphopt_frontend"] == "export":
         install_shape_guard(
             gm, args, kwargs, "torch.export traced it for those shapes",

@@ -32,16 +32,10 @@ from ..ops.variants import VARIANT_OF
 from .fake_state import fake_state
 from .meta import TensorInfo, describe, tensor_info
 
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("low", "fp32", "promote", "follow")  # what a policy may ask for
 ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 _MODE_OF_CLASS = {"lower": "low", "fp32": "fp32", "promote": "promote", None: "follow"}
 _AUTOCAST_KEYS = {name[len("Autocast"):].lower(): name for name in dir(torch._C.DispatchKey) if name.startswith("Autocast")}
-
-
-def short(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}.get(
-        dtype, str(dtype).replace("torch.", ""))
 
 
 def graph_device(gm: torch.fx.GraphModule) -> str:
@@ -105,7 +99,7 @@ def op_mode(node: torch.fx.Node, gm: torch.fx.GraphModule, device: str, policy: 
 
 
 @dataclass
-class Plan:
+class AutocastPlan:
     modes: dict[torch.fx.Node, str] = field(default_factory=dict)
     casts: dict[torch.fx.Node, dict[torch.fx.Node, torch.dtype]] = field(default_factory=dict)  # consumer -> {input: dtype}
     infos: dict[torch.fx.Node, object] = field(default_factory=dict)  # TensorInfo(s) of each node after the casts
@@ -132,7 +126,7 @@ def _wanted(mode: str, inputs: dict, low: torch.dtype, original: dict) -> dict:
 class _Planner(torch.fx.Interpreter):
     """Runs the graph on FakeTensors, casting each node's fake inputs as its mode asks."""
 
-    def __init__(self, gm, plan: Plan, modes: dict, low: torch.dtype, original: dict, device: str):
+    def __init__(self, gm, plan: AutocastPlan, modes: dict, low: torch.dtype, original: dict, device: str):
         super().__init__(gm, garbage_collect_values=False)
         self.plan, self.modes, self.low, self.original, self.device = plan, modes, low, original, device
 
@@ -171,7 +165,7 @@ class _Planner(torch.fx.Interpreter):
         return getattr(self, n.op)(n.target, args, kwargs)
 
 
-def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: dict, device: str) -> Plan:
+def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: dict, device: str) -> AutocastPlan:
     """Where the graph needs casts so that each node runs in its mode, and every node's dtype after.
 
     `modes` maps each call node to its mode (op_mode). The original input dtypes, for "original"
@@ -182,7 +176,7 @@ def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: d
         info = tensor_info(node)
         if info is not None and not isinstance(info, tuple):
             original[node] = info.dtype
-    result = Plan()
+    result = AutocastPlan()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
     with fake_state(gm, fake_mode), fake_mode:

@@ -1,7 +1,7 @@
 """Which elementwise nodes can run as one fused kernel (an analysis: it reads the graph, never mutates).
 
 Algorithm:
-  1. Classify every call node. A member candidate is pure (purity.py), elementwise with a Triton
+  1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a Triton
      template in the registry (or a dropout that is the identity: train=False or p=0), bound to
      tensor nodes and Python scalars, contiguous in eager (a kernel writes contiguous tensors),
      and accepted by codegen as a one-step group at its operands' dtypes with eager's result
@@ -66,7 +66,6 @@ class FusionGroup:
 class Fusion:
     groups: list[FusionGroup]
     declined: list[dict]  # {"nodes", "ops", "reason"} for groups codegen refused
-    reasons: dict  # node -> why it cannot be a member (step 1)
     alone: dict[str, dict[str, str]]  # candidate left in a group of one -> {neighbour: why not with it}
 
 
@@ -294,4 +293,4 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
     for g in groups:
         g.not_fused = _neighbours(g.nodes, reasons, refused)
     alone = {n.name: _neighbours([n], reasons, refused) for n in single}
-    return Fusion(groups, declined, reasons, alone)
+    return Fusion(groups, declined, alone)

@@ -96,7 +96,7 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
     workspace are what the real step allocates, not a model of it.
 
     optimizer: its state is resident through the step, and its step() runs after backward,
-    while every gradient is alive (optimizer_memory.py).
+    while every gradient is alive (analysis/optimizer_memory.py).
     """
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..precisions import torch_name
+
 KEY = "tensor_info"
 ANNOTATED = "graphopt_annotated"  # set on every node the last FakeTensor run reached
 
@@ -48,8 +50,7 @@ class TensorInfo:
         return True
 
     def short(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
-        return f"{dt}[{','.join(map(str, self.shape))}]"
+        return f"{torch_name(self.dtype)}[{','.join(map(str, self.shape))}]"
 
 
 def describe(value):

@@ -7,7 +7,7 @@ Every tensor the hooks see is attributed, by storage, to what made it:
   - nothing in the graph: a tensor made inside the node's own kernel or leaf module
     (LayerNorm's mean and rstd, dropout's mask, attention's softmax): extra memory held
     from the node's forward until its backward.
-A recompute segment (checkpointing.py) keeps only its inputs; its own forward is recorded
+A recompute segment (passes/recompute/rewrite.py) keeps only its inputs; its own forward is recorded
 separately, for the memory its backward allocates again. A selective segment also keeps the
 outputs of the kernels its policy saves (segments.keeps_output), seen here as they run:
 an attention node that runs as matmuls keeps its score matrices, not just its result.

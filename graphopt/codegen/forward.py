@@ -16,7 +16,7 @@ KERNEL = "fused_forward"
 
 
 def forward_source(group: Group, spec: Spec, dtypes) -> str:
-    """dtypes: every step's dtype (the Plan's)."""
+    """dtypes: every step's dtype (the LaunchPlan's)."""
     by_name = {o.name: o for o in spec.operands}
     body = index(spec)
     body += [load(o) for o in spec.operands if o.name.startswith("x")]

@@ -24,6 +24,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from ..ops import canonical_ops
 from ..ops.shim import evaluate
+from ..precisions import torch_name
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -163,10 +164,6 @@ def as_value(t) -> Value:
     return Value(t.dtype, t.dim() == 0)
 
 
-def _name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def step_dtypes(group: Group, inputs: Sequence) -> list[torch.dtype]:
     """The dtype of every step (see the module docstring); inputs are tensors, Values or dtypes.
     Raises Unsupported with the reason for a group codegen declines at these dtypes."""
@@ -175,7 +172,7 @@ def step_dtypes(group: Group, inputs: Sequence) -> list[torch.dtype]:
     inputs = [as_value(t) for t in inputs]
     for k, v in enumerate(inputs):
         if v.dtype not in FLOATS + INTEGERS + (torch.bool,):
-            raise Unsupported(f"input {k} is {_name(v.dtype)}: the templates compute in fp32, so only float32, float16, "
+            raise Unsupported(f"input {k} is {torch_name(v.dtype)}: the templates compute in fp32, so only float32, float16, "
                               "bfloat16, bool and integer (cast) inputs are fused")
     values: list[Value] = []
     for j, step in enumerate(group.steps):
@@ -184,10 +181,10 @@ def step_dtypes(group: Group, inputs: Sequence) -> list[torch.dtype]:
         if step.op == "to_dtype":
             dtype = step.params["dtype"]
             if dtype not in FLOATS + INTEGERS + (torch.bool,):
-                raise Unsupported(f"step {j} casts to {_name(dtype)}; the templates compute in fp32")
+                raise Unsupported(f"step {j} casts to {torch_name(dtype)}; the templates compute in fp32")
             values.append(Value(dtype, zero_dim))
             continue
-        ints = [_name(v.dtype) for v in refs if v.dtype in INTEGERS]
+        ints = [torch_name(v.dtype) for v in refs if v.dtype in INTEGERS]
         if ints:
             raise Unsupported(f"step {j} ({step.op}) computes on {ints[0]} values: only casts of integer tensors are "
                               "fused (fp32 templates are exact for integers only below 2**24, and torch's integer "
@@ -199,7 +196,7 @@ def step_dtypes(group: Group, inputs: Sequence) -> list[torch.dtype]:
                     for a, v in zip(step.args, _refs_or_none(step.args, inputs, values))]
         _, dtype = elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
         if dtype not in FLOATS:
-            raise Unsupported(f"step {j} ({step.op}) computes in {_name(dtype)}: arithmetic on bool or integer "
+            raise Unsupported(f"step {j} ({step.op}) computes in {torch_name(dtype)}: arithmetic on bool or integer "
                               "values is not fused (torch's rules for it are op-specific)")
         values.append(Value(dtype, zero_dim))
     return [v.dtype for v in values]

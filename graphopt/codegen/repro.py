@@ -15,7 +15,7 @@ from .forward import forward_source
 from .group import Group
 from .program import Backward
 from .reference import reference_source
-from .spec import Plan
+from .spec import LaunchPlan
 
 TEMPLATE = '''"""graphopt fused-group repro: {title}
 {origin}
@@ -105,7 +105,7 @@ def _kernel_only(source: str) -> str:
     return "\n".join(line for line in lines if not line.startswith(("import triton", "import triton.language")))
 
 
-def render(group: Group, plan: Plan, bplan: Plan, program: Backward, shapes, dtypes) -> str:
+def render(group: Group, plan: LaunchPlan, bplan: LaunchPlan, program: Backward, shapes, dtypes) -> str:
     outputs = [f"torch.empty({tuple(plan.shapes[j])}, dtype={plan.dtypes[j]}, device=DEVICE)" for j in group.outputs]
     forward_args = ([f"xs[{o.name[1:]}]" for o in plan.spec.operands if o.name.startswith("x")]
                     + [f"outs[{i}]" for i in range(len(group.outputs))] + [str(a) for a in plan.scalar_args()])

@@ -1,11 +1,11 @@
-"""What a generated kernel depends on (its Spec, the cache key) and what a launch passes it (Plan).
+"""What a generated kernel depends on (its Spec, the cache key) and what a launch passes it (LaunchPlan).
 
 1. dtypes: step dtypes from the inputs' dtypes (group.step_dtypes; Unsupported when declined).
 2. Tensors the kernel touches, in signature order: the inputs it loads (x{k}), then the outputs it
    stores (forward: out{i}), or the incoming gradients (g{i}) and the input gradients it stores
    (backward: d{k}).
 3. Their strides over the full shape are collapsed (layout.py); the Spec keeps each tensor's dtype and
-   pattern, the merged rank and the 64-bit decision; the Plan keeps the sizes and strides.
+   pattern, the merged rank and the 64-bit decision; the LaunchPlan keeps the sizes and strides.
 4. Launch arguments: the pointers, n, the sizes the unravel divides by, then each "s" stride.
 5. The backward's Spec also keeps which adjoints are rounded to their fp16/bf16 dtype: only those of
    values that span the full shape are (program.py), which neither dtypes nor layout patterns tell apart.
@@ -60,7 +60,7 @@ class Spec:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LaunchPlan:
     spec: Spec
     layout: L.Layout
     full: tuple  # the unmerged full shape
@@ -93,7 +93,7 @@ def _used_inputs(group: Group) -> list[int]:
     return sorted({a[1] for s in group.steps for a in s.args if isinstance(a, tuple) and a[0] == "input"})
 
 
-def plan_forward(group: Group, inputs) -> Plan:
+def plan_forward(group: Group, inputs) -> LaunchPlan:
     values, dtypes, shapes, full = _values_and_shapes(group, inputs)
     loaded = _used_inputs(group)
     names = [f"x{k}" for k in loaded] + [f"out{i}" for i in range(len(group.outputs))]
@@ -103,7 +103,7 @@ def plan_forward(group: Group, inputs) -> Plan:
     lay = L.collapse(full, strides)
     operands = tuple(Operand(n, d, lay.pattern(k)) for k, (n, d) in enumerate(zip(names, kinds)))
     spec = Spec("forward", group.structure(), values, operands, lay.rank, lay.index64())
-    return Plan(spec, lay, full, dtypes, shapes)
+    return LaunchPlan(spec, lay, full, dtypes, shapes)
 
 
 def grad_buffer_dtype(value: Value, shape, n: int) -> torch.dtype:
@@ -111,7 +111,7 @@ def grad_buffer_dtype(value: Value, shape, n: int) -> torch.dtype:
     return value.dtype if math.prod(shape) == n else torch.float32
 
 
-def plan_backward(group: Group, inputs, grads, needs) -> tuple[Plan, Backward]:
+def plan_backward(group: Group, inputs, grads, needs) -> tuple[LaunchPlan, Backward]:
     """grads: the incoming gradient per output (None: zero); needs: per input, whether it wants one."""
     values, dtypes, shapes, full = _values_and_shapes(group, inputs)
     has_grad = tuple(g is not None for g in grads)
@@ -133,4 +133,4 @@ def plan_backward(group: Group, inputs, grads, needs) -> tuple[Plan, Backward]:
     layout = L.Layout(lay.numel, lay.sizes, lay.strides[:len(names)])
     spec = Spec("backward", group.structure(), values, operands, lay.rank, layout.index64(), has_grad,
                 tuple(needs), spans, program.rounded_adjoints)
-    return Plan(spec, layout, full, dtypes, shapes), program
+    return LaunchPlan(spec, layout, full, dtypes, shapes), program

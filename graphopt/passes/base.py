@@ -29,6 +29,11 @@ class PassResult:
     # next to the pass's own dump, as kk-name.<name>. A value may be a function returning
     # the content (or None for no file): it is called only when dumping.
     artifacts: dict[str, Any] = field(default_factory=dict)
+    # What the result holds beyond its graph, for the manager and optimize(): the dtype the
+    # graph now computes in (verification's tolerance), and why it holds only for the example
+    # inputs' shapes (optimize() then installs a shape guard that says so).
+    compute_dtype: torch.dtype | None = None
+    specialized: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,10 @@ class PassContext:
     example_kwargs: dict
     train: bool
     reference: torch.nn.Module | None = None  # the user's model, for verification
-    facts: dict[str, Any] = field(default_factory=dict)  # what one pass tells later ones
+    microbatches: int | None = None  # the example inputs are one microbatch of this many
+    # what the passes so far have made of the graph (the manager keeps these from PassResult)
+    compute_dtype: torch.dtype = torch.float32
+    specialized: str | None = None
 
     def flat_inputs(self, gm: torch.fx.GraphModule) -> list:
         from ..trace import placeholder_values
@@ -102,6 +110,11 @@ class Pass:
     # Passes that must run before this one when both are in a pipeline, each with the reason:
     # what they rewrite would change what this one decided (the pass manager checks it).
     runs_after: ClassVar[dict[str, str]] = {}
+
+    def microbatches_of(self, rows: int | None) -> int | None:
+        """How many microbatches the run splits an example batch of `rows` rows into, when this
+        pass runs the graph on microbatches; None (the default) when it does not."""
+        return None
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.options))

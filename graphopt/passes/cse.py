@@ -2,9 +2,9 @@
 
 Algorithm:
   1. Find the values that something mutates or hands to an opaque call, and every value
-     sharing their storage (purity.written_values): they hold different data at different
+     sharing their storage (effects.written_values): they hold different data at different
      points, so neither they nor anything reading them merges.
-  2. Walk the graph in order, keying each pure node (purity.py) by its target and
+  2. Walk the graph in order, keying each pure node (analysis/effects.py) by its target and
      its arguments (nodes by identity, containers and slices made hashable). In training,
      a value autograd differentiates stays unmerged: one node's backward fed the sum of two
      gradients rounds differently from two backwards summed (T5's position bias), and

@@ -2,7 +2,7 @@
 
 Algorithm:
   1. Walk the graph backwards (torch.fx's eliminate_dead_code does this).
-  2. Remove a node when it has no users and the registry calls it pure (purity.py):
+  2. Remove a node when it has no users and the registry calls it pure (analysis/effects.py):
      opaque, random, mutating and asserting ops stay even when unused.
   3. Report the removed nodes by op.
 """

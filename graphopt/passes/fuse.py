@@ -7,7 +7,7 @@ Algorithm:
      output. Members are removed, so that is the spot after the last member, or else just before
      the first outside use; when an input is only computed after that use, the group is left
      alone with that reason (fusing it would need the graph reordered). No node that may write
-     memory lies between a group's members (fusion_groups step 2), so no read moves past a write.
+     memory lies between a group's members (analysis/fusion.py step 2), so no read moves past a write.
   3. Insert one call_function node targeting a FusedOp (runtime/fused.py), plus an
      operator.getitem node per output when there are several; copy the members' metadata onto
      them; point every outside use at them (an identity dropout's uses at what it returns) and

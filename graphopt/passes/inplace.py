@@ -1,7 +1,7 @@
 """inplace: run elementwise ops in place, into an input whose storage is dead afterwards.
 
 Algorithm:
-  1. Record one FakeTensor forward (saved.py): which node's output owns each storage, the
+  1. Record one FakeTensor forward (analysis/saved.py): which node's output owns each storage, the
      last node that reads each storage (views included), and, in training, every storage
      autograd saves for backward. The graph's returned tensors are live to the end.
   2. Each elementwise node with an in-place twin (registry: OpInfo.inplace) is a candidate

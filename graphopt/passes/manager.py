@@ -64,6 +64,8 @@ class PassManager:
                 # invalidates it): only then does the graph need another FakeTensor run.
                 if not all(is_annotated(n) for n in gm.graph.nodes):
                     annotate(gm, ctx.flat_inputs(gm))
+            ctx.compute_dtype = result.compute_dtype or ctx.compute_dtype
+            ctx.specialized = result.specialized or ctx.specialized
             elapsed = (time.perf_counter() - start) * 1e3
             record = PassRecord(
                 name=p.spec(), time_ms=elapsed, nodes_before=before, nodes_after=_count(gm),
@@ -74,7 +76,7 @@ class PassManager:
             if reference is not None:
                 got = run_step(gm, ctx.example_args, ctx.example_kwargs, train=ctx.train, seed=0)
                 errors = compare(reference, got)
-                dtype = ctx.facts.get("compute_dtype", torch.float32)
+                dtype = ctx.compute_dtype
                 if not errors.within(dtype) and dtype == torch.float32:
                     # beyond float32's tolerance: no further from float64 than eager is passes too
                     if truth is None:

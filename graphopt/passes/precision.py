@@ -4,7 +4,7 @@ Options: dtype (bf16 or fp16, the low precision) and policy (per-op overrides, e
 {"softmax": "low", "linear": "fp32"} or the text "softmax:low;linear:fp32").
 
 Algorithm:
-  1. Give every call node its mode (precision_plan.op_mode): the op's autocast class from the
+  1. Give every call node its mode (autocast_plan.op_mode): the op's autocast class from the
      registry, as autocast on the graph's device applies it (CPU autocast lists fewer ops than
      CUDA's), unless the policy names the op. A call the registry does not know (an opaque
      function or leaf module) runs under torch.autocast itself (runtime/autocast.py): what
@@ -13,7 +13,7 @@ Algorithm:
      becomes a call of the op's torch function on get_attr parameters, checked on
      FakeTensors; one that cannot be rewritten keeps its inputs' original dtypes, as does
      any node that rejects its planned dtypes on FakeTensors (step 3).
-  3. Plan on FakeTensors (precision_plan.plan): which inputs of each node are cast to which
+  3. AutocastPlan on FakeTensors (autocast_plan.plan): which inputs of each node are cast to which
      dtype, and every node's dtype afterwards.
   4. Insert the casts, each before the first node that needs it, one per (source, dtype):
      a parameter's source is the Parameter itself, so each is cast once per forward and its
@@ -36,23 +36,22 @@ import torch
 import torch.fx
 
 from .. import ops
-from ..analysis.autocast_plan import ELIGIBLE, LOW, MODES, graph_device, op_mode, plan, short
+from ..analysis.autocast_plan import ELIGIBLE, MODES, graph_device, op_mode, plan
 from ..analysis.meta import TensorInfo, invalidate, leaves, tensor_info
 from ..dump import note
 from ..errors import OptionError
+from ..precisions import LOW, precision_name, short
 from ..runtime.autocast import under_autocast
 from .base import Option, Pass, PassContext, PassResult
 from .normalize import _canonical_callable
 from .registry import register
 
-_DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-                torch.bfloat16: "bf16", torch.float16: "fp16"}
 CAST = "cast"  # the note on casts this pass inserted
 
 
 def parse_dtype(value) -> str:
-    name = _DTYPE_NAMES.get(value.strip().lower() if isinstance(value, str) else value)
-    if name is None:
+    name = precision_name(value)
+    if name not in LOW:
         raise ValueError("use bf16 or fp16 (precision=fp32 is no pass at all)")
     return name
 
@@ -253,7 +252,6 @@ class Precision(Pass):
                 by_dtype[short(dtype)] = by_dtype.get(short(dtype), 0) + 1
             if dtype != _floating_dtype(before.get(node)):
                 invalidate(node)
-        ctx.facts["compute_dtype"] = low
         inserted = casts.counts["params"] + casts.counts["activations"]
         act_before, act_after = _activation_bytes(gm, calls, before, p.infos, casts.nodes)
         stats = {
@@ -268,7 +266,7 @@ class Precision(Pass):
         }
         if policy:
             stats["policy"] = self.settings["policy"]
-        return PassResult(gm, bool(inserted or as_functions or restated or autocast), stats)
+        return PassResult(gm, bool(inserted or as_functions or restated or autocast), stats, compute_dtype=low)
 
 
 def _nbytes(info) -> int:

@@ -40,7 +40,7 @@ from ..codegen.group import Group, differentiable
 from ..codegen.layout import MAX_BLOCK, contiguous_strides
 from ..codegen.program import Backward
 from ..codegen.reference import reference_source
-from ..codegen.spec import Plan, plan_backward, plan_forward
+from ..codegen.spec import LaunchPlan, plan_backward, plan_forward
 
 GPU_BLOCK = 1024
 MAX_PLANS = 64  # input signatures each FusedOp remembers (then it starts over)
@@ -105,7 +105,7 @@ def _block(n: int, device: torch.device) -> int:
     return GPU_BLOCK
 
 
-def _kernel(plan: Plan, name: str, render):
+def _kernel(plan: LaunchPlan, name: str, render):
     key = (plan.spec, interpreting())
     kernel = _KERNELS.get(key)
     if kernel is None:
@@ -116,7 +116,7 @@ def _kernel(plan: Plan, name: str, render):
     return kernel
 
 
-def _launch(kernel, plan: Plan, tensors, device: torch.device, scalars: list) -> None:
+def _launch(kernel, plan: LaunchPlan, tensors, device: torch.device, scalars: list) -> None:
     n = plan.layout.numel
     block = _block(n, device)
     grid = (triton_cdiv(n, block),)
@@ -159,7 +159,7 @@ class _Function(torch.autograd.Function):
 class _Prepared:
     """What calls with one input signature need, worked out on the first of them."""
 
-    plan: Plan
+    plan: LaunchPlan
     program: Backward | None  # the backward's gradient program; None for the forward
     outputs: list = field(default_factory=list)  # forward: (shape, dtype) of each output
     loaded: list = field(default_factory=list)  # forward: the inputs the kernel loads, in signature order

@@ -1,7 +1,7 @@
 """pipeline: cut the graph into N balanced stages, stage_0 ... stage_{N-1}.
 
 Algorithm:
-  1. Per node, from one recorded FakeTensor forward of one microbatch (saved.py; optimize()
+  1. Per node, from one recorded FakeTensor forward of one microbatch (analysis/saved.py; optimize()
      traces the model on the first 1/M of the example batch and gives the passes that, as
      torch.distributed.pipelining's own frontend traces a microbatch): its cost, forward +
      backward (3x its FLOPs from the registry, or 3x its measured forward time with
@@ -17,7 +17,7 @@ Algorithm:
      activations of the microbatches the schedule keeps in flight on it, its largest
      backward working set, and the receive buffers torch.distributed.pipelining keeps per
      microbatch.
-  3. Rewrite (stages.py): one submodule per stage, called in a chain; a skip connection is
+  3. Rewrite (split.py): one submodule per stage, called in a chain; a skip connection is
      passed along through the stages in between; a parameter two stages read (tied weights)
      is read by both: shared in one process, replicated across ranks and its gradients
      summed (runtime/pipeline.py), as torch.distributed.pipelining does.
@@ -75,7 +75,7 @@ def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam",
         running += bad[i]
         can_cut.append(last_input < i < len(nodes) - 1 and running == 0)
     cross = [0] + live_after[:-1]
-    # A node's backward holds its output's gradient, one workspace that size (memory.py's
+    # A node's backward holds its output's gradient, one workspace that size (analysis/memory.py's
     # model) and the gradients it makes for its inputs.
     grads = facts.grad_bytes
     work = [2 * grads.get(n.name, 0) + sum(grads.get(m.name, 0) for m in n.all_input_nodes if m.op != "get_attr")
@@ -107,7 +107,7 @@ class Pipeline(Pass):
         "profile": Option(False, to_bool, "cost nodes by their measured forward time instead of FLOPs"),
     }
 
-    def microbatches(self, rows: int | None = None) -> int:
+    def microbatches_of(self, rows: int | None = None) -> int:
         """The microbatch count: as given, else 2 x stages but no more than the batch's rows."""
         if self.settings["microbatches"]:
             return self.settings["microbatches"]
@@ -135,7 +135,7 @@ class Pipeline(Pass):
         stages = self.settings["stages"]
         if stages is None:
             raise OptionError("the pipeline pass needs stages, e.g. pipeline{stages=4}.")
-        microbatches = ctx.facts.get("microbatches") or self.microbatches()
+        microbatches = ctx.microbatches or self.microbatches_of(None)
         inputs = ctx.flat_inputs(gm)
         # Step 1
         facts = stage_facts(gm, inputs, self.settings["optimizer"], self.settings["profile"])
@@ -177,8 +177,6 @@ class Pipeline(Pass):
                     readers.setdefault(key, set()).add(s)
         names = {storage_key(p): name for name, p in gm.named_parameters(remove_duplicate=False)}
         tied = {names.get(key, str(key)): sorted(where) for key, where in readers.items() if len(where) > 1}
-        ctx.facts["pipeline"] = {"cuts": plan.cuts, "tied": tied, "schedule": self.settings["schedule"],
-                                 "microbatches": microbatches}
         per_stage = []
         for s in range(stages):
             params = {k: v for i in range(plan.cuts[s], plan.cuts[s + 1]) for k, v in facts.params[i].items()}

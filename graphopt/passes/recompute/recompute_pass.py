@@ -6,16 +6,16 @@ Algorithm:
      In inference only the forward runs and recompute cannot help: over budget is an error.
   2. Attribute reads move to the top, and state writes that read no computed value move up
      (they would cut segments). Per node,
-     from one recorded FakeTensor forward (saved.py): the bytes it keeps for backward, the
-     bytes live across it, whether it may run twice (checkpointing.recomputable), what a
+     from one recorded FakeTensor forward (analysis/saved.py): the bytes it keeps for backward, the
+     bytes live across it, whether it may run twice (rewrite.recomputable), what a
      selective segment keeps of it, and its recompute cost: its time, estimated from FLOPs
-     and bytes for the graph's device, or with profile=True measured (cost.py).
+     and bytes for the graph's device, or with profile=True measured (analysis/cost.py).
   3. Candidate plans (solver.py): the least recompute cost for each of CANDIDATES activation
      allowances, from the least the solver can meet to none; and the plans that recompute
      each repeated block whole (_block_plans), as the model's own checkpointing would; the
      distinct plans by increasing cost. The solver's model ranks plans; it is not exact.
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
-     checkpointing.py, then undone) decides. When the costliest plan fits, a bisection over
+     rewrite.py, then undone) decides. When the costliest plan fits, a bisection over
      the candidates, then a look at a few cheaper ones, finds the cheapest plan that fits;
      when it does not, every candidate is looked at, and if none fits, BudgetError names the
      smallest estimated peak (the step as it is included) as the least budget that works.
@@ -45,7 +45,7 @@ from ...verify import trial_run
 from ..base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
 from ..registry import register
 from .rewrite import checkpoint_segments, inline_segments, recomputable
-from .solver import Plan, Segment, SegmentCost, make_atoms, model_peak, solve
+from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, solve
 
 CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
 LOOK_BELOW = 3    # cheaper candidates checked after the bisection
@@ -81,7 +81,7 @@ def _candidates(atoms, segment_cost: SegmentCost) -> list:
 
 
 def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], live_after: list[int],
-                 segment_cost: int) -> list[Plan]:
+                 segment_cost: int) -> list[RecomputePlan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`), from the nodes'
@@ -124,7 +124,7 @@ def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], li
         for k in range(1, min(3, len(segments)) + 1):
             variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
         for chosen in variants:
-            plans.append(Plan(chosen, sum(sum(cost[seg.start:seg.stop]) + segment_cost for seg in chosen), 0))
+            plans.append(RecomputePlan(chosen, sum(sum(cost[seg.start:seg.stop]) + segment_cost for seg in chosen), 0))
     return plans
 
 
@@ -316,7 +316,6 @@ class Recompute(Pass):
                         note(i, "recompute", "boundary")
         # The plan fits the budget for these shapes; other shapes would run correctly but
         # could exceed it, so the result asks for the planned shapes (the lazy form re-plans).
-        ctx.facts["shape_specialized"] = f"its recompute plan fits budget_gb={budget_gb:g} for them"
         recomputed = [i for i, n in enumerate(nodes) if search.decision.get(n) == "recomputed"]
         stats.update({
             "predicted_peak_bytes": after.peak_bytes,
@@ -329,7 +328,8 @@ class Recompute(Pass):
             "cost_by": "measured time" if self.settings["profile"] else f"estimated time ({device})",
             "recompute_ms": round(plan.recompute_cost / 1e6, 3),
         })
-        return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit))
+        return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
+                          specialized=f"its recompute plan fits budget_gb={budget_gb:g} for them")
 
     def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
                measured: bool = False) -> BudgetError:

@@ -1,6 +1,6 @@
 """Choose recompute segments: the least recompute cost whose predicted peak fits a budget.
 
-Cost is time in nanoseconds (cost.py: estimated, or measured with profile=True): the solver
+Cost is time in nanoseconds (analysis/cost.py: estimated, or measured with profile=True): the solver
 adds up its nodes' costs, and what each checkpointed segment costs besides (SegmentCost).
 
 The graph order is cut into segments, each kept as it is or checkpointed, fully or
@@ -26,7 +26,7 @@ peak is the largest of these and prefix(end). The parameter gradients are why an
 of a convnet, whose activations are large, can set the step's peak in backward. The model
 leaves out what every plan holds (parameters, inputs, outputs), so it ranks plans rather
 than predicts the step: the caller checks the plans it considers with the full estimate
-(memory.py).
+(analysis/memory.py).
 
 Algorithm:
   1. Atoms: cut the node order where few bytes cross (at most `max_cuts` cut points, chosen
@@ -81,7 +81,7 @@ class Segment:
 
 
 @dataclass
-class Plan:
+class RecomputePlan:
     segments: list[Segment]
     recompute_cost: int
     predicted_peak: int   # activation bytes by the model above
@@ -141,11 +141,11 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
     return max(peak, held)
 
 
-def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost()) -> Plan | None:
+def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost()) -> RecomputePlan | None:
     """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does."""
     as_is = model_peak(atoms, [])
     if as_is <= allowance:
-        return Plan([], 0, as_is)
+        return RecomputePlan([], 0, as_is)
     if allowance <= 0:
         return None
     buckets = int(min(buckets, allowance))
@@ -208,7 +208,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
         i = prev
     chosen.reverse()
     segments = [Segment(atoms[a].start, atoms[b - 1].stop, kind == SELECTIVE) for a, b, kind in chosen]
-    return Plan(segments, cost_total, model_peak(atoms, chosen))
+    return RecomputePlan(segments, cost_total, model_peak(atoms, chosen))
 
 
 def _relax(target_cost, target_how, row, add_units, limit, spent, how):
