@@ -38,16 +38,6 @@ _MODE_OF_CLASS = {"lower": "low", "fp32": "fp32", "promote": "promote", None: "f
 _AUTOCAST_KEYS = {name[len("Autocast"):].lower(): name for name in dir(torch._C.DispatchKey) if name.startswith("Autocast")}
 
 
-def graph_device(gm: torch.fx.GraphModule) -> str:
-    """The device type the graph's inputs and parameters live on: autocast's lists differ by device."""
-    for node in gm.graph.nodes:
-        info = tensor_info(node)
-        if node.op in ("placeholder", "get_attr") and info is not None and not isinstance(info, tuple):
-            if info.dtype.is_floating_point:
-                return info.device.type
-    return "cpu"
-
-
 @functools.lru_cache(maxsize=None)
 def device_class(op_name: str, device: str) -> str | None:
     """The registry's autocast class of an op, as autocast on `device` applies it.

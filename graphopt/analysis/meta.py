@@ -95,3 +95,20 @@ def invalidate(node: torch.fx.Node) -> None:
     is stale, and the pass manager re-annotates the graph."""
     for key in ("val", "tensor_meta", KEY, ANNOTATED):
         node.meta.pop(key, None)
+
+
+def graph_device(gm: torch.fx.GraphModule) -> str:
+    """The device type the graph computes on (autocast's lists and the cost rates differ by
+    device): that of its first floating-point input or attribute, else of its parameters and
+    buffers, else of any tensor input; "cpu" for a graph without tensors."""
+    for node in gm.graph.nodes:
+        info = tensor_info(node)
+        if node.op in ("placeholder", "get_attr") and isinstance(info, TensorInfo) and info.dtype.is_floating_point:
+            return info.device.type
+    for t in (*gm.parameters(), *gm.buffers()):
+        return t.device.type
+    for node in gm.graph.nodes:
+        info = tensor_info(node)
+        if node.op == "placeholder" and isinstance(info, TensorInfo):
+            return info.device.type
+    return "cpu"

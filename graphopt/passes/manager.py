@@ -12,7 +12,7 @@ import time
 import torch
 import torch.fx
 
-from ..analysis.autocast_plan import graph_device
+from ..analysis.meta import graph_device
 from ..analysis.meta import is_annotated
 from ..dump import Dumper
 from ..errors import GraphoptError, VerifyError

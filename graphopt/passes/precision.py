@@ -36,8 +36,8 @@ import torch
 import torch.fx
 
 from .. import ops
-from ..analysis.autocast_plan import ELIGIBLE, MODES, graph_device, op_mode, plan
-from ..analysis.meta import TensorInfo, invalidate, leaves, tensor_info
+from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, plan
+from ..analysis.meta import TensorInfo, graph_device, invalidate, leaves, tensor_info
 from ..dump import note
 from ..errors import OptionError
 from ..precisions import LOW, precision_name, short

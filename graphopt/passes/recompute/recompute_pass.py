@@ -34,6 +34,7 @@ import torch.fx
 from ... import ops
 from ...analysis.cost import dispatches, rates, recompute_costs
 from ...analysis.memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
+from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ...analysis.saved import params_read, record_step
 from ...analysis.segments import SegmentCall
@@ -247,7 +248,7 @@ class Recompute(Pass):
         inputs = ctx.flat_inputs(gm)
         self.headroom = self.settings["headroom"]
         if self.headroom is None:
-            self.headroom = CUDA_HEADROOM if _on_cuda(gm, inputs) else 0.0
+            self.headroom = CUDA_HEADROOM if graph_device(gm) == "cuda" else 0.0
         target = int(limit * (1 - self.headroom))
         optimizer = self.settings["optimizer"]
         self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
@@ -266,7 +267,7 @@ class Recompute(Pass):
             gm.recompile()
         facts = record_step(gm, inputs)
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
-        device = "cuda" if _on_cuda(gm, inputs) else "cpu"
+        device = "cuda" if graph_device(gm) == "cuda" else "cpu"
         cost = recompute_costs(gm, nodes, device, inputs if self.settings["profile"] else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
@@ -404,11 +405,6 @@ class _Search:
         for n in self.nodes:
             if n.op.startswith("call"):
                 note(n, "recompute", self.decision.get(n, "kept"))
-
-
-def _on_cuda(gm: torch.fx.GraphModule, inputs: list) -> bool:
-    tensors = [*gm.parameters(), *gm.buffers(), *(v for v in inputs if isinstance(v, torch.Tensor))]
-    return any(t.device.type == "cuda" for t in tensors)
 
 
 def _measure(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
