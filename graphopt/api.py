@@ -26,20 +26,11 @@ from .trace import FRONTENDS, check_inputs, trace
 DEFAULT_PASSES = ("normalize", "cse", "dce")
 
 
-# optimize() argument -> (the pass it asks for, that pass's option)
-ARGUMENT_PASSES = {"precision": ("precision", "dtype"), "budget_gb": ("recompute", "budget_gb"), "stages": ("pipeline", "stages")}
-
-
 def _check_number(name: str, value, kind, what: str):
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
         raise OptionError(f"{name} must be {what}, got {value!r}.")
-
-
-# optimize() arguments that refine a pass another argument asks for: argument -> (that argument, option)
-REFINEMENTS = {"profile": ("budget_gb", "profile"), "calibrate": ("budget_gb", "calibrate"),
-               "optimizer": ("budget_gb", "optimizer"), "precision_policy": ("precision", "policy")}
 
 
 def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
@@ -49,50 +40,34 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
     _check_number("stages", stages, numbers.Integral, "a whole number of pipeline stages, at least 1, e.g. 2")
     if precision is not None and precision not in PRECISIONS:
         raise OptionError(f"precision must be one of {', '.join(PRECISIONS)} (or None), got {precision!r}.")
-    pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
-    requested = {"precision": None if precision == "fp32" else precision, "budget_gb": budget_gb, "stages": stages}
-    refinements = {"profile": profile, "calibrate": calibrate}
-    for arg, value in refinements.items():
+    for arg, value in (("profile", profile), ("calibrate", calibrate)):
         if not isinstance(value, bool):
             raise OptionError(f"{arg} must be True or False, got {value!r}.")
-    stage_options = {}
-    if stages is not None:
-        # One device per stage: budget_gb caps each stage's memory, and profile costs the stages.
-        if calibrate:
-            raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
-                              "budget_gb caps each stage's predicted memory: leave calibrate out.")
-        stage_options = {k: v for k, v in (("budget_gb", budget_gb), ("profile", profile)) if v}
-        if optimizer is not None:
-            if not isinstance(optimizer, str):
-                raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
-                                  "(e.g. optimizer='adam'), not an instance.")
-            stage_options["optimizer"] = optimizer
-            optimizer = None
-        requested["budget_gb"] = None
-        refinements["profile"] = False
-    refinements["precision_policy"] = precision_policy
-    refinements["optimizer"] = optimizer
-    for arg, value in refinements.items():
-        base = REFINEMENTS[arg][0]
-        if value and requested[base] is None:
-            raise OptionError(f"{arg}= refines what {base}= asks for: give {base} too.")
+    pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
+    arguments = {"budget_gb": budget_gb, "precision": None if precision == "fp32" else precision, "stages": stages,
+                 "profile": profile, "calibrate": calibrate, "precision_policy": precision_policy,
+                 "optimizer": optimizer}
+    given = {arg: value for arg, value in arguments.items() if value is not None and value is not False}
+    # Each pass says which arguments it takes (Pass.arguments): the first of them adds it.
+    added = [cls for cls in passes_pkg.available().values()
+             if cls.arguments and next(iter(cls.arguments)) in given and not set(cls.yields_to) & set(given)]
     names = {p.name for p in pipeline}
-    for arg, (pass_name, option) in ARGUMENT_PASSES.items():
-        value = requested[arg]
-        if value is None:
-            continue
-        if pass_name not in passes_pkg.available():
-            raise OptionError(
-                f"{arg}= needs the {pass_name!r} pass, which this version of graphopt does not implement "
-                f"yet (available passes: {', '.join(sorted(passes_pkg.available()))}); leave {arg} out."
-            )
-        if pass_name in names:
-            raise OptionError(f"give {arg} either as optimize({arg}=...) or in the {pass_name!r} pass of the pipeline, not both.")
-        extra = {opt: refinements[a] for a, (base, opt) in REFINEMENTS.items()
-                 if base == arg and refinements[a] not in (None, False)}
-        if arg == "stages":
-            extra = stage_options
-        passes_pkg.insert_in_order(pipeline, passes_pkg.get(pass_name)(**{option: value}, **extra))
+    for cls in added:
+        lead = next(iter(cls.arguments))
+        if cls.name in names:
+            raise OptionError(f"give {lead} either as optimize({lead}=...) or in the {cls.name!r} pass of the "
+                              "pipeline, not both.")
+        cls.check_arguments(given)
+    taken = {arg for cls in added for arg in cls.arguments}
+    for arg in given:
+        if arg not in taken:
+            leads = [next(iter(cls.arguments)) for cls in passes_pkg.available().values() if arg in cls.arguments]
+            if not leads:
+                raise OptionError(f"{arg}= needs a pass this version of graphopt does not implement (available "
+                                  f"passes: {', '.join(sorted(passes_pkg.available()))}); leave {arg} out.")
+            raise OptionError(f"{arg}= refines what {leads[0]}= asks for: give {leads[0]} too.")
+    for cls in added:
+        passes_pkg.insert_in_order(pipeline, cls(**{opt: given[arg] for arg, opt in cls.arguments.items() if arg in given}))
     passes_pkg.check_order(pipeline)
     return pipeline
 

@@ -110,6 +110,16 @@ class Pass:
     # Passes that must run before this one when both are in a pipeline, each with the reason:
     # what they rewrite would change what this one decided (the pass manager checks it).
     runs_after: ClassVar[dict[str, str]] = {}
+    # The optimize() arguments this pass takes, each with the option it sets. The first adds
+    # the pass to the pipeline (optimize(budget_gb=8) adds recompute); the others refine it.
+    arguments: ClassVar[dict[str, str]] = {}
+    # Arguments that take this pass's place: given any, optimize() does not add this pass, and
+    # its arguments go to the pass that argument adds (stages=: budget_gb caps each stage).
+    yields_to: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_arguments(cls, given: dict) -> None:
+        """Raise OptionError for a combination of optimize() arguments this pass cannot take."""
 
     def microbatches_of(self, rows: int | None) -> int | None:
         """How many microbatches the run splits an example batch of `rows` rows into, when this

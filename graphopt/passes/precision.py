@@ -202,6 +202,7 @@ class Precision(Pass):
     """Compute in bf16 or fp16 where torch.autocast would, in float32 where it would."""
 
     name = "precision"
+    arguments = {"precision": "dtype", "precision_policy": "policy"}
     options = {
         "dtype": Option(None, parse_dtype, "the low precision: bf16 or fp16"),
         "policy": Option(None, parse_policy,

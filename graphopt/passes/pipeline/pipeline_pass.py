@@ -96,6 +96,17 @@ class Pipeline(Pass):
 
     name = "pipeline"
     runs_after = plans_memory_after("fuse", "inplace", "precision", "recompute")
+    # One device per stage: budget_gb caps each stage's memory, and profile costs the stages.
+    arguments = {"stages": "stages", "budget_gb": "budget_gb", "profile": "profile", "optimizer": "optimizer"}
+
+    @classmethod
+    def check_arguments(cls, given: dict) -> None:
+        if given.get("calibrate"):
+            raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
+                              "budget_gb caps each stage's predicted memory: leave calibrate out.")
+        if "optimizer" in given and not isinstance(given["optimizer"], str):
+            raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
+                              "(e.g. optimizer='adam'), not an instance.")
     options = {
         "stages": Option(None, count, "number of pipeline stages"),
         "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),

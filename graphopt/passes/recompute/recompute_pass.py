@@ -230,6 +230,8 @@ class Recompute(Pass):
 
     name = "recompute"
     runs_after = plans_memory_after("fuse", "inplace", "precision")
+    arguments = {"budget_gb": "budget_gb", "profile": "profile", "calibrate": "calibrate", "optimizer": "optimizer"}
+    yields_to = ("stages",)
     options = {
         "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
         "headroom": Option(None, _fraction, "fraction of the budget kept free for what the estimate cannot see, "
