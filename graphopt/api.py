@@ -15,8 +15,8 @@ from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .lazy import LazyOptimized
 from .passes.base import Pass, PassContext
-from .precisions import PRECISIONS
 from .passes.manager import PassManager
+from .precisions import PRECISIONS
 from .report import Report
 from .runtime.guards import install_call_guard, install_mode_guard, install_shape_guard, refuse_pickling
 from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
@@ -47,7 +47,7 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
     arguments = {"budget_gb": budget_gb, "precision": None if precision == "fp32" else precision, "stages": stages,
                  "profile": profile, "calibrate": calibrate, "precision_policy": precision_policy,
                  "optimizer": optimizer}
-    given = {arg: value for arg, value in arguments.items() if value is not None and value is not False}
+    given = {arg: value for arg, value in arguments.items() if value}  # False, None and {} ask for nothing
     # Each pass says which arguments it takes (Pass.arguments): the first of them adds it.
     added = [cls for cls in passes_pkg.available().values()
              if cls.arguments and next(iter(cls.arguments)) in given and not set(cls.yields_to) & set(given)]

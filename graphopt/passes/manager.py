@@ -12,8 +12,7 @@ import time
 import torch
 import torch.fx
 
-from ..analysis.meta import graph_device
-from ..analysis.meta import is_annotated
+from ..analysis.meta import graph_device, is_annotated
 from ..dump import Dumper
 from ..errors import GraphoptError, VerifyError
 from ..report import PassRecord, Report
