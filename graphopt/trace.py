@@ -23,13 +23,12 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 # The swap that torch.func.functional_call itself uses; there is no public context-manager form.
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .analysis import meta
-from .analysis.fake_state import fake_state
+from .analysis.fake_state import fake_run
 from .errors import TraceError, UsageError
 from .fx_state import StateWatch, Unreplayable, check_write_backs
 
@@ -151,11 +150,8 @@ def _register_output_dataclasses(model: torch.nn.Module, args: tuple, kwargs: di
     One forward on FakeTensors finds them (no memory, nothing real written); each unknown one
     is registered, as torch.export asks users to do by hand.
     """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_state(model, mode):
-        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-        with mode:
-            out = model(*fake_args, **fake_kwargs)
+    with fake_run(model, (args, kwargs)) as (mode, (fake_args, fake_kwargs)), mode:
+        out = model(*fake_args, **fake_kwargs)
     register_dataclasses(out)
 
 
@@ -219,11 +215,9 @@ class _Annotator(FakeTensorProp):
 
 def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
     """Record a TensorInfo on every node by running the graph on FakeTensors."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
     for node in gm.graph.nodes:
         node.meta.pop(meta.ANNOTATED, None)
-    with fake_state(gm, mode), torch.enable_grad():
+    with fake_run(gm, flat_inputs) as (mode, fake_inputs), torch.enable_grad():
         _Annotator(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
 
 

@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_arg
 
 from .. import ops
 from ..ops.variants import VARIANT_OF
-from .fake_state import fake_state
+from .fake_state import fake_run
 from .meta import TensorInfo, describe, tensor_info
 
 MODES = ("low", "fp32", "promote", "follow")  # what a policy may ask for
@@ -167,9 +166,7 @@ def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: d
         if info is not None and not isinstance(info, tuple):
             original[node] = info.dtype
     result = AutocastPlan()
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = [fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
-    with fake_state(gm, fake_mode), fake_mode:
+    with fake_run(gm, flat_inputs) as (fake_mode, fake_inputs), fake_mode:
         _Planner(gm, result, modes, low, original, device).run(*fake_inputs)
     return result
 

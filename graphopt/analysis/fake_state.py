@@ -1,4 +1,7 @@
-"""A module's state as FakeTensors, for analyses that run a graph without touching memory."""
+"""A module's state as FakeTensors, for analyses that run a graph without touching memory.
+
+fake_run is the one way graphopt sets up such a run: a FakeTensorMode, the module's state
+swapped for fakes, and the inputs as fakes of the same mode."""
 from __future__ import annotations
 
 import contextlib
@@ -6,10 +9,20 @@ import functools
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .segments import segment_modules
+
+
+@contextlib.contextmanager
+def fake_run(module: torch.nn.Module, inputs):
+    """Open a FakeTensor run of `module`: yields (mode, inputs with every tensor a fake of that
+    mode, in the same structure). The mode is not entered: callers enter it around what runs."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_state(module, mode):
+        yield mode, pytree.tree_map_only(torch.Tensor, mode.from_tensor, inputs)
 
 
 @contextlib.contextmanager

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .fake_state import fake_state
+from .fake_state import fake_run
 from .live_storage import LiveStorage
 from .meta import tensor_info
 from .optimizer_memory import OptimizerMemory
@@ -99,10 +99,8 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
     while every gradient is alive (analysis/optimizer_memory.py).
     """
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_state(gm, mode):
+    with fake_run(gm, flat_inputs) as (mode, inputs):
         params = list(gm.parameters())
-        inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
         tracker = _StepTracker(recomputing)
         tracker.add(params, "parameters")
         tracker.add(list(gm.buffers()), "buffers")

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .aliases import storage_key
-from .fake_state import fake_state
+from .fake_state import fake_run
 from .segments import SegmentCall, keeps_output
 
 
@@ -193,12 +192,10 @@ def record_step(gm: torch.fx.GraphModule, flat_inputs: list, train: bool = True)
     """Run gm's forward once on FakeTensors and record storages and saved tensors (none when
     train is False: an inference forward runs without grad)."""
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _Recorder(gm)
-    with fake_state(gm, mode):
+    with fake_run(gm, flat_inputs) as (mode, inputs):
         for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
             recorder.owner.setdefault(storage_key(t), ("state", name))
-        inputs = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat_inputs]
         recorder.policy_mode = _PolicyOutputs(recorder)
         with torch.set_grad_enabled(train), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
                 recorder.policy_mode:
