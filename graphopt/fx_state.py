@@ -14,7 +14,7 @@ import torch.fx
 
 from .analysis import meta
 from .errors import TraceError
-from .verify import Snapshot
+from .trial import Snapshot
 
 WRITE_BACK = "graphopt_write_back"  # on the copy_ that writes a buffer forward rebinds: its name
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphopt.testing import zoo
-from graphopt.verify import tensor_leaves
+from graphopt.trial import tensor_leaves
 
 
 @pytest.fixture(autouse=True)

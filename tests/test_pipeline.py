@@ -18,7 +18,7 @@ from graphopt.testing import zoo
 from graphopt.testing.baselines import equal_layer_cuts, imbalance, parameter_balanced_cuts, stage_costs
 from graphopt.testing.gloo import free_port, on_gloo_ranks
 from graphopt.trace import placeholder_values
-from graphopt.verify import tensor_leaves
+from graphopt.trial import tensor_leaves
 
 from conftest import FX_ZOO
 

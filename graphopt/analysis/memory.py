@@ -78,7 +78,7 @@ def backward_roots(out) -> list[torch.Tensor]:
     computes its loss, as transformers' do with labels) when it returns any, else every
     floating output that requires grad (a loss computed outside, whose gradient is the
     output's size)."""
-    from ..verify import tensor_leaves
+    from ..trial import tensor_leaves
 
     leaves = [t for t in tensor_leaves(out) if t.requires_grad and t.is_floating_point()]
     losses = [t for t in leaves if t.dim() == 0]

@@ -155,7 +155,7 @@ class PipelineRunner:
 def _stage_io(staged, modules, args, kwargs, microbatches, planned) -> list[tuple]:
     """(positional inputs, output) of each stage on the first microbatch, from one forward
     that leaves no trace (buffers, gradients and RNG restored)."""
-    from ..verify import trial_run
+    from ..trial import trial_run
 
     args, kwargs = first_microbatch(args, kwargs, microbatches)
     seen: dict[int, tuple] = {}

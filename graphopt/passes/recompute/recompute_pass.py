@@ -42,7 +42,7 @@ from ...dump import note
 from ...errors import BudgetError
 from ...plot import memory_csv, memory_png
 from ...trace import annotate
-from ...verify import trial_run
+from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
 from ..registry import register
 from .rewrite import checkpoint_segments, inline_segments, recomputable
