@@ -12,14 +12,15 @@ cost (torch.utils.checkpoint's hooks, and its RNG state where the segment draws)
 selective one a cost per op (its policy runs as a dispatch mode on every op, in the forward and
 again in the rerun). The rates rank plans; they do not predict time.
 
-On CPU every rate was measured on this project's 2-core machine, as wall time: about 6 us per
-small elementwise op with autograd recording, 1 us per view; a checkpointed segment that
-reruns one op, forward and backward against no checkpoint, about 110 us; a selective segment
-against a full one of the same ops, 27 us per op on a chain of small elementwise ops and 51 us
-on DenseNet-121's (batch norms, concatenations of many tensors), 50 us taken; 13 GB/s for ReLU and concatenation
-over timm DenseNet-121's activations, 3.4 GFLOP/s for its training-mode batch norms (five
-FLOPs per element, ops/flops.py), and its convolutions' FLOPs at 1e11 per second are within
-10% of their measured time. On CUDA the FLOP rates and bandwidth are round figures (an H100
+On CPU the rates come from wall time measured on this project's 2-core machine: about 6 us
+per small elementwise op with autograd recording (5 taken), 1 us per view (1.5 taken); a
+checkpointed segment that reruns one op, forward and backward against no checkpoint, about
+115 us (110 taken); a selective segment against a full one of the same ops, 27 us per op on a
+chain of small elementwise ops and 51 us on DenseNet-121's (batch norms, concatenations of
+many tensors; 50 taken); 13 GB/s for ReLU and concatenation over timm DenseNet-121's
+activations, 3.4 GFLOP/s for its training-mode batch norms (five FLOPs per element,
+ops/flops.py); its convolutions' FLOPs at 1e11 per second came within 10% and 20% of their
+measured time in two runs. On CUDA the FLOP rates and bandwidth are round figures (an H100
 does more), and the per-op, per-segment and per-op policy costs, which are host-side Python
 and dispatch, are taken from the CPU's: no GPU has checked them yet.
 

@@ -47,8 +47,8 @@ def may_draw(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if node.op not in CALLS or reads_attribute(node):
         return False
     op = ops.lookup(node, gm)
-    if op is None:  # Python arithmetic on sizes draws nothing; any other unknown call may
-        return tensor_info(node) is not None or getattr(node.target, "__module__", None) != "_operator"
+    if op is None:  # any unknown call may, but Python arithmetic on sizes
+        return not size_arithmetic(node)
     return op.random
 
 
@@ -59,6 +59,12 @@ def is_impure(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
         return False
     op = pure_op(node, gm)
     return op is None or op.is_check or node.is_impure()
+
+
+def size_arithmetic(node: torch.fx.Node) -> bool:
+    """Python arithmetic on sizes and attributes (x.shape[1], c // heads): no tensor made, no
+    state written, nothing drawn; it may run any number of times."""
+    return tensor_info(node) is None and (node.target is getattr or getattr(node.target, "__module__", None) == "_operator")
 
 
 def reads_attribute(node: torch.fx.Node) -> bool:

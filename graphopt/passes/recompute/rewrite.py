@@ -19,8 +19,7 @@ import torch
 import torch.fx
 
 from ... import ops
-from ...analysis.effects import CALLS, may_draw, state_effect
-from ...analysis.meta import tensor_info
+from ...analysis.effects import CALLS, may_draw, size_arithmetic, state_effect
 from ...analysis.segments import SegmentCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
 
@@ -50,8 +49,8 @@ def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
         return None  # stays in the main graph; a segment reads the attribute itself
     if node.op not in CALLS:
         return f"{node.op} nodes stay in the main graph"
-    if tensor_info(node) is None and (node.target is getattr or getattr(node.target, "__module__", None) == "_operator"):
-        return None  # Python arithmetic on sizes (x.shape[1], c // heads): pure
+    if size_arithmetic(node):
+        return None
     why = state_effect(node, gm)
     if why and _once_form(node, gm) is not None:
         return None
