@@ -15,10 +15,10 @@ import pytest
 
 import graphopt
 from graphopt.passes.pipeline.partition import Partition, partition
+from graphopt.passes.base import PassContext
 from graphopt.passes.pipeline.pipeline_pass import stage_facts
 from graphopt.testing import zoo
 from graphopt.testing.baselines import equal_layer_cuts, parameter_balanced_cuts, stage_costs
-from graphopt.trace import placeholder_values
 
 UNEVEN = {"batch": 8, "seq": 64, "dim": 128, "heads": 4, "hidden": (256, 1024, 512, 1536, 768, 2048, 256, 512),
           "vocab": 4096}
@@ -47,7 +47,7 @@ def test_balance_against_equal_layers_and_parameters(benchmark, quick, figures, 
         pytest.skip("quick mode runs 4 stages")
     model, args, kwargs = zoo.llama(**UNEVEN)
     gm = graphopt.optimize(model, args, example_kwargs=kwargs)
-    facts = stage_facts(gm, placeholder_values(gm, args, kwargs))
+    facts = stage_facts(gm, PassContext(args, kwargs, train=True).analysis)
     ours = benchmark.pedantic(lambda: partition(facts, stages), rounds=1, iterations=1)
     microbatches = 2 * stages
     # No cut does better than the largest single node (the LM head) over the mean stage.

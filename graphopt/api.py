@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 import os
 import time
 
@@ -16,7 +14,7 @@ from .errors import OptionError, UsageError
 from .lazy import LazyOptimized
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
-from .precisions import PRECISIONS
+from .precisions import precision_name
 from .report import Report
 from .runtime.guards import install_call_guard, install_mode_guard, install_shape_guard, refuse_pickling
 from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
@@ -26,28 +24,16 @@ from .trace import FRONTENDS, check_inputs, trace
 DEFAULT_PASSES = ("normalize", "cse", "dce")
 
 
-def _check_number(name: str, value, kind, what: str):
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
-        raise OptionError(f"{name} must be {what}, got {value!r}.")
-
-
 def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
                    calibrate=False, precision_policy=None, optimizer=None) -> list[Pass]:
-    """The pass list for optimize(): the given (or default) passes plus those the arguments ask for."""
-    _check_number("budget_gb", budget_gb, numbers.Real, "a positive, finite number of GB (10**9 bytes), e.g. 8")
-    _check_number("stages", stages, numbers.Integral, "a whole number of pipeline stages, at least 1, e.g. 2")
-    if precision is not None and precision not in PRECISIONS:
-        raise OptionError(f"precision must be one of {', '.join(PRECISIONS)} (or None), got {precision!r}.")
-    for arg, value in (("profile", profile), ("calibrate", calibrate)):
-        if not isinstance(value, bool):
-            raise OptionError(f"{arg} must be True or False, got {value!r}.")
+    """The pass list for optimize(): the given (or default) passes plus those the arguments ask
+    for. Each argument is validated by the option of the pass that takes it (Pass.arguments)."""
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
-    arguments = {"budget_gb": budget_gb, "precision": None if precision == "fp32" else precision, "stages": stages,
-                 "profile": profile, "calibrate": calibrate, "precision_policy": precision_policy,
+    arguments = {"budget_gb": budget_gb, "precision": None if precision_name(precision) == "fp32" else precision,
+                 "stages": stages, "profile": profile, "calibrate": calibrate, "precision_policy": precision_policy,
                  "optimizer": optimizer}
-    given = {arg: value for arg, value in arguments.items() if value}  # False, None and {} ask for nothing
+    # None, False and {} ask for nothing; any other value is the pass's to take or refuse
+    given = {arg: value for arg, value in arguments.items() if value is not None and value is not False and value != {}}
     # Each pass says which arguments it takes (Pass.arguments): the first of them adds it.
     added = [cls for cls in passes_pkg.available().values()
              if cls.arguments and next(iter(cls.arguments)) in given and not set(cls.yields_to) & set(given)]
@@ -57,7 +43,6 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
         if cls.name in names:
             raise OptionError(f"give {lead} either as optimize({lead}=...) or in the {cls.name!r} pass of the "
                               "pipeline, not both.")
-        cls.check_arguments(given)
     taken = {arg for cls in added for arg in cls.arguments}
     for arg in given:
         if arg not in taken:
@@ -67,7 +52,7 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
                                   f"passes: {', '.join(sorted(passes_pkg.available()))}); leave {arg} out.")
             raise OptionError(f"{arg}= refines what {leads[0]}= asks for: give {leads[0]} too.")
     for cls in added:
-        passes_pkg.insert_in_order(pipeline, cls(**{opt: given[arg] for arg, opt in cls.arguments.items() if arg in given}))
+        passes_pkg.insert_in_order(pipeline, cls.from_arguments(given))
     passes_pkg.check_order(pipeline)
     return pipeline
 

@@ -14,7 +14,10 @@ _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 
 def precision_name(value) -> str | None:
     """The precision a name or dtype spells (bfloat16, torch.half, "FP16", ...); None if none."""
-    return _NAMES.get(value.strip().lower() if isinstance(value, str) else value)
+    try:
+        return _NAMES.get(value.strip().lower() if isinstance(value, str) else value)
+    except TypeError:  # unhashable: no precision's name
+        return None
 
 
 def short(dtype: torch.dtype) -> str:

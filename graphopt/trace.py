@@ -12,9 +12,7 @@ TensorInfo on every tensor-producing node: a 10 GB model traces on a laptop.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import inspect
 import os
 import traceback
@@ -24,8 +22,6 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-# The swap that torch.func.functional_call itself uses; there is no public context-manager form.
-from torch.nn.utils.stateless import _reparametrize_module
 
 from .analysis import meta
 from .analysis.fake_state import fake_run

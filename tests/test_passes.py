@@ -25,7 +25,7 @@ def test_pipeline_text():
 
 def test_options_are_converted_and_checked():
     from graphopt.passes import Option, Pass, PassResult
-    from graphopt.passes.base import to_bool
+    from graphopt.passes.base import Text, to_bool
 
     class Demo(Pass):
         name = "demo-options"
@@ -38,13 +38,18 @@ def test_options_are_converted_and_checked():
         def run(self, gm, ctx):
             return PassResult(gm, False)
 
-    p = Demo(k="5", on="true")
+    p = Demo(k=Text("5"), on=Text("true"))  # as a pipeline string gives them
     assert p.settings == {"k": 5, "mode": "a", "on": True}
     assert p.spec() == "demo-options{k=5,on=True}"
     with pytest.raises(graphopt.OptionError, match="bad value"):
-        Demo(k="five")
+        Demo(k=Text("five"))
     with pytest.raises(graphopt.OptionError, match="a, b"):
         Demo(mode="c")
+    # a Python value must already be of the option's type: text is parsed only from pipelines
+    with pytest.raises(graphopt.OptionError, match="must be True or False"):
+        Demo(on="true")
+    with pytest.raises(graphopt.OptionError, match="optimize\\(budget_gb=...\\).*positive, finite"):
+        graphopt.optimize(*zoo.mlp()[:2], budget_gb="8")
 
 
 def _run(pass_name, model, args, kwargs=None):

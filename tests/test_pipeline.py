@@ -12,12 +12,12 @@ import torch
 
 import graphopt
 from graphopt.passes.pipeline.partition import SCHEDULES, StageFacts, least_memory, partition
+from graphopt.passes.base import PassContext
 from graphopt.passes.pipeline.pipeline_pass import stage_facts
 from graphopt.runtime.microbatch import first_microbatch
 from graphopt.testing import zoo
 from graphopt.testing.baselines import equal_layer_cuts, imbalance, parameter_balanced_cuts, stage_costs
 from graphopt.testing.gloo import free_port, on_gloo_ranks
-from graphopt.trace import placeholder_values
 from graphopt.trial import tensor_leaves
 
 from conftest import FX_ZOO
@@ -69,7 +69,7 @@ UNEVEN = {"batch": 8, "seq": 64, "dim": 128, "heads": 4, "hidden": (256, 1024, 5
 def test_balance_beats_equal_layers_and_equal_parameters(stages):
     model, args, kwargs = zoo.llama(**UNEVEN)
     gm = graphopt.optimize(model, args, example_kwargs=kwargs)
-    facts = stage_facts(gm, placeholder_values(gm, args, kwargs))
+    facts = stage_facts(gm, PassContext(args, kwargs, train=True).analysis)
     ours = partition(facts, stages).imbalance
     layers = imbalance(stage_costs(facts.cost, equal_layer_cuts(zoo.block_starts(gm), len(facts.cost), stages)))
     params = imbalance(stage_costs(facts.cost, parameter_balanced_cuts(facts, stages)))

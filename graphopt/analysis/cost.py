@@ -1,4 +1,4 @@
-"""What recomputing a node costs, in nanoseconds: estimated from its FLOPs and bytes, or
+"""What running a node costs, in nanoseconds: estimated from its FLOPs and bytes, or
 measured (profile=True).
 
 The estimate is a roofline with a fixed cost per op: max(FLOPs / rate, bytes moved /
@@ -117,11 +117,22 @@ def estimated_seconds(node: torch.fx.Node, gm: torch.fx.GraphModule, r: Rates) -
     return r.op_s + max(ops.flops(node, gm) / rate, moved / r.bytes_per_s)
 
 
-def recompute_costs(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], device: str = "cpu",
-                    flat_inputs: list | None = None) -> list[int]:
-    """Per node, nanoseconds of one forward run: estimated for `device`, or with flat_inputs measured."""
-    if flat_inputs is None:
+# A training step costs about three forwards: the forward, and a backward that computes two
+# products (input and weight gradients) for each of the forward's.
+STEP_FORWARDS = 3
+
+
+def forward_costs(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], device: str = "cpu",
+                  times: dict[str, float] | None = None) -> list[int]:
+    """Per node, nanoseconds of one forward run (what recomputing it costs): estimated for
+    `device`, or measured (times, from node_times)."""
+    if times is None:
         r = rates(device)
         return [round(estimated_seconds(n, gm, r) * 1e9) for n in nodes]
-    times = node_times(gm, flat_inputs)
     return [round(times.get(n.name, 0.0) * 1e9) for n in nodes]
+
+
+def step_costs(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], device: str = "cpu",
+               times: dict[str, float] | None = None) -> list[int]:
+    """Per node, nanoseconds of its forward and backward in a training step."""
+    return [STEP_FORWARDS * c for c in forward_costs(gm, nodes, device, times)]

@@ -51,6 +51,11 @@ class Estimate:
     peak_bytes: int
     breakdown: dict[str, int]  # live bytes by category at the peak
     timeline: list[tuple[str, int]] = field(default_factory=list)  # (event, live bytes) through the step
+    # Per graph node, the most its backward holds besides activations, parameters and their
+    # gradients: the gradients in flight (those it makes for its inputs, and those made before
+    # it and not yet used) and its kernels' temporaries. A pipeline stage's largest is part of
+    # its memory.
+    backward_work: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak_gb(self) -> float:
@@ -124,7 +129,7 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
         finally:
             for h in hooks:
                 h.remove()
-    return Estimate(tracker.peak, tracker.at_peak, tracker.timeline)
+    return Estimate(tracker.peak, tracker.at_peak, tracker.timeline, tracker.work)
 
 
 class _StepTracker(LiveStorage):
@@ -135,15 +140,25 @@ class _StepTracker(LiveStorage):
         super().__init__(timeline=True)
         self.recomputing = recomputing
         self.phase, self.node = "forward", ""
+        self.work: dict[str, int] = {}
+        self._running = None  # the graph node whose backward runs
 
     def where(self) -> tuple[str, str]:
         if self.phase == "forward":
             return "activations", f"forward {self.node}"
         current = torch._C._current_autograd_node()
-        name = "" if current is None else current.metadata.get(_MADE_BY) or current.name()
+        made_by = None if current is None else current.metadata.get(_MADE_BY)
+        name = made_by or ("" if current is None else current.name())
+        self._running = made_by
         if self.recomputing():
             return "recomputed", f"recompute {name}"
         return "gradients", f"backward {name}"
+
+    def _change(self, category: str, nbytes: int, event: str) -> None:
+        super()._change(category, nbytes, event)
+        if self.phase == "backward" and self._running is not None and nbytes > 0:
+            flight = self.by_category.get("gradients", 0) + self.by_category.get("recomputed", 0)
+            self.work[self._running] = max(self.work.get(self._running, 0), flight)
 
     def parameter_gradient(self, p: torch.Tensor) -> None:
         self.recategorize(p.grad, "parameter gradients")
@@ -195,9 +210,15 @@ class _Forward(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node):
         self.tracker.node = n.name
         out = super().run_node(n)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.metadata.setdefault(_MADE_BY, n.name)
+        # Every autograd node this graph node made, not just its output's: a leaf module or
+        # a composite op (linear's addmm under its view) makes several.
+        stack = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or _MADE_BY in fn.metadata or type(fn).__name__ == "AccumulateGrad":
+                continue
+            fn.metadata[_MADE_BY] = n.name
+            stack.extend(f for f, _ in fn.next_functions)
         return out
 
 

@@ -9,6 +9,7 @@ gradients are fakes: the optimizer's step counters stay real scalars, as they ar
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ def optimizer_memory(optimizer, params: list[torch.Tensor]) -> OptimizerMemory:
                           f"parameters to measure its memory ({type(e).__name__}: {e}); give its name "
                           f"instead ({', '.join(NAMED)}).") from e
     resident = [t for p in fakes.values() for t in (p, p.grad)]
-    with LiveStorage(resident) as first:
+    with LiveStorage(resident):  # the first step makes the state
         fake_optimizer.step()
     state = [t for s in fake_optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     with LiveStorage(resident + state) as second:
@@ -75,3 +76,12 @@ def _fake_parameter(mode: FakeTensorMode, p: torch.Tensor) -> torch.Tensor:
     with mode:
         fake.grad = torch.zeros_like(fake)
     return fake
+
+
+@functools.lru_cache(maxsize=None)
+def state_per_byte(name: str) -> float:
+    """State bytes per parameter byte of the optimizer NAMED `name`: its state measured on one
+    stand-in parameter of 2**16 elements (large enough that per-parameter scalars, such as
+    Adam's step counter, do not count), for a planner that sums parameters per stage."""
+    stand_in = torch.nn.Parameter(torch.zeros(2**16))
+    return optimizer_memory(name, [stand_in]).state_bytes / stand_in.untyped_storage().nbytes()

@@ -11,12 +11,14 @@ respelling, a removal) leaves the metadata as it is.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
 import torch.fx
 
+from ..analysis.cache import Analyses
 from ..errors import OptionError
 
 
@@ -38,7 +40,12 @@ class PassResult:
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a pass: its default, how text is converted, and the values it accepts."""
+    """One option of a pass: its default, its converter, and the values it accepts.
+
+    convert takes the value as given (Text when it comes from a pipeline string, else the
+    Python object) and returns the setting, or raises ValueError saying what it must be. It is
+    the one place the option is validated, whether it comes from optimize()'s arguments, a
+    (name, options) pair or a pipeline string."""
 
     default: Any
     convert: Callable[[Any], Any]
@@ -46,35 +53,55 @@ class Option:
     choices: tuple | None = None
 
 
+class Text(str):
+    """An option's value as written in a pipeline string ('recompute{budget_gb=8}'): converters
+    parse it, where a Python value must already be of the option's type (budget_gb='8' is not
+    a number)."""
+
+
 def _text(value) -> str:
     """An option value as pipeline text; an object (an optimizer) by its class."""
     return type(value).__name__ if isinstance(value, torch.optim.Optimizer) else str(value)
 
 
+def _number(value, kind: type, parse: Callable[[str], Any], what: str):
+    if isinstance(value, Text):
+        try:
+            return parse(value)
+        except ValueError:
+            raise ValueError(f"must be {what}") from None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"must be {what}")
+    return value
+
+
 def positive(value) -> float:
-    value = float(value)
+    """A positive, finite real number (not a bool)."""
+    what = "a positive, finite number"
+    value = float(_number(value, numbers.Real, float, what))
     if not math.isfinite(value) or value <= 0:
-        raise ValueError("must be a positive, finite number")
+        raise ValueError(f"must be {what}")
     return value
 
 
 def count(value) -> int:
-    """A whole number of at least 1."""
-    value = int(value)
+    """A whole number of at least 1 (2.0 is not one)."""
+    value = int(_number(value, numbers.Integral, int, "a whole number, at least 1"))
     if value < 1:
-        raise ValueError("must be at least 1")
+        raise ValueError("must be a whole number, at least 1")
     return value
 
 
 def to_bool(value) -> bool:
+    """True or False; in a pipeline string also 1/0, yes/no, on/off."""
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
+    text = value.strip().lower() if isinstance(value, Text) else None
     if text in ("1", "true", "yes", "on"):
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{value!r} is not a boolean (use true or false)")
+    raise ValueError("must be True or False")
 
 
 def plans_memory_after(*names: str) -> dict[str, str]:
@@ -95,11 +122,20 @@ class PassContext:
     # what the passes so far have made of the graph (the manager keeps these from PassResult)
     compute_dtype: torch.dtype = torch.float32
     specialized: str | None = None
+    analyses: Analyses = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.analyses = Analyses(self.flat_inputs)
 
     def flat_inputs(self, gm: torch.fx.GraphModule) -> list:
         from ..trace import placeholder_values
 
         return placeholder_values(gm, self.example_args, self.example_kwargs)
+
+    def analysis(self, analysis, gm: torch.fx.GraphModule, **settings):
+        """analysis(gm, the example inputs, **settings), computed once per version of gm
+        (analysis/cache.py): a pass asks here for the facts other passes may have computed."""
+        return self.analyses.get(analysis, gm, **settings)
 
 
 class Pass:
@@ -126,24 +162,36 @@ class Pass:
         pass runs the graph on microbatches; None (the default) when it does not."""
         return None
 
-    def __init__(self, **options):
+    def __init__(self, _arguments: dict[str, str] | None = None, /, **options):
+        """options: the pass's options by name. _arguments (from_arguments): for each option
+        given as an optimize() argument, that argument's name, for the error messages."""
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             valid = ", ".join(sorted(self.options)) or "none"
             raise OptionError(f"pass {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {valid}.")
-        self.settings: dict[str, Any] = {}
-        for key, opt in self.options.items():
-            value = options.get(key, opt.default)
-            if key in options and value is not None:
-                try:
-                    value = opt.convert(value)
-                except (TypeError, ValueError) as e:
-                    raise OptionError(f"pass {self.name!r}: bad value {options[key]!r} for option {key!r} ({opt.help}): {e}.") from None
-            if opt.choices is not None and value not in opt.choices:
-                raise OptionError(
-                    f"pass {self.name!r}: option {key}={value!r} is not one of {', '.join(map(str, opt.choices))}."
-                )
-            self.settings[key] = value
+        named = _arguments or {}
+        self.settings = {key: self._setting(key, options[key], named.get(key)) if key in options else opt.default
+                         for key, opt in self.options.items()}
+
+    def _setting(self, key: str, value, argument: str | None):
+        """The option's setting for value, or OptionError naming the pass's option, or the
+        optimize() argument it came from."""
+        opt = self.options[key]
+        try:
+            setting = None if value is None else opt.convert(value)
+            if opt.choices is not None and setting not in opt.choices:
+                raise ValueError(f"must be one of {', '.join(map(str, opt.choices))}")
+        except (TypeError, ValueError) as e:
+            where = f"optimize({argument}=...)" if argument else f"pass {self.name!r}, option {key!r}"
+            raise OptionError(f"{where}: bad value {value!r} ({opt.help}): {e}.") from None
+        return setting
+
+    @classmethod
+    def from_arguments(cls, given: dict) -> "Pass":
+        """The pass for optimize()'s arguments (Pass.arguments maps each to its option)."""
+        cls.check_arguments(given)
+        taken = {arg: key for arg, key in cls.arguments.items() if arg in given}
+        return cls({key: arg for arg, key in taken.items()}, **{key: given[arg] for arg, key in taken.items()})
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError

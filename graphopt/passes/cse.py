@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch.fx
 
-from .. import ops
 from ..analysis.effects import pure_op, written_values
 from ..analysis.meta import leaves, tensor_info
 from .base import Pass, PassContext, PassResult

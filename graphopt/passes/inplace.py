@@ -53,8 +53,7 @@ class _Step:
     inputs: set       # names of the placeholders
 
     @classmethod
-    def record(cls, gm: torch.fx.GraphModule, inputs: list) -> _Step:
-        facts = record_step(gm, inputs)
+    def record(cls, gm: torch.fx.GraphModule, facts: StepFacts) -> _Step:
         nodes = list(gm.graph.nodes)
         _, last_use = facts.lifetimes(nodes)
         return cls(facts, {n: i for i, n in enumerate(nodes)}, last_use,
@@ -106,9 +105,8 @@ class Inplace(Pass):
                           "narrowed to bf16/fp16 afterwards rounds what torch.autocast keeps in float32"}
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        inputs = ctx.flat_inputs(gm)
         # Step 1
-        step = _Step.record(gm, inputs)
+        step = _Step.record(gm, ctx.analysis(record_step, gm))
         # Step 2
         rewrites, skipped = [], {}
         for n in list(gm.graph.nodes):
@@ -125,7 +123,7 @@ class Inplace(Pass):
                 rewrites.append((n, op, call))
         if not rewrites:
             return PassResult(gm, False, {"rewritten": {}, "skipped": skipped})
-        before = estimate_peak(gm, inputs, train=ctx.train).peak_bytes
+        before = ctx.analysis(estimate_peak, gm, train=ctx.train).peak_bytes
         # Step 3
         done, replaced = {}, {}
         for n, op, (target, args, kwargs) in rewrites:
@@ -144,7 +142,7 @@ class Inplace(Pass):
         gm.graph.lint()
         gm.recompile()
         # Step 4
-        after = estimate_peak(gm, inputs, train=ctx.train).peak_bytes
+        after = ctx.analysis(estimate_peak, gm, train=ctx.train).peak_bytes
         return PassResult(gm, True, {
             "rewritten": done, "skipped": skipped, "peak_before_bytes": before, "predicted_peak_bytes": after,
             "saved_bytes": before - after,

@@ -57,6 +57,7 @@ class PassManager:
                 ) from e
             gm = result.graph_module
             if result.changed:
+                ctx.analyses.drop()
                 gm.graph.lint()
                 gm.recompile()
                 # New nodes come without metadata (and a pass that changes what a node computes

@@ -40,7 +40,7 @@ from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, plan
 from ..analysis.meta import TensorInfo, graph_device, invalidate, leaves, tensor_info
 from ..dump import note
 from ..errors import OptionError
-from ..precisions import LOW, precision_name, short
+from ..precisions import LOW, PRECISIONS, precision_name, short
 from ..runtime.autocast import under_autocast
 from .base import Option, Pass, PassContext, PassResult
 from .normalize import _canonical_callable
@@ -52,7 +52,8 @@ CAST = "cast"  # the note on casts this pass inserted
 def parse_dtype(value) -> str:
     name = precision_name(value)
     if name not in LOW:
-        raise ValueError("use bf16 or fp16 (precision=fp32 is no pass at all)")
+        raise ValueError(f"must be one of {', '.join(PRECISIONS)}; fp32 computes as the model does, with no precision "
+                         "pass")
     return name
 
 
@@ -209,8 +210,8 @@ class Precision(Pass):
                          f"per-op mode overrides, op:mode;op:mode with modes {', '.join(MODES)}"),
     }
 
-    def __init__(self, **options):
-        super().__init__(**options)
+    def __init__(self, *arguments, **options):
+        super().__init__(*arguments, **options)
         if self.settings["dtype"] is None:
             raise OptionError("pass 'precision' needs dtype=bf16 or dtype=fp16 (the low precision to compute in).")
 

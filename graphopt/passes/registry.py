@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..errors import OptionError
-from .base import Pass
+from .base import Pass, Text
 
 _PASSES: dict[str, type[Pass]] = {}
 
@@ -82,7 +82,7 @@ def parse_one(text: str) -> Pass:
             key, eq, value = item.partition("=")
             if not eq:
                 raise OptionError(f"pass spec {text!r}: option {item!r} must be written key=value.")
-            options[key.strip()] = value.strip()
+            options[key.strip()] = Text(value.strip())
     return get(name.strip())(**options)
 
 

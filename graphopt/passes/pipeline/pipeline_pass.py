@@ -1,12 +1,13 @@
 """pipeline: cut the graph into N balanced stages, stage_0 ... stage_{N-1}.
 
 Algorithm:
-  1. Per node, from one recorded FakeTensor forward of one microbatch (analysis/saved.py; optimize()
-     traces the model on the first 1/M of the example batch and gives the passes that, as
-     torch.distributed.pipelining's own frontend traces a microbatch): its cost, forward +
-     backward (3x its FLOPs from the registry, or 3x its measured forward time with
-     profile=True); the activation bytes it keeps for backward; its backward's working set
-     (gradients of its output and inputs, one workspace); the parameters it reads; the bytes
+  1. Per node, on one microbatch (optimize() traces the model on the first 1/M of the example
+     batch and gives the passes that, as torch.distributed.pipelining's own frontend traces a
+     microbatch), each fact asked of the analyses: its forward and backward time
+     (analysis/cost.py: estimated, or measured with profile=True); the activation bytes it
+     keeps for backward (analysis/saved.py); its backward's working set, the most its backward
+     holds at once (analysis/memory.py's step on FakeTensors); the parameters it reads, and
+     the optimizer's state per parameter byte (analysis/optimizer_memory.py); the bytes
      crossing a cut just before it. A cut is allowed after the graph's inputs, before its
      output, and only where every value crossing it is a contiguous tensor (what a stage
      can send).
@@ -31,11 +32,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ... import ops
-from ...analysis.cost import node_times
+from ...analysis.cost import node_times, step_costs
 from ...analysis.effects import CALLS
-from ...analysis.memory import GB, budget_text, size_text
-from ...analysis.meta import TensorInfo, tensor_info
+from ...analysis.memory import GB, budget_text, estimate_peak, size_text
+from ...analysis.meta import TensorInfo, graph_device, tensor_info
+from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
 from ...dump import note
 from ...errors import BudgetError, OptionError
@@ -44,20 +45,13 @@ from ..registry import register
 from .partition import SCHEDULES, StageFacts, least_memory, partition
 from .split import split_stages
 
-# gradient + optimizer state bytes per parameter byte
-OPTIMIZERS = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
-
-
-def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam", profile: bool = False) -> StageFacts:
-    """Step 1: what the partitioner needs to know about each node of gm, in graph order."""
+def stage_facts(gm: torch.fx.GraphModule, analysis, optimizer: str = "adam", profile: bool = False) -> StageFacts:
+    """Step 1: what the partitioner needs to know about each node of gm, in graph order.
+    analysis: PassContext.analysis, which computes each fact once per graph."""
     nodes = list(gm.graph.nodes)
-    facts = record_step(gm, inputs)
+    facts = analysis(record_step, gm)
     kept, live_after = facts.kept_and_live(nodes)
-    if profile:
-        times = node_times(gm, inputs)
-        cost = [3 * times.get(n.name, 0.0) for n in nodes]
-    else:
-        cost = [3 * ops.flops(n, gm) if n.op in CALLS else 0 for n in nodes]
+    cost = step_costs(gm, nodes, graph_device(gm), analysis(node_times, gm) if profile else None)
     params = [{key: p.untyped_storage().nbytes() for key, p in params_read(gm, n).items()} for n in nodes]
     last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
     # A cut before position i is crossed by every value made before i and used at or after i.
@@ -75,12 +69,10 @@ def stage_facts(gm: torch.fx.GraphModule, inputs: list, optimizer: str = "adam",
         running += bad[i]
         can_cut.append(last_input < i < len(nodes) - 1 and running == 0)
     cross = [0] + live_after[:-1]
-    # A node's backward holds its output's gradient, one workspace that size (analysis/memory.py's
-    # model) and the gradients it makes for its inputs.
-    grads = facts.grad_bytes
-    work = [2 * grads.get(n.name, 0) + sum(grads.get(m.name, 0) for m in n.all_input_nodes if m.op != "get_attr")
-            if n.op in CALLS else 0 for n in nodes]
-    return StageFacts(cost, kept, params, cross, can_cut, OPTIMIZERS[optimizer], work)
+    work = analysis(estimate_peak, gm).backward_work
+    # a parameter byte's gradient, and the optimizer's state for it
+    return StageFacts(cost, kept, params, cross, can_cut, 1 + state_per_byte(optimizer),
+                      [work.get(n.name, 0) for n in nodes])
 
 
 def _sendable(info) -> bool:
@@ -114,8 +106,8 @@ class Pipeline(Pass):
         "budget_gb": Option(None, positive, "memory cap per device, in GB of 10**9 bytes"),
         "ranks": Option(None, count, "devices the stages run on (default: one per stage; interleaved-1f1b: "
                                        "stages / ranks virtual stages each)"),
-        "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(OPTIMIZERS)),
-        "profile": Option(False, to_bool, "cost nodes by their measured forward time instead of FLOPs"),
+        "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(NAMED)),
+        "profile": Option(False, to_bool, "cost nodes by their measured time instead of its estimate"),
     }
 
     def microbatches_of(self, rows: int | None = None) -> int:
@@ -147,9 +139,8 @@ class Pipeline(Pass):
         if stages is None:
             raise OptionError("the pipeline pass needs stages, e.g. pipeline{stages=4}.")
         microbatches = ctx.microbatches or self.microbatches_of(None)
-        inputs = ctx.flat_inputs(gm)
         # Step 1
-        facts = stage_facts(gm, inputs, self.settings["optimizer"], self.settings["profile"])
+        facts = stage_facts(gm, ctx.analysis, self.settings["optimizer"], self.settings["profile"])
         places = sum(facts.can_cut)
         if stages - 1 > places:
             raise OptionError(

@@ -28,11 +28,13 @@ Algorithm:
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.fx
 
 from ... import ops
-from ...analysis.cost import dispatches, rates, recompute_costs
+from ...analysis.cost import STEP_FORWARDS, dispatches, forward_costs, node_times, rates
 from ...analysis.memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
@@ -43,7 +45,7 @@ from ...errors import BudgetError
 from ...plot import memory_csv, memory_png
 from ...trace import annotate
 from ...trial import trial_run
-from ..base import Option, Pass, PassContext, PassResult, plans_memory_after, positive, to_bool
+from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
 from ..registry import register
 from .rewrite import checkpoint_segments, inline_segments, recomputable
 from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, solve
@@ -138,11 +140,9 @@ def _halves(seg: Segment, live_after: list[int]) -> list[Segment]:
     return [Segment(seg.start, cut, seg.selective), Segment(cut, seg.stop, seg.selective)]
 
 
-def _fraction(value) -> float | None:
-    if value is None:
-        return None
-    value = float(value)
-    if not 0 <= value < 0.5:
+def _fraction(value) -> float:
+    value = float(value) if isinstance(value, (Text, numbers.Real)) and not isinstance(value, bool) else None
+    if value is None or not 0 <= value < 0.5:
         raise ValueError("must be in [0, 0.5), e.g. 0.05 for 5%")
     return value
 
@@ -255,7 +255,7 @@ class Recompute(Pass):
         optimizer = self.settings["optimizer"]
         self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
         # Step 1
-        before = estimate_peak(gm, inputs, train=ctx.train, optimizer=self.optimizer)
+        before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer)
         stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
         if not ctx.train:
             if before.peak_bytes > target:
@@ -267,10 +267,10 @@ class Recompute(Pass):
         # Step 2
         if _attributes_first(gm) + _hoist_state_writes(gm):
             gm.recompile()
-        facts = record_step(gm, inputs)
+        facts = ctx.analysis(record_step, gm)
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
         device = "cuda" if graph_device(gm) == "cuda" else "cpu"
-        cost = recompute_costs(gm, nodes, device, inputs if self.settings["profile"] else None)
+        cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings["profile"] else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
         segment_cost = SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9))
@@ -326,8 +326,7 @@ class Recompute(Pass):
             "selective_segments": sum(s.selective for s in plan.segments),
             "recomputed_nodes": len(recomputed),
             "recompute_flops": sum(flops[i] for i in recomputed),
-            # forward + backward: about three forwards
-            "recompute_overhead_pct": round(100 * plan.recompute_cost / max(3 * sum(cost), 1), 1),
+            "recompute_overhead_pct": round(100 * plan.recompute_cost / max(STEP_FORWARDS * sum(cost), 1), 1),
             "cost_by": "measured time" if self.settings["profile"] else f"estimated time ({device})",
             "recompute_ms": round(plan.recompute_cost / 1e6, 3),
         })
@@ -360,20 +359,24 @@ class _Search:
         self.estimates: dict[int, Estimate] = {}
         self.decision: dict[torch.fx.Node, str] = {}
 
-    def rewrite(self, plan) -> None:
+    def rewrite(self, plan, annotated: bool = True) -> None:
+        """Rewrite gm with plan; annotated: re-annotate it (the segment calls are new nodes)."""
         self._decide(plan)  # before the rewrite: the nodes' copies in the segments share the notes
         checkpoint_segments(self.gm, [self.nodes[s.start:s.stop] for s in plan.segments],
                             [s.selective for s in plan.segments])
-        annotate(self.gm, self.inputs)
+        if annotated:
+            annotate(self.gm, self.inputs)
 
     def undo(self) -> None:
+        """Put the segments' nodes back. Their copies keep the metadata the nodes had, which
+        annotate left alone (it runs the outer graph only): nothing to annotate again."""
         inline_segments(self.gm)
-        annotate(self.gm, self.inputs)
         self.nodes[:] = list(self.gm.graph.nodes)  # the inlined copies, in the same order
 
     def estimate(self, k: int) -> Estimate:
+        # estimate_peak runs the module, not its metadata: a plan looked at is not annotated.
         if k not in self.estimates:
-            self.rewrite(self.candidates[k])
+            self.rewrite(self.candidates[k], annotated=False)
             self.estimates[k] = estimate_peak(self.gm, self.inputs, optimizer=self.optimizer)
             self.undo()
         return self.estimates[k]
