@@ -43,6 +43,7 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
         if cls.name in names:
             raise OptionError(f"give {lead} either as optimize({lead}=...) or in the {cls.name!r} pass of the "
                               "pipeline, not both.")
+        cls.check_arguments(given)
     taken = {arg for cls in added for arg in cls.arguments}
     for arg in given:
         if arg not in taken:

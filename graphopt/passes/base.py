@@ -188,8 +188,8 @@ class Pass:
 
     @classmethod
     def from_arguments(cls, given: dict) -> "Pass":
-        """The pass for optimize()'s arguments (Pass.arguments maps each to its option)."""
-        cls.check_arguments(given)
+        """The pass for optimize()'s arguments (Pass.arguments maps each to its option), each
+        validated by its option; their combination is check_arguments's to refuse, first."""
         taken = {arg: key for arg, key in cls.arguments.items() if arg in given}
         return cls({key: arg for arg, key in taken.items()}, **{key: given[arg] for arg, key in taken.items()})
 

@@ -31,7 +31,7 @@ INF = np.inf
 class StageFacts:
     """Per node, in graph order."""
 
-    cost: list[float]            # forward + backward cost (FLOPs or seconds)
+    cost: list[float]            # forward + backward time, in nanoseconds (analysis/cost.step_costs)
     kept: list[int]              # activation bytes its backward needs, per microbatch
     params: list[dict[int, int]]  # parameter storages it reads -> bytes
     cross: list[int]             # bytes crossing a cut just before node i (cross[0] = 0)
