@@ -27,15 +27,8 @@ def _segmentations(atoms):
 
 
 def _cost(atoms, segments):
-    total = 0
-    for a, b, kind in segments:
-        if kind == SELECTIVE:
-            total += sum(atoms[k].cost - atoms[k].sel_cost for k in range(a, b))
-        else:  # the rerun stops at the segment's last save
-            last = max((k for k in range(a, b) if atoms[k].saves), default=None)
-            if last is not None:
-                total += sum(atoms[k].cost for k in range(a, last)) + atoms[last].rerun_to_last_save()
-    return total
+    return sum(atoms[k].cost - (atoms[k].sel_cost if kind == SELECTIVE else 0)
+               for a, b, kind in segments for k in range(a, b))
 
 
 def _brute(atoms, allowance):
@@ -52,10 +45,8 @@ def test_matches_brute_force_on_small_instances():
         atoms = []
         for i in range(n):
             flops, keeps = rng.randint(1, 50), rng.random() < 0.4
-            saves = rng.random() > 0.3  # and if so, up to where (an op that saves only its inputs stops before it runs)
             atoms.append(Atom(i, i + 1, rng.randint(1, 20), rng.randint(0, 8), flops, rng.random() > 0.2,
-                              rng.randint(1, 10) if keeps else 0, rng.randint(1, flops) if keeps else 0,
-                              saves=saves, stop_cost=rng.choice([0, flops]) if saves else 0))
+                              rng.randint(1, 10) if keeps else 0, rng.randint(1, flops) if keeps else 0))
         total = sum(a.kept for a in atoms)
         allowance = rng.randint(total // 2, total)
         expected = _brute(atoms, allowance)
@@ -98,15 +89,3 @@ def test_atoms_keep_unrecomputable_nodes_alone():
     atoms = make_atoms([5] * 6, [1] * 6, [1] * 6, [True, True, False, True, True, True], max_cuts=0)
     assert [(a.start, a.stop, a.recomputable) for a in atoms] == [(0, 2, True), (2, 3, False), (3, 6, True)]
     assert list(itertools.chain.from_iterable(range(a.start, a.stop) for a in atoms)) == list(range(6))
-
-
-def test_atoms_know_where_a_full_rerun_stops():
-    # three nodes that save, the third only its inputs (its rerun stops before it runs), then
-    # two that save nothing
-    kept, live, cost = [4, 4, 4, 0, 0], [8, 8, 8, 8, 8], [10, 10, 10, 100, 100]
-
-    def rerun_end(a, b):
-        return min(b, 2) if a < 2 else a
-
-    atoms = make_atoms(kept, live, cost, [True] * 5, max_cuts=0, boundaries={3}, rerun_end=rerun_end)
-    assert [(a.start, a.stop, a.saves, a.stop_cost) for a in atoms] == [(0, 3, True, 20), (3, 5, False, 0)]

@@ -84,7 +84,7 @@ def _candidates(atoms, segment_cost: SegmentCost) -> list:
 
 
 def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], live_after: list[int],
-                 segment_cost: int, rerun_end) -> list[RecomputePlan]:
+                 segment_cost: int) -> list[RecomputePlan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`), from the nodes'
@@ -127,8 +127,7 @@ def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], li
         for k in range(1, min(3, len(segments)) + 1):
             variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
         for chosen in variants:
-            plans.append(RecomputePlan(
-                chosen, sum(sum(cost[seg.start:rerun_end(seg.start, seg.stop)]) + segment_cost for seg in chosen), 0))
+            plans.append(RecomputePlan(chosen, sum(sum(cost[seg.start:seg.stop]) + segment_cost for seg in chosen), 0))
     return plans
 
 
@@ -225,24 +224,6 @@ def _node_facts(gm: torch.fx.GraphModule, facts):
     return nodes, kept, live_after, ok, sel, grads
 
 
-def _rerun_end(nodes: list[torch.fx.Node], facts):
-    """rerun_end(a, b): one past the last node of nodes[a:b] that a full segment's rerun
-    computes; a when none does. torch.utils.checkpoint stops the rerun as soon as every tensor
-    the segment saved is packed again. An op packs what it was given (its inputs, its weights)
-    before it computes and what it made (its result, its kernel's own tensors) after: the last
-    node that saves anything ends the rerun, before its computation when it saves only inputs."""
-    saves, made = [], []
-    for n in nodes:
-        items = facts.saved.get(n.name, [])
-        saves.append(bool(items))
-        made.append(any(s.source == "internal" or s.owner == n.name for s in items))
-
-    def rerun_end(a: int, b: int) -> int:
-        last = next((k for k in range(b - 1, a - 1, -1) if saves[k]), None)
-        return a if last is None else last + made[last]
-    return rerun_end
-
-
 @register
 class Recompute(Pass):
     """Recompute the cheapest activations in backward so a training step fits budget_gb."""
@@ -293,11 +274,10 @@ class Recompute(Pass):
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
         segment_cost = SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9))
-        rerun_end = _rerun_end(nodes, facts)
-        blocks = _block_plans(nodes, ok, cost, live_after, segment_cost.fixed, rerun_end)
+        blocks = _block_plans(nodes, ok, cost, live_after, segment_cost.fixed)
         atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)],
                            param_grads=grads, boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)},
-                           ops=[dispatches(n, gm) for n in nodes], rerun_end=rerun_end)
+                           ops=[dispatches(n, gm) for n in nodes])
         # Step 3
         candidates = _candidates(atoms, segment_cost)
         seen = {tuple(p.segments) for p in candidates}
@@ -305,7 +285,7 @@ class Recompute(Pass):
         candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        search = _Search(gm, inputs, nodes, sel, candidates, self.optimizer, rerun_end)
+        search = _Search(gm, inputs, nodes, sel, candidates, self.optimizer)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -373,9 +353,9 @@ class _Search:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
-                 candidates: list, optimizer, rerun_end):
+                 candidates: list, optimizer):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
-        self.optimizer, self.rerun_end = optimizer, rerun_end
+        self.optimizer = optimizer
         self.annotated = False
         self.estimates: dict[int, Estimate] = {}
         self.decision: dict[torch.fx.Node, str] = {}
@@ -430,10 +410,8 @@ class _Search:
         renames nodes."""
         self.decision = {}
         for s in plan.segments:
-            end = s.stop if s.selective else self.rerun_end(s.start, s.stop)
             for i in range(s.start, s.stop):
-                self.decision[self.nodes[i]] = ("kept" if s.selective and self.sel[i] else
-                                                "recomputed" if i < end else "not rerun (after the segment's last save)")
+                self.decision[self.nodes[i]] = "kept" if s.selective and self.sel[i] else "recomputed"
         for n in self.nodes:
             if n.op.startswith("call"):
                 note(n, "recompute", self.decision.get(n, "kept"))

@@ -1,10 +1,7 @@
 """Choose recompute segments: the least recompute cost whose predicted peak fits a budget.
 
 Cost is time in nanoseconds (analysis/cost.py: estimated, or measured with profile=True): the solver
-adds up the costs of the nodes a segment reruns, and what each checkpointed segment costs
-besides (SegmentCost). A full segment's rerun stops at the last tensor it saves
-(torch.utils.checkpoint's early stop): an op that saves only its inputs is stopped before it
-computes, so a segment ending in a convolution does not rerun it.
+adds up its nodes' costs, and what each checkpointed segment costs besides (SegmentCost).
 
 The graph order is cut into segments, each kept as it is or checkpointed, fully or
 selectively. With
@@ -67,13 +64,6 @@ class Atom:
     grads: int = 0      # parameter gradients alive when its backward runs (made by it or later atoms)
     out: int = 0        # bytes live across its end: the gradient flowing into its backward is as large
     ops: int = 0        # ops it dispatches
-    # A full segment's rerun stops once the last tensor it saves is packed again
-    # (torch.utils.checkpoint's early stop): what comes after its last save is not rerun.
-    saves: bool = True         # whether its nodes save anything for backward
-    stop_cost: int | None = None  # cost of its nodes up to its last save (None: all of its cost)
-
-    def rerun_to_last_save(self) -> int:
-        return self.cost if self.stop_cost is None else self.stop_cost
 
 
 @dataclass(frozen=True)
@@ -99,18 +89,15 @@ class RecomputePlan:
 
 def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomputable: list[bool],
                sel: list[int] | None = None, sel_cost: list[int] | None = None, max_cuts: int = 96,
-               param_grads: list[int] | None = None, boundaries=(), ops: list[int] | None = None,
-               rerun_end=None) -> list[Atom]:
+               param_grads: list[int] | None = None, boundaries=(), ops: list[int] | None = None) -> list[Atom]:
     """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
     sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it;
     param_grads[i]: bytes of the parameter gradients node i's backward makes first;
     boundaries: node indices where an atom starts, besides those chosen here (blocks' starts);
-    ops[i]: 1 when node i dispatches an op; rerun_end(a, b): one past the last node of nodes[a:b]
-    that a full segment ending there reruns, a when it saves nothing (default b: all of them)."""
+    ops[i]: 1 when node i dispatches an op."""
     n = len(kept)
     sel, sel_cost = sel or [0] * n, sel_cost or [0] * n
     param_grads, ops = param_grads or [0] * n, ops or [0] * n
-    rerun_end = rerun_end or (lambda a, b: b)
     forced = {0, n}
     for i, ok in enumerate(recomputable):
         if not ok:
@@ -130,13 +117,9 @@ def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomput
     made_after = [0] * (n + 1)  # parameter gradients made by the backward of node i or later
     for i in range(n - 1, -1, -1):
         made_after[i] = made_after[i + 1] + param_grads[i]
-    atoms = []
-    for a, b in zip(cuts, cuts[1:]):
-        end = rerun_end(a, b)
-        atoms.append(Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(cost[a:b]), all(recomputable[a:b]),
-                          sum(sel[a:b]), sum(sel_cost[a:b]), made_after[a], live_after[b - 1], sum(ops[a:b]),
-                          saves=end > a, stop_cost=sum(cost[a:end])))
-    return atoms
+    return [Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(cost[a:b]), all(recomputable[a:b]),
+                 sum(sel[a:b]), sum(sel_cost[a:b]), made_after[a], live_after[b - 1], sum(ops[a:b]))
+            for a, b in zip(cuts, cuts[1:])]
 
 
 def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
@@ -189,14 +172,12 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
         _relax(cost[i + 1], how[i + 1], row, held_units(atoms[i].kept), buckets - units(in_backward), 0, (i, PLAIN))
         if not atoms[i].recomputable:
             continue
-        kept = spent = rerun = sel = sel_cost = n_ops = 0
+        kept = spent = sel = sel_cost = n_ops = 0
         cross = atoms[i].cross
         for j in range(i + 1, n + 1):
             if not atoms[j - 1].recomputable:
                 break
             kept += atoms[j - 1].kept
-            if atoms[j - 1].saves:  # a full rerun goes this far
-                rerun = spent + atoms[j - 1].rerun_to_last_save()
             spent += atoms[j - 1].cost
             sel += atoms[j - 1].sel
             sel_cost += atoms[j - 1].sel_cost
@@ -205,7 +186,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
             if units(cross + kept + atoms[i].grads) > buckets:  # grows with j: no longer segment fits either
                 break
             _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept + grads),
-                   rerun + segment_cost.fixed, (i, FULL))
+                   spent + segment_cost.fixed, (i, FULL))
             if sel:
                 _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept + grads),
                        spent - sel_cost + segment_cost.fixed + segment_cost.per_selective_op * n_ops, (i, SELECTIVE))
