@@ -40,7 +40,7 @@ from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, plan
 from ..analysis.meta import TensorInfo, graph_device, invalidate, leaves, tensor_info
 from ..dump import note
 from ..errors import OptionError
-from ..precisions import LOW, PRECISIONS, precision_name, short
+from ..precisions import LOW, precision_name, short
 from ..runtime.autocast import under_autocast
 from .base import Option, Pass, PassContext, PassResult
 from .normalize import _canonical_callable
@@ -52,8 +52,7 @@ CAST = "cast"  # the note on casts this pass inserted
 def parse_dtype(value) -> str:
     name = precision_name(value)
     if name not in LOW:
-        raise ValueError(f"must be one of {', '.join(PRECISIONS)}; fp32 computes as the model does, with no precision "
-                         "pass")
+        raise ValueError(f"use {' or '.join(sorted(LOW))}; fp32 computes as the model does, with no precision pass")
     return name
 
 
