@@ -20,8 +20,10 @@ from .runtime.guards import install_call_guard, install_mode_guard, install_shap
 from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
 from .trace import FRONTENDS, check_inputs, trace
 
-# Passes run when the caller gives no pipeline: cleanups that every later pass benefits from.
-DEFAULT_PASSES = ("normalize", "cse", "dce")
+# Passes run when the caller gives no pipeline: cleanups that every later pass benefits from,
+# then those that pay without being asked; each says where it does not (Pass.skip_by_default:
+# fuse off CUDA, inplace beside a budget), and the report says so.
+DEFAULT_PASSES = ("normalize", "cse", "dce", "inplace", "fuse")
 
 
 def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
@@ -29,6 +31,8 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
     """The pass list for optimize(): the given (or default) passes plus those the arguments ask
     for. Each argument is validated by the option of the pass that takes it (Pass.arguments)."""
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
+    for p in pipeline:
+        p.by_default = passes is None
     arguments = {"budget_gb": budget_gb, "precision": None if precision_name(precision) == "fp32" else precision,
                  "stages": stages, "profile": profile, "calibrate": calibrate, "precision_policy": precision_policy,
                  "optimizer": optimizer}

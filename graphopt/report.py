@@ -18,6 +18,7 @@ class PassRecord:
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     peak_bytes: int | None = None  # predicted peak memory, when the pass knows it
+    by_default: bool = False  # run because optimize() was given no passes
 
 
 @dataclass
@@ -28,6 +29,8 @@ class Report:
     nodes: int
     passes: list[PassRecord] = field(default_factory=list)
     dump_dir: str | None = None
+    # passes optimize() chooses when given none that did not pay on this graph, with why
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,12 +47,24 @@ class Report:
             ])
         return [head] + body
 
+    def defaults_text(self) -> list[str]:
+        """Which passes ran because none were named, and why the others of the default did not."""
+        ran = [r.name for r in self.passes if r.by_default]
+        if not ran and not self.skipped:
+            return []
+        lines = [f"default passes run: {', '.join(ran) or 'none'}"]
+        lines += [f"default pass not run: {name}: {why}" for name, why in self.skipped.items()]
+        return lines
+
     def to_markdown(self) -> str:
         rows = self.rows()
         lines = [f"# graphopt summary: {self.model}", ""]
         lines.append("| " + " | ".join(rows[0]) + " |")
         lines.append("|" + "---|" * len(rows[0]))
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
+        defaults = self.defaults_text()
+        if defaults:
+            lines += [""] + [f"- {line}" for line in defaults]
         return "\n".join(lines) + "\n"
 
     def to_text(self) -> str:
@@ -58,7 +73,7 @@ class Report:
         widths[-1] = min(widths[-1], 70)
         fmt = lambda row: "  ".join(c[:w].ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
         sep = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]])
+        return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]] + self.defaults_text())
 
     def __str__(self) -> str:
         return self.to_text()

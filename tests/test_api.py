@@ -122,9 +122,24 @@ def test_exported_module_mode_guard():
 def test_verify_records_errors_per_pass():
     model, args, kwargs = zoo.gpt()
     opt = graphopt.optimize(model, args, example_kwargs=kwargs, verify=True)
-    rows = opt.graphopt_report.passes
-    assert [r.name for r in rows] == list(graphopt.DEFAULT_PASSES)
-    assert all(r.max_rel_err is not None and r.max_rel_err <= 1e-6 for r in rows)
+    report = opt.graphopt_report
+    # on CPU every default pass runs but fuse, and the report says why fuse did not
+    assert [r.name for r in report.passes] == [p for p in graphopt.DEFAULT_PASSES if p != "fuse"]
+    assert list(report.skipped) == ["fuse"] and "CUDA" in report.skipped["fuse"]
+    assert "default pass not run: fuse" in report.to_text()
+    assert all(r.max_rel_err is not None and r.max_rel_err <= 1e-6 for r in report.passes)
+
+
+def test_defaults_ran_in_place_where_it_pays_and_leave_it_out_beside_a_budget():
+    model, args, kwargs = zoo.gpt()
+    rows = graphopt.optimize(model, args, example_kwargs=kwargs).graphopt_report.passes
+    inplace = next(r for r in rows if r.name == "inplace")
+    assert inplace.by_default and inplace.stats["rewritten"]
+    report = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1.0).graphopt_report
+    assert "inplace" not in [r.name for r in report.passes] and "budget" in report.skipped["inplace"]
+    # named passes run as named: nothing is skipped for them
+    named = graphopt.optimize(model, args, example_kwargs=kwargs, passes="inplace,fuse").graphopt_report
+    assert [r.name for r in named.passes] == ["inplace", "fuse"] and not named.skipped
 
 
 

@@ -157,6 +157,11 @@ class Pass:
     def check_arguments(cls, given: dict) -> None:
         """Raise OptionError for a combination of optimize() arguments this pass cannot take."""
 
+    def skip_by_default(self, gm: torch.fx.GraphModule, ctx: PassContext, pipeline: set[str]) -> str | None:
+        """Why this pass, in the pipeline because optimize() was given no passes, does not pay on
+        this graph (its device, the other passes of `pipeline`); None (the default) runs it."""
+        return None
+
     def microbatches_of(self, rows: int | None) -> int | None:
         """How many microbatches the run splits an example batch of `rows` rows into, when this
         pass runs the graph on microbatches; None (the default) when it does not."""
@@ -170,6 +175,7 @@ class Pass:
             valid = ", ".join(sorted(self.options)) or "none"
             raise OptionError(f"pass {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {valid}.")
         named = _arguments or {}
+        self.by_default = False  # chosen by optimize() for a caller who named no passes
         self.settings = {key: self._setting(key, options[key], named.get(key)) if key in options else opt.default
                          for key, opt in self.options.items()}
 

@@ -25,7 +25,7 @@ import operator
 import torch.fx
 
 from ..analysis.fusion import FusionGroup, find_groups
-from ..analysis.meta import ANNOTATED, KEY, tensor_info
+from ..analysis.meta import ANNOTATED, KEY, graph_device, tensor_info
 from ..dump import note
 from ..runtime import FusedOp, repro_script, source
 from .base import Pass, PassContext, PassResult
@@ -115,6 +115,13 @@ class Fuse(Pass):
     """Fuse groups of elementwise ops into generated Triton kernels."""
 
     name = "fuse"
+
+    def skip_by_default(self, gm, ctx, pipeline):
+        device = graph_device(gm)
+        if device != "cuda":
+            return (f"generated kernels pay on CUDA; on {device} each group would run its reference path, "
+                    "slower than eager's ops")
+        return None
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # Step 1

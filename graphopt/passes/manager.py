@@ -41,7 +41,13 @@ class PassManager:
             reference = run_step(ctx.reference, ctx.example_args, ctx.example_kwargs, train=ctx.train, seed=0)
         if self.dumper:
             self.dumper.graph(0, "trace", gm)
+        names = {p.name for p in self.passes}
         for index, p in enumerate(self.passes, 1):
+            if p.by_default:
+                why = p.skip_by_default(gm, ctx, names)
+                if why:
+                    report.skipped[p.name] = why
+                    continue
             before = _count(gm)
             start = time.perf_counter()
             try:
@@ -69,7 +75,7 @@ class PassManager:
             elapsed = (time.perf_counter() - start) * 1e3
             record = PassRecord(
                 name=p.spec(), time_ms=elapsed, nodes_before=before, nodes_after=_count(gm),
-                changed=result.changed, stats=dict(result.stats),
+                changed=result.changed, stats=dict(result.stats), by_default=p.by_default,
                 peak_bytes=result.stats.get("predicted_peak_bytes"),
             )
             report.passes.append(record)
