@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def sweep_model(name: str, points: int, device: str) -> dict:
     import graphopt
-    from corpus.memory import memory_case, optimized_point, own_checkpointing, step_seconds, user_step, user_step_peak
+    from corpus.memory import memory_case, optimized_point, own_checkpointing, user_step, user_step_peak
+    from graphopt.runtime.step import step_seconds
     from graphopt.analysis.memory import GB
 
     case = memory_case(name)

@@ -73,7 +73,7 @@ def step_timeline(module, model: torch.nn.Module, args: tuple, kwargs: dict | No
         clear_grads(model)
 
 
-def step_seconds(steps: dict[str, Callable], repeats: int = 5) -> dict[str, float]:
+def step_seconds(steps: dict[str, Callable], repeats: int = 7) -> dict[str, float]:
     """Median wall time of each step, run in turns after one warm-up round: on a shared machine
     drift then falls on every step alike, and their ratios hold where absolute times do not."""
     times = {name: [] for name in steps}

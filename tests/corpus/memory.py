@@ -3,20 +3,19 @@ against the model's own checkpointing. Shared by tests/test_corpus_memory.py and
 bench/recompute_sweep.py.
 
 The measured step is the user's: forward, the case's loss, backward, gradients None before
-(live tensor storages on CPU, graphopt.analysis.memory.measure_peak). The corpus's batch is repeated
+(live tensor storages on CPU, graphopt.runtime.step.step_peak). The corpus's batch is repeated
 MEMORY_BATCH times so that activations, which recompute trades, outweigh parameters.
 """
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 import graphopt
-from graphopt.analysis.memory import GB, estimate_peak, measure_peak
+from graphopt.analysis.memory import GB, estimate_peak
+from graphopt.runtime.step import clear_grads, step_peak
 from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
 
@@ -35,15 +34,8 @@ def memory_case(name: str) -> Case:
 
 def user_step_peak(module: torch.nn.Module, case: Case) -> int:
     """Measured peak bytes of forward, the case's loss and backward; gradients None before and after."""
-    def run():
-        case.loss(module(*case.args, **case.kwargs)).backward()
-
-    _clear(case.model)
-    try:
-        torch.manual_seed(0)
-        return measure_peak(run, case.model, *case.args, *case.kwargs.values())
-    finally:
-        _clear(case.model)
+    torch.manual_seed(0)
+    return step_peak(module, case.model, case.args, case.kwargs, lambda out, *args, **kwargs: case.loss(out))
 
 
 def user_step(module: torch.nn.Module, case: Case, context=contextlib.nullcontext):
@@ -51,28 +43,10 @@ def user_step(module: torch.nn.Module, case: Case, context=contextlib.nullcontex
     and after; run inside a fresh context(), such as own_checkpointing's."""
     def step():
         with context(case.model):
-            _clear(case.model)
+            clear_grads(case.model)
             case.loss(module(*case.args, **case.kwargs)).backward()
-            _clear(case.model)
+            clear_grads(case.model)
     return step
-
-
-def step_seconds(steps: dict, repeats: int = 7) -> dict:
-    """Median wall time of each step, run in turns after one warm-up round: on a shared machine
-    drift then falls on every step alike, and their ratios hold where absolute times do not."""
-    times = {name: [] for name in steps}
-    for k in range(repeats + 1):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            if k:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _clear(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
 
 
 @contextlib.contextmanager
