@@ -1,6 +1,6 @@
 """FakeTensor runs and time per optimize() call, per corpus model and configuration.
 
-    python bench/fake_runs.py [--models a,b] [--configs default,budget,inplace_budget,stages]
+    python bench/fake_runs.py [--models a,b] [--configs cleanups,budget,inplace_budget,stages,default]
 
 Each FakeTensorMode graphopt opens is one run of the graph on FakeTensors (a forward, or a
 forward and backward); torch.export opens its own while tracing, counted apart. A run is
@@ -22,10 +22,12 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 MODELS = "hf_llama,hf_gpt2,hf_bert,timm_efficientnet_b0,timm_resnet18,tv_resnet18"
 CONFIGS = {
-    "default": lambda budget: {},
+    # the same pipelines whatever optimize()'s defaults are, so that versions compare
+    "cleanups": lambda budget: {"passes": "normalize,cse,dce"},
     "budget": lambda budget: {"budget_gb": budget},
     "inplace_budget": lambda budget: {"passes": "normalize,cse,dce,inplace", "budget_gb": budget},
     "stages": lambda budget: {"stages": 2},
+    "default": lambda budget: {},  # optimize(model, x): this version's default passes
 }
 
 

@@ -5,36 +5,36 @@ import argparse
 import importlib
 import os
 import sys
-import time
 
 import torch
 
+from .analysis.memory import GB, size_text
 from .api import DEFAULT_PASSES, optimize
+from .before_after import measure
+from .demo import run_demo
 from .errors import GraphoptError, UsageError
 from .passes import available
 from .precisions import PRECISIONS
-from .testing import zoo
 
 
 def _demo(args) -> int:
-    torch.manual_seed(0)
-    model, inputs, kwargs = zoo.gpt(batch=4, seq=64, layers=4, dim=128, heads=4)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"graphopt demo: a {len(model.blocks)}-layer GPT ({params / 1e6:.2f} M parameters), "
-          f"batch {inputs[0].shape[0]} x {inputs[0].shape[1]} tokens, training step on CPU")
-    start = time.perf_counter()
-    opt = optimize(model, inputs, example_kwargs=kwargs, passes=args.passes, dump_dir=args.dump, verify=True)
-    print(f"optimized in {time.perf_counter() - start:.2f} s\n")
-    print(opt.graphopt_report.to_text())
-    torch.manual_seed(1)
-    eager = model(*inputs, **kwargs).loss
-    torch.manual_seed(1)
-    loss = opt(*inputs, **kwargs).loss
-    loss.backward()
-    print(f"\nloss: eager {eager.item():.6f}, graphopt {loss.item():.6f}; backward ran, "
-          f"{sum(p.grad is not None for p in model.parameters())} parameter gradients")
-    print(f"dumps: {os.path.abspath(args.dump)} (summary.md, one .py/.txt/.diff per pass that changed the graph)")
-    return 0
+    result, status = run_demo(args.dump, device=args.device)
+    print()
+    print(result.to_text())
+    optimized = result.optimized
+    if optimized is not None:
+        print(f"\nbudget {size_text(result.budget_bytes)}: measured {size_text(optimized.peak_bytes)} "
+              f"({optimized.peak_bytes / result.budget_bytes:.2f} of it) against eager's "
+              f"{size_text(result.eager.peak_bytes)}, step time x{optimized.step_ms / result.eager.step_ms:.2f}")
+    for line in result.over_budget():
+        print(f"graphopt: error: {line.label} measured {size_text(line.peak_bytes)}, over the budget", file=sys.stderr)
+    print(f"written: {', '.join(str(p) for p in _written(args.dump))} (and one .py/.txt/.diff per pass that "
+          "changed the graph)")
+    return status
+
+
+def _written(directory) -> list[str]:
+    return [os.path.join(directory, name) for name in ("summary.json", "summary.md", "memory.png")]
 
 
 def _load(spec: str):
@@ -59,14 +59,48 @@ def _optimize(args) -> int:
         raise UsageError("give example inputs with --inputs, e.g. --inputs 'torch.randn(8, 64)', "
                          "or have the factory return (model, args, kwargs).")
     train = {"train": True, "eval": False}.get(args.mode)
-    opt = optimize(model, inputs, example_kwargs=kwargs or None, passes=args.passes, budget_gb=args.budget_gb,
-                   profile=args.profile, calibrate=args.calibrate, precision=args.precision, stages=args.stages,
-                   train=train, frontend=args.frontend,
-                   dump_dir=args.dump, verify=args.verify)
+    options = dict(passes=args.passes, budget_gb=args.budget_gb, profile=args.profile, calibrate=args.calibrate,
+                   precision=args.precision, stages=args.stages, train=train, frontend=args.frontend)
+    if args.measure:
+        return _measure(args, model, inputs, kwargs, options)
+    opt = optimize(model, inputs, example_kwargs=kwargs or None, **options, dump_dir=args.dump, verify=args.verify)
     print(opt.graphopt_report.to_text())
     if args.dump:
         print(f"\ndumps: {os.path.abspath(args.dump)}")
     return 0
+
+
+def _measure(args, model, inputs, kwargs, options) -> int:
+    """The model's step against the optimized one's, as the demo measures them."""
+    if args.stages:
+        raise UsageError("--measure steps the model in one process; a pipeline's stages run across processes: "
+                         "leave --stages out to measure, or time the stages with PipelineRunner.")
+    if options["train"] is False or (options["train"] is None and not model.training):
+        raise UsageError("--measure measures a training step: give --mode train (the model is in eval mode).")
+    loss_fn = _load_function(args.loss) if args.loss else None
+    options = {k: v for k, v in options.items() if v not in (None, False)}
+    dump = args.dump or "graphopt-dump"
+    budget = int(args.budget_gb * GB) if args.budget_gb else None
+    result = measure(model, inputs, kwargs, {"graphopt": options}, loss_fn=loss_fn, budget_bytes=budget,
+                     name=args.model, dump_dir=dump,
+                     progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
+    result.write(dump)
+    print(result.to_text())
+    print(f"written: {', '.join(_written(dump))}")
+    for line in result.over_budget():
+        print(f"graphopt: error: {line.label} measured {size_text(line.peak_bytes)}, over the budget", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _load_function(spec: str):
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not attr:
+        raise UsageError(f"loss {spec!r} must be written pkg.module:function (output, *args, **kwargs) -> loss.")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"cannot load {spec!r}: {e}.") from None
 
 
 def main(argv=None) -> int:
@@ -77,9 +111,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     passes_help = f"pipeline, e.g. 'normalize,cse,dce' (default: {','.join(DEFAULT_PASSES)}; available: {', '.join(sorted(available()))})"
 
-    demo = sub.add_parser("demo", help="optimize the built-in GPT on CPU and write dumps")
-    demo.add_argument("--dump", default="graphopt-dump", help="dump directory (default: ./graphopt-dump)")
-    demo.add_argument("--passes", default=None, help=passes_help)
+    demo = sub.add_parser("demo", help="a Llama-shaped model's training step, eager against graphopt, measured")
+    demo.add_argument("--dump", default="graphopt-dump", help="output directory (default: ./graphopt-dump)")
+    demo.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     demo.set_defaults(run=_demo)
 
     opt = sub.add_parser("optimize", help="optimize your own model",
@@ -96,6 +130,12 @@ def main(argv=None) -> int:
     opt.add_argument("--frontend", choices=["auto", "fx", "export"], default="auto")
     opt.add_argument("--dump", default=None, help="write pass-by-pass dumps to this directory")
     opt.add_argument("--verify", action="store_true", help="check outputs and gradients against eager after each pass")
+    opt.add_argument("--measure", action="store_true",
+                     help="step the model and the optimized graph (forward, loss, backward) and print their measured "
+                          "peaks and times; writes summary.json, summary.md, memory.png to --dump (default "
+                          "./graphopt-dump)")
+    opt.add_argument("--loss", default=None, help="with --measure: pkg.module:function(output, *args, **kwargs) "
+                     "returning the scalar loss (default: the output's .loss, or the output when it is a scalar)")
     opt.set_defaults(run=_optimize)
 
     args = parser.parse_args(argv)

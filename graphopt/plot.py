@@ -1,4 +1,4 @@
-"""Pictures of a step's predicted memory, for the dumps (matplotlib, the viz extra)."""
+"""Pictures of a step's memory, predicted (for the dumps) or measured (demo, --measure); matplotlib."""
 from __future__ import annotations
 
 import io
@@ -16,6 +16,32 @@ def memory_csv(curves: dict[str, Estimate]) -> str:
 
 def memory_png(curves: dict[str, Estimate], budget_bytes: int | None = None) -> bytes | None:
     """Predicted live memory through the step, one line per curve; None without matplotlib."""
+    series = {}
+    for label, estimate in curves.items():
+        start = next((k for k, (event, _) in enumerate(estimate.timeline)
+                      if not event.startswith(("forward", "free", "parameters", "buffers", "optimizer"))), None)
+        series[f"{label} (peak {estimate.peak_bytes / GB * 1e3:.2f} MB)"] = ([b for _, b in estimate.timeline], start)
+    return _chart(series, budget_bytes, "predicted live memory (MB, 10^6 bytes)",
+                  "progress through the step: forward, then backward (dotted: backward starts)")
+
+
+def step_memory_png(timelines: dict[str, list[int]], budget_bytes: int | None = None) -> bytes:
+    """Measured live memory through one step, one line per configuration (runtime/step.step_timeline).
+    matplotlib is a dependency of what calls this (the demo, --measure): it must be installed."""
+    series = {f"{label} (peak {max(live) / GB * 1e3:.2f} MB)": (live, None) for label, live in timelines.items()}
+    png = _chart(series, budget_bytes, "measured live memory (MB, 10^6 bytes)",
+                 "progress through the step: forward, loss, backward")
+    if png is None:
+        from .errors import UsageError
+
+        raise UsageError("drawing memory.png needs matplotlib: pip install 'graphopt[viz]' (make installs it).")
+    return png
+
+
+def _chart(series: dict[str, tuple[list[int], int | None]], budget_bytes: int | None, ylabel: str,
+           xlabel: str) -> bytes | None:
+    """Lines of bytes over progress (each spanning the same width: a step with recompute has more
+    events), a dotted mark at each line's given index, the budget dashed; None without matplotlib."""
     try:
         import matplotlib
 
@@ -24,18 +50,15 @@ def memory_png(curves: dict[str, Estimate], budget_bytes: int | None = None) -> 
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
-    for label, estimate in curves.items():
-        live = [b / GB * 1e3 for _, b in estimate.timeline]
-        # Steps with recompute have more events: each curve spans the same width.
+    for label, (live, mark) in series.items():
         x = [k / max(len(live) - 1, 1) for k in range(len(live))]
-        line, = ax.plot(x, live, label=f"{label} (peak {estimate.peak_bytes / GB * 1e3:.2f} MB)", linewidth=1.2)
-        start = next((k for k, (event, _) in enumerate(estimate.timeline) if not event.startswith(("forward", "free", "parameters", "buffers", "optimizer"))), None)
-        if start is not None:
-            ax.axvline(x[start], color=line.get_color(), linestyle=":", linewidth=0.8)
+        line, = ax.plot(x, [b / GB * 1e3 for b in live], label=label, linewidth=1.2)
+        if mark is not None:
+            ax.axvline(x[mark], color=line.get_color(), linestyle=":", linewidth=0.8)
     if budget_bytes:
         ax.axhline(budget_bytes / GB * 1e3, color="black", linestyle="--", linewidth=1, label="budget")
-    ax.set_xlabel("progress through the step: forward, then backward (dotted: backward starts)")
-    ax.set_ylabel("predicted live memory (MB, 10^6 bytes)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)

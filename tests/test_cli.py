@@ -1,15 +1,39 @@
+import json
 import subprocess
 import sys
 
-
 from graphopt.__main__ import main
 
+SUMMARY_KEYS = {"eager_peak_bytes", "optimized_peak_bytes", "budget_bytes", "eager_step_ms", "optimized_step_ms"}
 
-def test_demo(tmp_path, capsys):
+
+def test_demo_measures_the_story(tmp_path, capsys):
     assert main(["demo", "--dump", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "trace (fx)" in out and "normalize" in out and "cse" in out
-    assert str(tmp_path) in out and (tmp_path / "summary.md").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    # the promise the demo shows: under the budget, which is under what eager needs
+    assert summary["optimized_peak_bytes"] <= summary["budget_bytes"] < summary["eager_peak_bytes"]
+    labels = [line["label"] for line in summary["lines"]]
+    assert labels[0] == "eager" and "budget + bf16" in labels and "budget + inplace" in labels
+    assert all(line["peak_bytes"] <= summary["budget_bytes"] for line in summary["lines"][1:] if not line["refused"])
+    assert "measured peak" in out and "recomputed" in out and "segments" in out
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| eager |" in (tmp_path / "summary.md").read_text()
+
+
+def test_measure_a_users_model(tmp_path, capsys):
+    args = ["optimize", "graphopt.testing.zoo:gpt", "--budget-gb", "0.002", "--measure", "--dump", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary) and summary["optimized_peak_bytes"] <= summary["budget_bytes"] == 2_000_000
+    assert "eager" in out and "graphopt" in out and (tmp_path / "memory.png").exists()
+    # an output with no loss: the error says how to give one
+    assert main(["optimize", "graphopt.testing.zoo:mlp", "--measure", "--dump", str(tmp_path)]) == 2
+    assert "--loss pkg.module:function" in capsys.readouterr().err
+    assert main(["optimize", "graphopt.testing.zoo:mlp", "--measure", "--loss", "nowhere"]) == 2
+    assert "pkg.module:function" in capsys.readouterr().err
 
 
 def test_optimize_a_users_model(tmp_path, capsys):

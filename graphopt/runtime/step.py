@@ -22,8 +22,8 @@ def output_loss(output) -> torch.Tensor:
         loss = output
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise UsageError(f"the model returned {type(output).__name__}, with no scalar loss (no `.loss`, not a "
-                         "scalar tensor): give loss_fn=..., a function of (output, *args, **kwargs) that returns "
-                         "the scalar loss.")
+                         "scalar tensor): give loss_fn=... (on the command line, --loss pkg.module:function), a "
+                         "function of (output, *args, **kwargs) that returns the scalar loss.")
     return loss
 
 
