@@ -16,8 +16,10 @@ from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .precisions import precision_name
 from .report import Report
-from .runtime.guards import install_call_guard, install_mode_guard, install_shape_guard, refuse_pickling
+from .runtime.guards import (install_batch_guard, install_call_guard, install_mode_guard, install_shape_guard,
+                             refuse_pickling)
 from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
+from .runtime.microbatch_call import install_microbatch_split
 from .trace import FRONTENDS, check_inputs, trace
 
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from,
@@ -100,8 +102,8 @@ def optimize(
       {"softmax": "low", "linear": "fp32"} (modes: low, fp32, promote, follow).
     precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass); the
       model is then traced and planned on one microbatch, the first 1/M of the example batch
-      (M = pipeline{microbatches=M}, default 2 x stages, at most the batch): an fx graph runs
-      at any batch size, an export graph at that microbatch's only.
+      (M = pipeline{microbatches=M}, default 2 x stages, at most the batch); called with the
+      example batch, the result runs its M microbatches one after another, outputs merged.
     train: build for a training step (True) or inference (False); default model.training.
       The model is put in that mode, and the result refuses to run in the other.
     dump_dir: write pass-by-pass dumps there (default: $GRAPHOPT_DUMP, else none).
@@ -139,7 +141,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         args, kwargs = first_microbatch(args, kwargs, microbatches)
     start = time.perf_counter()
     gm = trace(model, args, kwargs, frontend=frontend)
-    if microbatches and gm.meta["graphopt_frontend"] == "export" and not splits_evenly(*batch, microbatches):
+    if microbatches and gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is None \
+            and not splits_evenly(*batch, microbatches):
         raise UsageError(
             f"the example batch does not split into {microbatches} equal microbatches, and a graph traced "
             "with frontend='export' runs on one microbatch size only: give a batch that "
@@ -158,18 +161,37 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     install_mode_guard(gm, model.training)
     install_call_guard(gm, model)
     refuse_pickling(gm)
-    if microbatches and gm.meta["graphopt_frontend"] == "export":
-        install_shape_guard(
-            gm, args, kwargs, f"an export graph staged for one microbatch, 1/{microbatches} of the example batch",
-            "run it through graphopt.runtime.pipeline.PipelineRunner, which splits a batch into microbatches, call it "
-            "on one microbatch, or optimize with frontend='fx' for a graph that runs at any batch size.")
+    if microbatches:
+        # called with the example batch, the staged graph runs its microbatches as PipelineRunner would
+        install_microbatch_split(gm, rows, microbatches)
+        report.runs_at = f"one microbatch of {batch_rows(args, kwargs)} rows, or the example batch of {rows} rows " \
+                         f"as {microbatches} microbatches"
+        if gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is None:
+            install_shape_guard(
+                gm, args, kwargs, f"an export graph staged for one microbatch, 1/{microbatches} of the example batch",
+                "call it with the example batch, which it splits into its microbatches, on one microbatch, or "
+                "through graphopt.runtime.pipeline.PipelineRunner; frontend='fx' makes a graph that runs at any "
+                "batch size.", also=batch)
+        elif gm.meta["graphopt_frontend"] == "export":
+            install_batch_guard(gm, args, kwargs, gm.meta["graphopt_batch"])
+            report.runs_at += f" (and any other batch as one piece: {gm.meta['graphopt_batch']})"
+        else:
+            report.runs_at += " (and any other batch as one piece)"
     elif ctx.specialized:
         install_shape_guard(gm, args, kwargs, ctx.specialized)
+        report.runs_at = f"the example's shapes only: {ctx.specialized}"
+    elif gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is not None:
+        install_batch_guard(gm, args, kwargs, gm.meta["graphopt_batch"])
+        report.runs_at = f"{gm.meta['graphopt_batch']} (torch.export, dynamic batch dimension)"
     elif gm.meta["graphopt_frontend"] == "export":
         install_shape_guard(
             gm, args, kwargs, "torch.export traced it for those shapes",
             "call it with inputs of those shapes, use graphopt.optimize(model) without example inputs, which "
             "builds a graph per input signature, or frontend='fx' where the model traces with it.")
+        report.runs_at = f"the example's shapes only: torch.export could not make the batch dynamic " \
+                         f"({gm.meta['graphopt_static_why']})"
+    else:
+        report.runs_at = "any shapes the model takes (torch.fx)"
     gm.graphopt_report = report
     return gm
 

@@ -31,6 +31,7 @@ class Report:
     dump_dir: str | None = None
     # passes optimize() chooses when given none that did not pay on this graph, with why
     skipped: dict[str, str] = field(default_factory=dict)
+    runs_at: str | None = None  # the input shapes the result accepts, and why
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,12 +48,14 @@ class Report:
             ])
         return [head] + body
 
-    def defaults_text(self) -> list[str]:
-        """Which passes ran because none were named, and why the others of the default did not."""
+    def notes_text(self) -> list[str]:
+        """Which passes ran because none were named, why the others of the default did not, and
+        which inputs the result takes."""
+        lines = [f"runs at: {self.runs_at}"] if self.runs_at else []
         ran = [r.name for r in self.passes if r.by_default]
         if not ran and not self.skipped:
-            return []
-        lines = [f"default passes run: {', '.join(ran) or 'none'}"]
+            return lines
+        lines += [f"default passes run: {', '.join(ran) or 'none'}"]
         lines += [f"default pass not run: {name}: {why}" for name, why in self.skipped.items()]
         return lines
 
@@ -62,7 +65,7 @@ class Report:
         lines.append("| " + " | ".join(rows[0]) + " |")
         lines.append("|" + "---|" * len(rows[0]))
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
-        defaults = self.defaults_text()
+        defaults = self.notes_text()
         if defaults:
             lines += [""] + [f"- {line}" for line in defaults]
         return "\n".join(lines) + "\n"
@@ -73,7 +76,7 @@ class Report:
         widths[-1] = min(widths[-1], 70)
         fmt = lambda row: "  ".join(c[:w].ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
         sep = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]] + self.defaults_text())
+        return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]] + self.notes_text())
 
     def __str__(self) -> str:
         return self.to_text()

@@ -23,6 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from . import export_batch
 from .analysis import meta
 from .analysis.fake_state import fake_run
 from .errors import TraceError, UsageError
@@ -130,8 +131,10 @@ def _share_structure(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     with StateWatch(model, refuse=False):  # both run forward, and reach a buffer hidden in a list as it is
         _register_output_dataclasses(model, args, kwargs)
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        ep, batch, static_why = export_batch.export(model, args, kwargs)
     gm = ep.module()
+    gm.meta["graphopt_batch"] = batch  # the batch sizes the graph runs at; None: the example's shapes only
+    gm.meta["graphopt_static_why"] = static_why
     # ExportedProgram.module() makes train()/eval() raise NotImplementedError. graphopt lets the
     # flag change like on any module and its mode guard explains the problem at call time.
     gm.__dict__.pop("train", None)

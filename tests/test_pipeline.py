@@ -16,18 +16,20 @@ from graphopt.passes.base import PassContext
 from graphopt.passes.pipeline.pipeline_pass import stage_facts
 from graphopt.runtime.microbatch import first_microbatch
 from graphopt.testing import zoo
-from graphopt.testing.baselines import equal_layer_cuts, imbalance, parameter_balanced_cuts, stage_costs
+from graphopt.testing.baselines import Microbatched, equal_layer_cuts, imbalance, parameter_balanced_cuts, stage_costs
 from graphopt.testing.gloo import free_port, on_gloo_ranks
 from graphopt.trial import tensor_leaves
 
 from conftest import FX_ZOO
 
 
-def _same_as_model(model, staged, args, kwargs):
-    """Outputs and every parameter's gradient equal the model's (parameters are shared objects)."""
+def _same_as_model(model, staged, args, kwargs, rtol=0.0, reference=None):
+    """Outputs and every parameter's gradient equal the model's, or reference's, a module over
+    it (parameters are shared objects); with rtol, within rtol of each tensor's largest value
+    (microbatches sum in another order)."""
     names = {id(p): n for n, p in model.named_parameters()}
     results = []
-    for module in (model, staged):
+    for module in (reference or model, staged):
         for p in model.parameters():
             p.grad = None
         torch.manual_seed(0)
@@ -36,9 +38,12 @@ def _same_as_model(model, staged, args, kwargs):
         results.append(([t.detach() for t in leaves], {names[id(p)]: p.grad.clone() for p in model.parameters()
                                                         if p.grad is not None}))
     (want_out, want_grads), (got_out, got_grads) = results
-    assert all(torch.equal(a, b) for a, b in zip(want_out, got_out)) and len(want_out) == len(got_out)
+
+    def same(a, b):
+        return torch.equal(a, b) if not rtol else bool((a - b).abs().max() <= rtol * a.abs().max().clamp_min(1e-12))
+    assert all(same(a, b) for a, b in zip(want_out, got_out)) and len(want_out) == len(got_out)
     assert want_grads.keys() == got_grads.keys()
-    assert all(torch.equal(want_grads[k], got_grads[k]) for k in want_grads)
+    assert all(same(want_grads[k], got_grads[k]) for k in want_grads)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -47,7 +52,10 @@ def test_stages_compute_what_the_model_does(name, stages):
     model, args, kwargs = FX_ZOO[name]()
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=stages)
     assert [n for n, _ in staged.named_children()] == [f"stage_{s}" for s in range(stages)]
-    _same_as_model(model, staged, args, kwargs)
+    # the whole batch runs as the microbatches a schedule would cut it into
+    microbatches = staged.meta["graphopt_pipeline"]["microbatches"]
+    _same_as_model(model, staged, args, kwargs, reference=Microbatched(model, microbatches))
+    _same_as_model(model, staged, *first_microbatch(args, kwargs, microbatches))
     stats = staged.graphopt_report.passes[-1].stats
     assert len(stats["stages"]) == stages and stats["imbalance"] >= 1.0
 
@@ -294,23 +302,50 @@ def test_the_staged_module_trains_inside_distributed_data_parallel():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_an_export_graph_runs_on_the_microbatch_it_was_planned_for():
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_staged_graph_takes_the_whole_batch_as_its_microbatches(frontend):
+    model, args, kwargs = _model()  # no dropout: the microbatches' mean loss is the batch's
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2, frontend=frontend)
+    assert staged.meta["graphopt_pipeline"]["microbatches"] == 4 and "as 4 microbatches" in \
+        staged.graphopt_report.runs_at
+    _same_as_model(model, staged, args, kwargs, rtol=1e-6)
+    _same_as_model(model, staged, *first_microbatch(args, kwargs, 4))  # one microbatch runs as it is
+
+
+def test_an_export_graph_on_one_row_takes_the_microbatch_or_the_batch_only():
     from graphopt.runtime.pipeline import PipelineRunner
 
-    model, args, kwargs = _model()  # a batch of 8; stages=2 plans 4 microbatches of 2
+    model, args, kwargs = _model()
+    args, kwargs = first_microbatch(args, kwargs, 2)  # 4 rows, 4 microbatches of one row: a static export
     staged = graphopt.optimize(model, args, example_kwargs=kwargs, stages=2, frontend="export")
+    assert staged.meta["graphopt_batch"] is None
+    _same_as_model(model, staged, args, kwargs, rtol=1e-6)
     with pytest.raises(graphopt.UsageError, match="PipelineRunner"):
-        staged(*args, **kwargs)
+        staged(*first_microbatch(args, kwargs, 2)[0], **first_microbatch(args, kwargs, 2)[1])
     with pytest.raises(graphopt.UsageError, match="microbatches=4"):
         PipelineRunner(staged, 0, 2, "cpu", microbatches=2, example_args=args, example_kwargs=kwargs)
-    with pytest.raises(graphopt.UsageError, match="equal microbatches"):
-        graphopt.optimize(model, args, example_kwargs=kwargs, passes=["pipeline{stages=2 microbatches=3}"],
-                          frontend="export")
+
+
+def test_microbatch_counts_the_batch_cannot_take():
+    model, args, kwargs = _model()
     with pytest.raises(graphopt.UsageError, match="fewer than the 16 microbatches"):
         graphopt.optimize(model, args, example_kwargs=kwargs, passes=["pipeline{stages=2 microbatches=16}"])
     two_heads, x, extra = zoo.two_heads(batch=8)
     with pytest.raises(graphopt.UsageError, match="different sizes along dim 0"):  # a mask that is not a batch
         graphopt.optimize(two_heads, x, example_kwargs={**extra, "mask": extra["mask"][:1]}, stages=2)
+
+
+def test_outputs_that_do_not_merge_are_refused():
+    from graphopt.runtime.microbatch_call import merge_outputs
+
+    loss = merge_outputs([torch.tensor(1.0), torch.tensor(3.0)], [2, 2])
+    assert loss.item() == 2.0  # the mean microbatch loss, as the schedules' gradients are
+    rows = merge_outputs([{"x": torch.zeros(2, 3), "n": 5}, {"x": torch.ones(2, 3), "n": 5}], [2, 2])
+    assert rows["x"].shape == (4, 3) and rows["n"] == 5
+    with pytest.raises(graphopt.UsageError, match="no merge"):
+        merge_outputs([torch.zeros(3), torch.ones(3)], [2, 2])  # neither the batch's rows nor a loss
+    with pytest.raises(graphopt.UsageError, match="no merge"):
+        merge_outputs([7, 8], [2, 2])
 
 
 def test_the_torchrun_example_trains():

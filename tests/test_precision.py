@@ -26,6 +26,11 @@ BEFORE = "normalize,cse,dce"  # the default pipeline: what the precision pass is
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _precision_row(opt):
+    """The precision pass's report row (the default inplace may run after it)."""
+    return next(r for r in opt.graphopt_report.passes if r.name.startswith("precision"))
+
+
 def hf(name):
     pytest.importorskip("transformers")
     return zoo.HF_ZOO[name]()
@@ -72,13 +77,13 @@ def assert_autocast_dtypes(name, dtype):
 @pytest.mark.parametrize("name", MODELS)
 def test_every_op_has_the_dtype_autocast_gives_it(name):
     opt = assert_autocast_dtypes(name, "bf16")
-    stats = opt.graphopt_report.passes[-1].stats
+    stats = _precision_row(opt).stats
     assert stats["ops_by_dtype"]["bf16"] > 0 and stats["casts_inserted"] > 0 and stats["declined"] == {}
 
 
 def test_fp16_dtypes_follow_autocast_too():
     opt = assert_autocast_dtypes("gpt", "fp16")
-    assert opt.graphopt_report.passes[-1].stats["dtype"] == "fp16"
+    assert _precision_row(opt).stats["dtype"] == "fp16"
 
 
 def test_autocast_lists_follow_the_device():
@@ -100,7 +105,7 @@ def test_cuda_autocast_lists_on_a_cuda_graph(monkeypatch):
         if op is not None and op.name in ("layer_norm", "cross_entropy", "linear", "scaled_dot_product_attention_dropout"):
             want = torch.bfloat16 if op.precision == "lower" else torch.float32
             assert tensor_info(node).dtype == want, node.name
-    assert opt.graphopt_report.passes[-1].stats["autocast_device"] == "cuda"
+    assert _precision_row(opt).stats["autocast_device"] == "cuda"
 
 
 def _vanishing(reference: dict, key: str) -> bool:
@@ -134,7 +139,7 @@ def test_parameters_stay_float32_masters_cast_once_per_forward():
         model, args, kwargs, _, opt = optimized(name)
         casts = [n for n in opt.graph.nodes if is_cast(n) and n.args[0].op == "get_attr"]
         params = [opt.get_parameter(n.args[0].target) for n in casts]
-        assert len({id(p) for p in params}) == len(params) == opt.graphopt_report.passes[-1].stats["param_casts"]
+        assert len({id(p) for p in params}) == len(params) == _precision_row(opt).stats["param_casts"]
         assert all(p.dtype == torch.float32 for p in model.parameters())
         out = opt(*args, **kwargs)
         loss = out.loss if hasattr(out, "loss") else out["loss"]
@@ -172,7 +177,7 @@ def test_user_casts_are_kept_and_back_to_back_casts_fold():
     # fc2 reads fc1's bf16 output: bf16 -> float32 (the user's) -> bf16 (autocast's) folds away
     fc2 = kept["fc2"]
     assert fc2.args[0] is kept["fc1"]
-    stats = opt.graphopt_report.passes[-1].stats
+    stats = _precision_row(opt).stats
     assert stats["casts_folded"] >= 1 and stats["activation_casts"] == 1  # x, once
     again = parse_pipeline("precision{dtype=bf16}")[0].run(opt, PassContext((x,), {}, train=True))
     assert again.stats["casts_inserted"] == 0  # nothing left to cast, no cast of a cast
@@ -200,7 +205,7 @@ def test_a_call_the_registry_does_not_know_runs_under_autocast_itself():
     # mkldnn layers) only autocast knows: the call runs under torch.autocast, as in eager
     model, x = WithLSTM(), torch.randn(2, 5, 8)
     opt = graphopt.optimize(model, (x,), precision="bf16")
-    stats = opt.graphopt_report.passes[-1].stats
+    stats = _precision_row(opt).stats
     assert stats["under_autocast"] == ["rnn"] and stats["declined"] == {}
     assert dict(opt.named_parameters()).keys() == dict(model.named_parameters()).keys()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -223,7 +228,7 @@ def test_policy_overrides_the_autocast_class():
     assert dtype["cross_entropy"] == torch.bfloat16
     plain_dtype = {n.name: tensor_info(n).dtype for n in plain.graph.nodes if isinstance(tensor_info(n), TensorInfo)}
     assert plain_dtype["head"] == torch.bfloat16 and plain_dtype["cross_entropy"] == torch.float32
-    stats = opt.graphopt_report.passes[-1].stats
+    stats = _precision_row(opt).stats
     assert stats["policy"] == "cross_entropy:low;linear:fp32"
     # a dict and the text form are one policy, and the pass prints back as a pipeline
     p = graphopt.passes.get("precision")(dtype="bf16", policy={"linear": "fp32", "cross_entropy": "low"})
@@ -252,7 +257,7 @@ def test_dtype_spellings_and_the_verifier_tolerance():
     # verify=True compares against float32 eager: it passes only at the tolerance of the
     # compute dtype, which the pass reports to the manager
     opt = graphopt.optimize(model, args, example_kwargs=kwargs, precision="bf16", verify=True)
-    row = opt.graphopt_report.passes[-1]
+    row = _precision_row(opt)
     assert TOLERANCE[torch.float32] < row.max_rel_err <= TOLERANCE[torch.bfloat16]
     stats = row.stats
     assert stats["bytes_saved"] > 0 and stats["activation_bytes_after"] < stats["activation_bytes_before"]

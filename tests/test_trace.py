@@ -112,3 +112,60 @@ def test_bad_inputs_are_usage_errors():
         graphopt.trace(model, (torch.randn(3, 5),))  # wrong width for the first Linear
     with pytest.raises(graphopt.OptionError, match="auto, fx, export"):
         graphopt.trace(model, args, frontend="dynamo")
+
+
+class _BranchesOnItsBatch(torch.nn.Module):
+    def __init__(self, branch):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.branch = branch
+
+    def forward(self, x):
+        if self.branch(x.shape[0]):
+            return self.linear(x) * 2
+        return self.linear(x)
+
+
+def test_an_export_graph_runs_at_any_batch_size():
+    pytest.importorskip("transformers")
+    model, (ids,), kwargs = zoo.hf_bert(batch=4)
+    opt = graphopt.optimize(model, (ids,), example_kwargs=kwargs)
+    assert opt.meta["graphopt_frontend"] == "export" and "dynamic batch" in opt.graphopt_report.runs_at
+    for rows in (2, 8):
+        other = ids.repeat(2, 1)[:rows]
+        more = {k: v.repeat(2, *[1] * (v.dim() - 1))[:rows] for k, v in kwargs.items()}
+        torch.manual_seed(0)  # dropout draws the same masks
+        want = model(other, **more).last_hidden_state
+        torch.manual_seed(0)
+        got = opt(other, **more).last_hidden_state
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(graphopt.UsageError, match="other dimensions"):  # the sequence length is fixed
+        opt(ids[:, :8], **{k: v[:, :8] for k, v in kwargs.items()})
+
+
+@pytest.mark.parametrize("branch, proved, refused", [
+    (lambda rows: rows == 1, "batch 2 and up", 1),  # export proves nothing for batches of 0 and 1
+    (lambda rows: rows > 3, "batch 4 and up", 3),
+    (lambda rows: rows < 6, "batch 2 to 5", 6),
+    (lambda rows: rows % 2 == 0, "batch 2 and up", 3),  # no range says "even": export's own check does
+])
+def test_an_export_graph_keeps_to_the_batch_sizes_export_proved(branch, proved, refused):
+    model, x = _BranchesOnItsBatch(branch), torch.randn(4, 8)
+    opt = graphopt.optimize(model, (x,), frontend="export")
+    assert str(opt.meta["graphopt_batch"]) == proved
+    for rows in (2, 4):
+        if branch(rows) == branch(4):
+            assert torch.equal(opt(torch.ones(rows, 8)), model(torch.ones(rows, 8)))
+    with pytest.raises(graphopt.UsageError, match="torch.export traced it so"):
+        opt(torch.ones(refused, 8))
+
+
+def test_a_batch_the_model_depends_on_or_of_one_row_stays_static():
+    model, x = _BranchesOnItsBatch(lambda rows: rows == 4), torch.randn(4, 8)
+    opt = graphopt.optimize(model, (x,), frontend="export")
+    assert opt.meta["graphopt_batch"] is None and "depends on its size" in opt.graphopt_report.runs_at
+    one = graphopt.optimize(model, (x[:1],), frontend="export")  # an example of one row shows no batch
+    assert one.meta["graphopt_batch"] is None and "one row" in one.graphopt_report.runs_at
+    assert torch.equal(one(x[:1]), model(x[:1]))
+    with pytest.raises(graphopt.UsageError, match="torch.export traced it for those shapes"):
+        one(x)

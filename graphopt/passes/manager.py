@@ -42,12 +42,14 @@ class PassManager:
         if self.dumper:
             self.dumper.graph(0, "trace", gm)
         names = {p.name for p in self.passes}
-        for index, p in enumerate(self.passes, 1):
+        index = 0  # dumps are numbered by the passes that ran
+        for p in self.passes:
             if p.by_default:
                 why = p.skip_by_default(gm, ctx, names)
                 if why:
                     report.skipped[p.name] = why
                     continue
+            index += 1
             before = _count(gm)
             start = time.perf_counter()
             try:

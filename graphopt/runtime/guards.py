@@ -6,6 +6,7 @@ match what the graph was built for raises instead of computing something else.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -13,15 +14,20 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import ModeError, UsageError
+from .microbatch import batch_rows
 
 
-def signature(args: tuple, kwargs: dict) -> tuple:
-    """A hashable description of a call: structure, and per tensor its shape, dtype, device."""
+def signature(args: tuple, kwargs: dict, batch_rows: int | None = None) -> tuple:
+    """A hashable description of a call: structure, and per tensor its shape, dtype, device;
+    with batch_rows, dim 0 of the tensors with that many rows left out (any batch size)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     parts = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            parts.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.device.index))
+            shape = tuple(leaf.shape)
+            if batch_rows is not None and shape and shape[0] == batch_rows:
+                shape = ("batch", *shape[1:])
+            parts.append(("tensor", shape, leaf.dtype, leaf.device.type, leaf.device.index))
         else:
             try:
                 hash(leaf)
@@ -63,16 +69,58 @@ def describe(args: tuple, kwargs: dict) -> str:
     return ", ".join(p for p in parts if p and not p.endswith("="))
 
 
-def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, reason: str, advice: str = REPLAN) -> None:
-    """Raise when gm is called with other shapes than it was planned for (a pass said so)."""
-    expected, shapes = signature(args, kwargs), describe(args, kwargs)
+def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, reason: str, advice: str = REPLAN,
+                        also: tuple[tuple, dict] | None = None) -> None:
+    """Raise when gm is called with other shapes than it was planned for (a pass said so), or
+    than `also`'s, a second call it takes."""
+    expected, shapes = {signature(args, kwargs)}, describe(args, kwargs)
+    if also is not None:
+        expected.add(signature(*also))
+        shapes += f" (or {describe(*also)})"
 
     def check(module, call_args, call_kwargs):
-        if signature(call_args, call_kwargs) != expected:
+        if signature(call_args, call_kwargs) not in expected:
             raise UsageError(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
                              f"{describe(call_args, call_kwargs)}; {advice}")
 
     gm.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def install_batch_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, batch) -> None:
+    """Raise when gm is called with shapes other than the example's outside dim 0 of its batched
+    inputs, or with a batch outside `batch` (export_batch.BatchRange), the sizes export proved
+    the graph for: a branch the model took for the example batch holds inside them only."""
+    rows = batch_rows(args, kwargs)
+    expected, shapes = signature(args, kwargs, rows), describe(args, kwargs)
+    high = float("inf") if batch.high is None else batch.high
+
+    def refuse(call_args, call_kwargs, why=""):
+        return UsageError(f"this graphopt module runs at {batch} with the other dimensions of the example inputs "
+                          f"{shapes} (torch.export traced it so{why}), and got {describe(call_args, call_kwargs)}; "
+                          f"{REPLAN}")
+
+    def check(module, call_args, call_kwargs):
+        got = batch_rows(call_args, call_kwargs)
+        fits = got is not None and batch.low <= got <= high
+        if not fits or signature(call_args, call_kwargs, got) != expected:
+            raise refuse(call_args, call_kwargs)
+
+    # before export's own input checks, which raise bare AssertionErrors
+    gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
+    # Inside the range, export's graph checks what a range cannot say (a batch the model needs
+    # even, say) as its first step, before computing anything: its failure is the user's call.
+    plain = type(gm).forward
+
+    @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
+    def forward(self, *call_args, **call_kwargs):
+        try:
+            return plain(self, *call_args, **call_kwargs)
+        except AssertionError as e:
+            if not str(e).startswith("Guard failed"):
+                raise
+            raise refuse(call_args, call_kwargs, f"; {e}") from None
+
+    type(gm).forward = forward
 
 
 def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:

@@ -30,6 +30,17 @@ def first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple[tupl
     return tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()}
 
 
+def split_batch(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
+    """The k microbatches of a batch, split as first_microbatch splits it (tensor_split along
+    dim 0 of every tensor with one or more dimensions; other values whole in each)."""
+    first_microbatch(args, kwargs, k)  # the same checks: one batch size, at least k rows
+
+    def part(v, i):
+        return v.tensor_split(k)[i] if isinstance(v, torch.Tensor) and v.dim() else v
+
+    return [(tuple(part(a, i) for a in args), {name: part(v, i) for name, v in kwargs.items()}) for i in range(k)]
+
+
 def _batched(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim()]
 

@@ -1,9 +1,27 @@
 """What tests and benchmarks measure graphopt against: budgets at a share of a step's peak,
-and the pipeline partitions of other libraries (equal layers, equal parameters)."""
+the pipeline partitions of other libraries (equal layers, equal parameters), and eager run
+microbatch by microbatch."""
 from __future__ import annotations
+
+import torch
 
 from ..analysis.memory import GB, Estimate
 from ..passes.pipeline.partition import Partition, StageFacts, partition
+from ..runtime.microbatch import batch_rows, split_batch
+from ..runtime.microbatch_call import merge_outputs
+
+
+class Microbatched(torch.nn.Module):
+    """Eager on the microbatches PipelineRunner would cut a batch into, outputs merged as the
+    staged graph merges them: what a staged graph called with a whole batch must equal."""
+
+    def __init__(self, model: torch.nn.Module, microbatches: int):
+        super().__init__()
+        self.model, self.microbatches = model, microbatches
+
+    def forward(self, *args, **kwargs):
+        parts = split_batch(args, kwargs, self.microbatches)
+        return merge_outputs([self.model(*a, **k) for a, k in parts], [batch_rows(a, k) for a, k in parts])
 
 
 def budget_at(estimate: Estimate, f: float) -> float:

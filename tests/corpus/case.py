@@ -29,6 +29,18 @@ class Case:
         loss = self.loss.repeated(k) if hasattr(self.loss, "repeated") else self.loss
         return Case(self.model, args, kwargs, loss)
 
+    def with_rows(self, n: int) -> "Case":
+        """The same model on a batch of n rows: the batch repeated as needed, then its first n."""
+        rows = min(t.shape[0] for t in pytree.tree_leaves((self.args, self.kwargs))
+                   if isinstance(t, torch.Tensor) and t.dim())
+        grown = self.repeated(-(-n // rows))
+
+        def first(t):
+            return t[:n] if t.dim() and t.shape[0] == rows * -(-n // rows) else t
+        args, kwargs = pytree.tree_map_only(torch.Tensor, first, (grown.args, grown.kwargs))
+        loss = grown.loss.first(n) if hasattr(grown.loss, "first") else grown.loss
+        return Case(self.model, args, kwargs, loss)
+
 
 def own_loss(out) -> torch.Tensor:
     """The loss a model with labels computes itself (transformers' ModelOutput.loss)."""
@@ -47,6 +59,9 @@ class cross_entropy:  # noqa: N801 (used as a function: the loss of a Case)
 
     def repeated(self, k: int) -> "cross_entropy":
         return cross_entropy(self.targets.repeat(k))
+
+    def first(self, n: int) -> "cross_entropy":
+        return cross_entropy(self.targets[:n])
 
 
 def images(batch: int = 2, size: int = 64, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
