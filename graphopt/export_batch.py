@@ -1,6 +1,6 @@
 """torch.export with a dynamic batch dimension, so that an exported graph runs at other batch sizes.
 
-Dim 0 of every tensor input with the batch's rows (runtime/microbatch.batch_rows) is one
+Dim 0 of every tensor input with the batch's rows (batch.batch_rows) is one
 dimension, "batch", given to export as Dim.AUTO: export keeps it dynamic where the model lets
 it, over the range it proves (from 2: it reasons about sizes 0 and 1 apart), and static where
 the model's code depends on its value. The range is what the result accepts
@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
-from .runtime.microbatch import batch_rows
+from .batch import batch_rows
 
 @dataclass(frozen=True)
 class BatchRange:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import batch_rows, batched
 from ..errors import UsageError
+
+__all__ = ["batch_rows", "first_microbatch", "split_batch", "splits_evenly"]
 
 
 def first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
     """The first of `microbatches` parts of a batch, split as torch.distributed.pipelining
     splits it: every tensor of one or more dimensions along dim 0 (tensor_split), other
     values whole."""
-    sizes = {int(v.shape[0]) for v in _batched(args, kwargs)}
+    sizes = {int(v.shape[0]) for v in batched(args, kwargs)}
     if len(sizes) > 1:  # one of them is not a batch: splitting it would pair the wrong rows
         raise UsageError(f"the tensor inputs have different sizes along dim 0 ({sorted(sizes)}), and pipeline "
                          "schedules split every tensor input along dim 0 into microbatches: make the inputs "
@@ -41,14 +44,5 @@ def split_batch(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
     return [(tuple(part(a, i) for a in args), {name: part(v, i) for name, v in kwargs.items()}) for i in range(k)]
 
 
-def _batched(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim()]
-
-
-def batch_rows(args: tuple, kwargs: dict) -> int | None:
-    """The fewest rows along dim 0 among the inputs a schedule splits (None: none is split)."""
-    return min((v.shape[0] for v in _batched(args, kwargs)), default=None)
-
-
 def splits_evenly(args: tuple, kwargs: dict, microbatches: int) -> bool:
-    return all(v.shape[0] % microbatches == 0 for v in _batched(args, kwargs))
+    return all(v.shape[0] % microbatches == 0 for v in batched(args, kwargs))
