@@ -11,11 +11,12 @@ from .errors import BudgetError, GraphoptError, ModeError, OptionError, TraceErr
 from .passes import available as available_passes
 from .report import PassRecord, Report
 from .trace import trace
+from .train_step import TrainStep, train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "trace", "available_passes", "DEFAULT_PASSES",
+    "optimize", "train_step", "TrainStep", "trace", "available_passes", "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
     "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "ModeError",
 ]
