@@ -44,7 +44,8 @@ from .analysis.segments import recomputing
 from .api import optimize
 from .errors import BudgetError, OptionError, TraceError, UsageError
 from .runtime.guards import describe, signature
-from .runtime.microbatch import batch_rows, split_batch, splits_evenly
+from .batch import batch_rows, batched
+from .runtime.microbatch import split_batch, splits_evenly
 from .runtime.step import step_loss
 from .trace import check_inputs
 from .trial import trial_run
@@ -378,18 +379,13 @@ def _check_microbatches(value, args: tuple, kwargs: dict) -> int:
     return int(value)
 
 
-def _batched(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors a split cuts: the arguments that are tensors of one or more dimensions."""
-    return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim()]
-
-
 def _unsplittable(args: tuple, kwargs: dict) -> str | None:
     """Why the batch cannot be cut into microbatches, or None."""
     if any(isinstance(t, torch.Tensor) for v in (*args, *kwargs.values()) if not isinstance(v, torch.Tensor)
            for t in pytree.tree_leaves(v)):
         return ("a tensor inside a container argument (a list, a dict) would reach every microbatch whole; "
                 "pass the batch's tensors as arguments of their own")
-    sizes = {int(t.shape[0]) for t in _batched(args, kwargs)}
+    sizes = {int(t.shape[0]) for t in batched(args, kwargs)}
     if not sizes:
         return "no tensor argument has a batch dimension"
     if len(sizes) > 1:
