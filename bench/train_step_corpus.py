@@ -70,7 +70,11 @@ def main(argv=None) -> int:
     lines = [HEAD, "|" + "---|" * HEAD.count(" | ") + "---|"]
     print("\n".join(lines), flush=True)
     for name in names:
-        lines.append(row(name))
+        try:
+            lines.append(row(name))
+        except Exception as e:  # one model's failure is a row of the table, not the end of it
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            lines.append(f"| {name} |" + " |" * 8 + f" error: {type(e).__name__}: {first} |")
         print(lines[-1], flush=True)
     if options.out:
         with open(options.out, "w") as f:

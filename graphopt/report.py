@@ -32,6 +32,8 @@ class Report:
     # passes optimize() chooses when given none that did not pay on this graph, with why
     skipped: dict[str, str] = field(default_factory=dict)
     runs_at: str | None = None  # the input shapes the result accepts, and why
+    # what a caller built around the graph decided, as lines (train_step: its microbatches, BatchNorm)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,15 +51,15 @@ class Report:
         return [head] + body
 
     def notes_text(self) -> list[str]:
-        """Which passes ran because none were named, why the others of the default did not, and
-        which inputs the result takes."""
+        """Which passes ran because none were named, why the others of the default did not, which
+        inputs the result takes, and the notes of what runs it."""
         lines = [f"runs at: {self.runs_at}"] if self.runs_at else []
         ran = [r.name for r in self.passes if r.by_default]
         if not ran and not self.skipped:
-            return lines
+            return lines + self.notes
         lines += [f"default passes run: {', '.join(ran) or 'none'}"]
         lines += [f"default pass not run: {name}: {why}" for name, why in self.skipped.items()]
-        return lines
+        return lines + self.notes
 
     def to_markdown(self) -> str:
         rows = self.rows()

@@ -38,11 +38,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from .analysis.fake_state import fake_run
-from .analysis.memory import GB, _StepTracker, budget_text, measure_peak, size_text
+from .analysis.memory import GB, budget_text, measure_peak, predict_peak, size_text
 from .analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
-from .analysis.segments import recomputing
 from .api import optimize
 from .errors import BudgetError, OptionError, TraceError, UsageError
+from .passes.recompute.recompute_pass import Recompute
 from .runtime.guards import describe, signature
 from .batch import batch_rows, batched
 from .runtime.microbatch import split_batch, splits_evenly
@@ -90,13 +90,15 @@ class TrainStep:
     int that splits the batch into equal parts. Other keyword arguments go to
     graphopt.optimize (passes, precision, optimizer, frontend, ...).
 
-    Attributes: microbatches (k), graph, report (graph.graphopt_report), notes (the
-    microbatch decision and warnings, as lines), predicted_peak_bytes (with budget_gb).
+    Attributes: microbatches (k), graph, report (graph.graphopt_report, whose notes end with
+    train_step's), notes (the microbatch decision and warnings, as lines), predicted_peak_bytes
+    (with budget_gb).
     """
 
     def __init__(self, model, example_inputs, example_kwargs=None, *, loss_fn=None, budget_gb=None,
                  microbatches="auto", reduction="mean", **optimize_options):
         args, kwargs = check_inputs(model, example_inputs, example_kwargs)
+        budget_gb = _checked_budget(budget_gb)
         self._options = _checked_options(model, loss_fn, reduction, budget_gb, optimize_options)
         self.model, self.loss_fn, self.reduction, self.budget_gb = model, loss_fn, reduction, budget_gb
         self._example = (args, kwargs)
@@ -114,6 +116,7 @@ class TrainStep:
                 raise self._refusal(k, self._least(k, e), e, f" in {k} microbatch{'es' if k > 1 else ''}") from None
         self.report = self.graph.graphopt_report
         self._warn_batchnorm()
+        self.report.notes += [f"train_step: {self._shape_text()}", *self.notes]
 
     # -- choosing k -----------------------------------------------------------------------
 
@@ -257,16 +260,9 @@ class TrainStep:
 
         try:
             with _gradients(self.model, present=k > 1), fake_run(graph, (args, kwargs)) as (mode, (fa, fkw)):
-                tracker = _StepTracker(recomputing)
                 grads = [p.grad for p in graph.parameters() if p.grad is not None]
-                tracker.add([*graph.parameters(), *graph.buffers(), *grads, *_tensors(fa, fkw)], "resident")
-                if extra is not None:
-                    tracker.add_bytes("optimizer state", extra.state_bytes, "optimizer state")
-                with mode, tracker:
-                    run(fa, fkw)
-                    if extra is not None:
-                        tracker.add_bytes("optimizer step", extra.step_bytes, "optimizer step")
-                return tracker.peak
+                return predict_peak(lambda: run(fa, fkw), mode,
+                                    [*graph.parameters(), *graph.buffers(), *grads, *_tensors(fa, fkw)], extra)
         except UsageError:
             raise
         except Exception:  # noqa: BLE001 (a loss_fn that needs real values): measure one real step
@@ -339,7 +335,7 @@ class TrainStep:
         return "the whole batch at once" if k == 1 else f"{k} equal microbatches, one after another"
 
     def __str__(self) -> str:
-        return "\n".join([str(self.report), f"train_step: {self._shape_text()}", *self.notes])
+        return str(self.report)
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -368,6 +364,11 @@ def _checked_options(model, loss_fn, reduction, budget_gb, options: dict) -> dic
         return {**options, "optimizer": check_optimizer(options["optimizer"])}
     except ValueError as e:
         raise OptionError(f"optimizer {e}.") from None
+
+
+def _checked_budget(budget_gb) -> float | None:
+    """budget_gb as optimize() validates it: by the recompute pass's option."""
+    return None if budget_gb is None else Recompute.from_arguments({"budget_gb": budget_gb}).settings["budget_gb"]
 
 
 def _check_microbatches(value, args: tuple, kwargs: dict) -> int:

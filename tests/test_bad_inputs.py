@@ -64,6 +64,19 @@ def _planned():
     return opt
 
 
+def _mse(out, x):
+    return out.pow(2).mean()
+
+
+def _step(**kwargs):
+    return graphopt.train_step(mlp(), (X,), loss_fn=kwargs.pop("loss_fn", _mse), **kwargs)
+
+
+def _eval_step(**kwargs):
+    model = mlp().eval()
+    return graphopt.train_step(model, (X,), loss_fn=_mse, **kwargs)
+
+
 def _file(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("")
@@ -118,6 +131,24 @@ ERRORS = {
     "torch.save": (lambda tmp: _save(_optimized()), UsageError),
     "torch.save with fused groups": (lambda tmp: _save(_optimized(passes="normalize,fuse")), UsageError),
     "torch.save of the lazy form": (lambda tmp: _save(graphopt.optimize(mlp())), UsageError),
+    "train_step of a function": (lambda tmp: graphopt.train_step(lambda x: x, (X,)), UsageError),
+    "train_step, no loss and no loss_fn": (lambda tmp: graphopt.train_step(mlp(), (X,))(X), UsageError),
+    "train_step, loss_fn=3": (lambda tmp: _step(loss_fn=3), UsageError),
+    "train_step, a loss that is not a scalar": (lambda tmp: _step(loss_fn=lambda out, x: out)(X), UsageError),
+    "train_step, a loss without grad": (lambda tmp: _step(loss_fn=lambda out, x: out.detach().sum())(X),
+                                        UsageError),
+    "train_step, budget_gb=nan": (lambda tmp: _step(budget_gb=float("nan")), OptionError),
+    "train_step, budget_gb='8'": (lambda tmp: _step(budget_gb="8"), OptionError),
+    "train_step, budget_gb too small": (lambda tmp: _step(budget_gb=1e-9), BudgetError),
+    "train_step, microbatches=3 of 4 rows": (lambda tmp: _step(microbatches=3), OptionError),
+    "train_step, microbatches='two'": (lambda tmp: _step(microbatches="two"), OptionError),
+    "train_step, reduction='max'": (lambda tmp: _step(reduction="max"), OptionError),
+    "train_step, stages=2": (lambda tmp: _step(stages=2), OptionError),
+    "train_step, train=False": (lambda tmp: _step(train=False), OptionError),
+    "train_step, a budget in eval mode": (lambda tmp: _eval_step(budget_gb=1), UsageError),
+    "train_step, microbatches that do not split the call": (lambda tmp: _step(microbatches=2)(X[:3]), UsageError),
+    "train_step planned, another batch size": (lambda tmp: _step(budget_gb=1)(torch.randn(8, 8)), UsageError),
+    "train_step, optimizer='lion'": (lambda tmp: _step(optimizer="lion"), OptionError),
 }
 
 

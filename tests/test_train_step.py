@@ -188,6 +188,7 @@ def test_a_budget_below_the_full_batch_splits_it_and_holds(planned):
     _, want = eager_step(model, args, kwargs)
     assert step.microbatches > 1 and 8 % step.microbatches == 0
     assert any("microbatches" in line for line in step.notes)
+    assert f"train_step: {step.microbatches} equal microbatches" in str(step.report)
     assert measured_peak(step, model, args, kwargs) == step.predicted_peak_bytes <= budget
     _, got = train_step_grads(step, model, args, kwargs)
     assert rel_error(got, want) <= EXACT
@@ -276,6 +277,7 @@ def test_batchnorm_in_microbatches_warns():
     with pytest.warns(UserWarning, match="5 BatchNorm"):
         step = graphopt.train_step(model, args, loss_fn=mse, microbatches=2)
     assert any("BatchNorm" in line for line in step.notes)
+    assert "5 BatchNorm" in str(step.report) and "5 BatchNorm" in step.report.to_markdown()
 
 
 @pytest.mark.parametrize("microbatches, training", [(1, True), (2, False)])

@@ -132,6 +132,22 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
     return Estimate(tracker.peak, tracker.at_peak, tracker.timeline, tracker.work)
 
 
+def predict_peak(run, mode, resident: list, optimizer: OptimizerMemory | None = None) -> int:
+    """Peak bytes of run(), a step on FakeTensors of `mode` (fake_state.fake_run) beyond what a
+    graph holds (a loss computed outside it, say), with `resident` alive throughout and, with
+    an optimizer, its state and its step after run(): estimate_peak's instrument, for a
+    caller's own step."""
+    tracker = _StepTracker(recomputing)
+    tracker.add(resident, "resident")
+    if optimizer is not None:
+        tracker.add_bytes("optimizer state", optimizer.state_bytes, "optimizer state")
+    with mode, tracker:
+        run()
+        if optimizer is not None:
+            tracker.add_bytes("optimizer step", optimizer.step_bytes, "optimizer step")
+    return tracker.peak
+
+
 class _StepTracker(LiveStorage):
     """LiveStorage naming each storage by the part of the step that makes it: a graph node's
     forward, its backward, a segment's rerun in backward, a parameter's gradient."""
