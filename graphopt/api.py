@@ -29,7 +29,7 @@ DEFAULT_PASSES = ("normalize", "cse", "dce", "inplace", "fuse")
 
 
 def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
-                   calibrate=False, precision_policy=None, optimizer=None) -> list[Pass]:
+                   calibrate=False, precision_policy=None, optimizer=None, accumulate=False) -> list[Pass]:
     """The pass list for optimize(): the given (or default) passes plus those the arguments ask
     for. Each argument is validated by the option of the pass that takes it (Pass.arguments)."""
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
@@ -37,7 +37,7 @@ def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, 
         p.by_default = passes is None
     arguments = {"budget_gb": budget_gb, "precision": None if precision_name(precision) == "fp32" else precision,
                  "stages": stages, "profile": profile, "calibrate": calibrate, "precision_policy": precision_policy,
-                 "optimizer": optimizer}
+                 "optimizer": optimizer, "accumulate": accumulate}
     # None, False and {} ask for nothing; any other value is the pass's to take or refuse
     given = {arg: value for arg, value in arguments.items() if value is not None and value is not False and value != {}}
     # Each pass says which arguments it takes (Pass.arguments): the first of them adds it.
@@ -78,6 +78,7 @@ def optimize(
     calibrate: bool = False,
     precision_policy: dict | str | None = None,
     optimizer=None,
+    accumulate: bool = False,
     frontend: str = "auto",
     dump_dir: str | os.PathLike | None = None,
     verify: bool = False,
@@ -98,6 +99,10 @@ def optimize(
       "sgd", "momentum", "adam", "adamw". Its state and its step() are then in the budget,
       measured by running its class on stand-in tensors; without it the budget covers forward
       and backward. With stages, a name: the state each stage holds (default "adam").
+    accumulate: with budget_gb, the step runs with every .grad already present and backward adds
+      into it, as in gradient accumulation after the first microbatch (graphopt.train_step does
+      this for you): the budget covers the gradients from the start. Default: .grad None before
+      each step (optimizer.zero_grad()'s default).
     precision_policy: with precision, per-op modes overriding autocast's, e.g.
       {"softmax": "low", "linear": "fp32"} (modes: low, fp32, promote, follow).
     precision: "bf16" or "fp16" (precision pass). stages: pipeline stages (pipeline pass); the
@@ -117,7 +122,8 @@ def optimize(
     if train is not None and not isinstance(train, bool):
         raise OptionError(f"train must be True, False or None, got {train!r}.")
     pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages, profile=profile,
-                              calibrate=calibrate, precision_policy=precision_policy, optimizer=optimizer)
+                              calibrate=calibrate, precision_policy=precision_policy, optimizer=optimizer,
+                              accumulate=accumulate)
     if not isinstance(verify, bool):
         raise OptionError(f"verify must be True or False, got {verify!r}.")
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None

@@ -10,12 +10,7 @@ How k is chosen (microbatches="auto" with budget_gb):
      a dimension, along dim 0, as runtime/microbatch.py splits it) into equal parts.
   2. For each, graphopt.optimize plans recompute on the first microbatch. From the second
      microbatch on every gradient is resident while the next one runs, and backward adds into
-     it in place: for k > 1 the plan counts one gradient per trainable parameter as optimizer
-     state, resident through the step (_resident_gradients). The estimate then also counts the
-     gradients backward makes as kept, where the real step adds them into the resident ones
-     and frees them: it is over the real step by the gradients made so far, a margin that
-     matters only where parameters outweigh activations (near the end of backward). Exact
-     needs memory.estimate_peak to count a .grad present before the step as resident.
+     it in place: for k > 1 the plan is made so (optimize(..., accumulate=True)).
   3. The user's step on one microbatch (the graph, the loss, the scaled backward) is run on
      FakeTensors under the instrument the estimate uses (_predicted_peak): a loss_fn outside
      the graph allocates what the plan never saw. Over the budget, plan again for a budget
@@ -27,7 +22,6 @@ How k is chosen (microbatches="auto" with budget_gb):
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import numbers
@@ -39,7 +33,7 @@ import torch.utils._pytree as pytree
 
 from .analysis.fake_state import fake_run
 from .analysis.memory import GB, budget_text, measure_peak, predict_peak, size_text
-from .analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
+from .analysis.optimizer_memory import check_optimizer, optimizer_memory
 from .api import optimize
 from .errors import BudgetError, OptionError, TraceError, UsageError
 from .passes.recompute.recompute_pass import Recompute
@@ -52,7 +46,6 @@ from .trial import trial_run
 
 REDUCTIONS = ("mean", "sum")
 REPLANS = 3  # plans again for a lower budget after a predicted step over it
-_ACCUMULATED = "graphopt_accumulated_gradient"
 
 
 def train_step(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *,
@@ -155,13 +148,10 @@ class TrainStep:
                             f" in any number of equal microbatches (tried {tried}{failed})")
 
     def _refusal(self, k: int, least: int, e: BudgetError, where: str = "") -> BudgetError:
-        parts = dict(e.breakdown)
-        if k > 1 and "optimizer state" in parts:  # as the plan counts them
-            parts["optimizer state (and accumulated gradients)"] = parts.pop("optimizer state")
         return BudgetError(
             f"budget_gb={self.budget_gb:g} ({size_text(round(self.budget_gb * GB))}) is below what one training "
             f"step needs{where}: at least {size_text(least)}, with {k} microbatch"
-            f"{'es, gradients accumulated' if k > 1 else ''}, by the estimate{_parts(parts)}. Raise budget_gb "
+            f"{'es, gradients accumulated' if k > 1 else ''}, by the estimate{_parts(e.breakdown)}. Raise budget_gb "
             f"to {budget_text(least)} or more, halve "
             "activations with precision='bf16', or split the model over devices with stages=N.",
             min_budget_gb=least / GB, breakdown=e.breakdown)
@@ -243,9 +233,8 @@ class TrainStep:
         args, kwargs = self._microbatch(k)
         options = dict(self._options)
         optimizer = options.pop("optimizer", None)
-        with _gradients(self.model, present=False):  # the plan is the same whatever .grad holds now
-            graph = optimize(self.model, args, example_kwargs=kwargs, budget_gb=budget_gb,
-                             optimizer=_resident_gradients(optimizer, self.model) if k > 1 else optimizer, **options)
+        graph = optimize(self.model, args, example_kwargs=kwargs, budget_gb=budget_gb, optimizer=optimizer,
+                         accumulate=k > 1, **options)
         return graph, self._predicted_peak(graph, args, kwargs, k, optimizer)
 
     def _predicted_peak(self, graph, args, kwargs, k: int, optimizer) -> int:
@@ -358,9 +347,12 @@ def _checked_options(model, loss_fn, reduction, budget_gb, options: dict) -> dic
     if budget_gb is not None and not model.training and train is not True:
         raise UsageError("the model is in eval mode, where budget_gb plans a forward without backward: call "
                          "model.train() (or pass train=True) so the plan covers the training step.")
+    if "accumulate" in options:
+        raise OptionError("train_step plans its microbatches with the accumulated gradients resident itself: "
+                          "leave accumulate out.")
     if options.get("optimizer") is None:
         return dict(options)
-    try:  # checked here too: with microbatches it is extended before optimize() sees it
+    try:  # before any plan: the predicted step sizes its state too
         return {**options, "optimizer": check_optimizer(options["optimizer"])}
     except ValueError as e:
         raise OptionError(f"optimizer {e}.") from None
@@ -425,43 +417,3 @@ def _gradients(model: torch.nn.Module, present: bool):
     finally:
         for p, g in zip(params, saved):
             p.grad = g
-
-
-def _resident_gradients(optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """An optimizer= for recompute whose state is `optimizer`'s plus one gradient per trainable
-    parameter: recompute counts an optimizer's state resident through the whole step, as the
-    accumulated gradients are from the second microbatch on. (The estimate counts the gradients
-    that backward makes too, kept to the end: over the real step, which adds each into the
-    resident one and frees it, by those made so far. Sound, not tight.)"""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if optimizer is None:
-        base, groups = torch.optim.Optimizer, [{"params": trainable}]
-    elif isinstance(optimizer, str):
-        base, settings = NAMED[optimizer]
-        groups = [{**settings, "params": trainable}]
-    else:
-        base, groups = type(optimizer), optimizer.param_groups
-
-    def __init__(self, params):
-        if base is torch.optim.Optimizer:
-            torch.optim.Optimizer.__init__(self, params, {})
-        else:
-            base.__init__(self, params)
-
-    def step(self, closure=None):
-        result = None if base is torch.optim.Optimizer else base.step(self, closure)
-        with torch.no_grad():  # after base's step: its state initializes on an empty dict
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad and _ACCUMULATED not in self.state[p]:
-                        self.state[p][_ACCUMULATED] = torch.zeros_like(p)
-        return result
-
-    cls = type(f"{base.__name__}WithAccumulatedGradients", (base,), {"__init__": __init__, "step": step})
-    # What recompute reads of it is its class and param_groups (analysis/optimizer_memory.py),
-    # which builds the class again over stand-ins: a class whose __init__ wants more than the
-    # groups is refused there, with the advice to name the optimizer instead.
-    stand_in = cls.__new__(cls)
-    stand_in.param_groups, stand_in.defaults = [dict(g) for g in groups], dict(getattr(optimizer, "defaults", {}))
-    stand_in.state = collections.defaultdict(dict)
-    return stand_in

@@ -117,6 +117,9 @@ ERRORS = {
     "profile=1": (lambda tmp: _optimized(budget_gb=1, profile=1), OptionError),
     "calibrate without budget_gb": (lambda tmp: _optimized(calibrate=True), OptionError),
     "optimizer='lion'": (lambda tmp: _optimized(budget_gb=1, optimizer="lion"), OptionError),
+    "accumulate without budget_gb": (lambda tmp: _optimized(accumulate=True), OptionError),
+    "accumulate='yes'": (lambda tmp: _optimized(budget_gb=1, accumulate="yes"), OptionError),
+    "accumulate with stages": (lambda tmp: _optimized(budget_gb=1, stages=2, accumulate=True), OptionError),
     "budget_gb twice": (lambda tmp: _optimized(budget_gb=1, passes="recompute{budget_gb=1}"), OptionError),
     "dump_dir names a file": (lambda tmp: _optimized(dump_dir=_file(tmp)), UsageError),
     "dump_dir=42": (lambda tmp: _optimized(dump_dir=42), UsageError),
@@ -149,6 +152,7 @@ ERRORS = {
     "train_step, microbatches that do not split the call": (lambda tmp: _step(microbatches=2)(X[:3]), UsageError),
     "train_step planned, another batch size": (lambda tmp: _step(budget_gb=1)(torch.randn(8, 8)), UsageError),
     "train_step, optimizer='lion'": (lambda tmp: _step(optimizer="lion"), OptionError),
+    "train_step, accumulate=True": (lambda tmp: _step(budget_gb=1, accumulate=True), OptionError),
 }
 
 

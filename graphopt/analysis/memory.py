@@ -3,7 +3,10 @@
 GB means 10**9 bytes everywhere in graphopt (budget_gb=8 is 8e9 bytes).
 
 The step is the user's: forward, then backward from the scalar loss the model returns (or,
-when it returns none, from every output with a gradient of its size), other outputs dropped.
+when it returns none, from every output with a gradient of its size), other outputs dropped;
+with .grad None before (optimizer.zero_grad()'s default), or, with accumulate, with every
+trainable parameter's .grad present (gradient accumulation after the first microbatch), which
+backward adds into in place.
 estimate_peak runs that step on FakeTensors under the instrument that measures a real one on
 CPU (live_storage.py): every storage eager autograd allocates is counted, with the node of
 the graph that made it. Only what no fake kernel shows is measured on a real sample (the
@@ -91,7 +94,7 @@ def backward_roots(out) -> list[torch.Tensor]:
 
 
 def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = True,
-                  optimizer: OptimizerMemory | None = None) -> Estimate:
+                  optimizer: OptimizerMemory | None = None, accumulate: bool = False) -> Estimate:
     """Predicted peak bytes of one training step of gm on the example inputs: forward, then
     backward from backward_roots; with train=False, of a forward without grad.
 
@@ -102,12 +105,16 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
 
     optimizer: its state is resident through the step, and its step() runs after backward,
     while every gradient is alive (analysis/optimizer_memory.py).
+    accumulate: every trainable parameter's gradient is resident from the start, and backward
+    adds into it; else none is (whatever .grad the real parameters hold now).
     """
 
     with fake_run(gm, flat_inputs) as (mode, inputs):
         params = list(gm.parameters())
         tracker = _StepTracker(recomputing)
         tracker.add(params, "parameters")
+        with mode:
+            tracker.add(_set_gradients(params, present=accumulate and train), "parameter gradients")
         tracker.add(list(gm.buffers()), "buffers")
         tracker.add([v for v in inputs if isinstance(v, torch.Tensor)], "inputs")
         if optimizer is not None:
@@ -146,6 +153,17 @@ def predict_peak(run, mode, resident: list, optimizer: OptimizerMemory | None = 
         if optimizer is not None:
             tracker.add_bytes("optimizer step", optimizer.step_bytes, "optimizer step")
     return tracker.peak
+
+
+def _set_gradients(params: list, present: bool) -> list[torch.Tensor]:
+    """Give each trainable parameter a gradient (uninitialized: only its storage matters) when
+    present, else none; the gradients given."""
+    grads = []
+    for p in params:
+        p.grad = torch.empty_like(p) if present and p.requires_grad else None
+        if p.grad is not None:
+            grads.append(p.grad)
+    return grads
 
 
 class _StepTracker(LiveStorage):
@@ -260,11 +278,14 @@ def measure_peak(fn, *track) -> int:
     return live.peak
 
 
-def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> int:
+def measure_step(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+                 accumulate: bool = False) -> int:
     """Measured peak bytes of one training step of `module`: forward, then backward from
-    backward_roots (with ones as their gradients), the step estimate_peak predicts. Gradients
-    are cleared after."""
+    backward_roots (with ones as their gradients), the step estimate_peak predicts, with .grad
+    None before or, with accumulate, present (zeros). Gradients are cleared after."""
     kwargs = kwargs or {}
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p) if accumulate and p.requires_grad else None
 
     def step():
         roots = backward_roots(module(*args, **kwargs))

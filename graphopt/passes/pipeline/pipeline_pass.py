@@ -96,6 +96,9 @@ class Pipeline(Pass):
         if given.get("calibrate"):
             raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
                               "budget_gb caps each stage's predicted memory: leave calibrate out.")
+        if given.get("accumulate"):
+            raise OptionError("with stages=, the pipeline accumulates its microbatches' gradients itself and "
+                              "budget_gb caps each stage: leave accumulate out.")
         if "optimizer" in given and not isinstance(given["optimizer"], str):
             raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
                               "(e.g. optimizer='adam'), not an instance.")

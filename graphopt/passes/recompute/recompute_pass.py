@@ -230,7 +230,8 @@ class Recompute(Pass):
 
     name = "recompute"
     runs_after = plans_memory_after("fuse", "inplace", "precision")
-    arguments = {"budget_gb": "budget_gb", "profile": "profile", "calibrate": "calibrate", "optimizer": "optimizer"}
+    arguments = {"budget_gb": "budget_gb", "profile": "profile", "calibrate": "calibrate", "optimizer": "optimizer",
+                 "accumulate": "accumulate"}
     yields_to = ("stages",)
     options = {
         "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
@@ -240,6 +241,8 @@ class Recompute(Pass):
         "calibrate": Option(False, to_bool, "measure one real step and plan again while it is over budget"),
         "optimizer": Option(None, check_optimizer, "the optimizer whose state and step() the budget covers: "
                                                    "a torch.optim.Optimizer or " + ", ".join(NAMED)),
+        "accumulate": Option(False, to_bool, "the step runs with every .grad present, backward adding into it "
+                                             "(gradient accumulation): the budget covers them from the start"),
     }
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -255,7 +258,8 @@ class Recompute(Pass):
         optimizer = self.settings["optimizer"]
         self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
         # Step 1
-        before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer)
+        self.accumulate = self.settings["accumulate"] and ctx.train
+        before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
         if not ctx.train:
             if before.peak_bytes > target:
@@ -285,7 +289,7 @@ class Recompute(Pass):
         candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        search = _Search(gm, inputs, nodes, sel, candidates, self.optimizer)
+        search = _Search(gm, inputs, nodes, sel, candidates, self.optimizer, self.accumulate)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -294,7 +298,7 @@ class Recompute(Pass):
         search.rewrite(plan)
         if self.settings["calibrate"]:
             for round_ in range(1, CALIBRATIONS + 1):
-                measured = _measure(gm, ctx)
+                measured = _measure(gm, ctx, self.accumulate)
                 stats.update(measured_peak_bytes=measured, calibration_rounds=round_)
                 if measured <= limit:
                     break
@@ -306,7 +310,7 @@ class Recompute(Pass):
                                       inference=False, measured=True)
                 search.rewrite(plan)
             else:
-                stats["measured_peak_bytes"] = _measure(gm, ctx)
+                stats["measured_peak_bytes"] = _measure(gm, ctx, self.accumulate)
                 if stats["measured_peak_bytes"] > limit:
                     raise self._error(budget_gb, stats["measured_peak_bytes"], after.breakdown,
                                       inference=False, measured=True)
@@ -353,9 +357,9 @@ class _Search:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
-                 candidates: list, optimizer):
+                 candidates: list, optimizer, accumulate: bool):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
-        self.optimizer = optimizer
+        self.optimizer, self.accumulate = optimizer, accumulate
         self.annotated = False
         self.estimates: dict[int, Estimate] = {}
         self.decision: dict[torch.fx.Node, str] = {}
@@ -382,7 +386,7 @@ class _Search:
         # estimate_peak runs the module, not its metadata: a plan looked at is not annotated.
         if k not in self.estimates:
             self.rewrite(self.candidates[k], annotated=False)
-            self.estimates[k] = estimate_peak(self.gm, self.inputs, optimizer=self.optimizer)
+            self.estimates[k] = estimate_peak(self.gm, self.inputs, optimizer=self.optimizer, accumulate=self.accumulate)
             self.undo()
         return self.estimates[k]
 
@@ -417,10 +421,10 @@ class _Search:
                 note(n, "recompute", self.decision.get(n, "kept"))
 
 
-def _measure(gm: torch.fx.GraphModule, ctx: PassContext) -> int:
+def _measure(gm: torch.fx.GraphModule, ctx: PassContext, accumulate: bool) -> int:
     """Measured peak of one real training step; the model's buffers, gradients and RNG as before."""
     with trial_run(gm, (ctx.example_args, ctx.example_kwargs)):
-        return measure_step(gm, ctx.example_args, ctx.example_kwargs)
+        return measure_step(gm, ctx.example_args, ctx.example_kwargs, accumulate=accumulate)
 
 
 def _pictures(curves: dict, budget_bytes: int) -> dict:
