@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt import passes
+from graphopt import ops, passes
 from graphopt.passes import parse_pipeline
 from graphopt.testing import zoo
 
@@ -143,6 +143,30 @@ def test_normalize_leaves_tiled_heads_alone():
     opt = graphopt.optimize(model, args, passes="normalize")
     assert opt.graphopt_report.passes[0].stats["grouped_query_attention"] == 0
     assert_same_step(model, opt, args, {}, exact=True)
+
+
+class Dropouts(nn.Module):
+    """Dropouts with p=0 (transformers' attention_dropout=0.0), as a module and a function, and
+    one with p=0.5: in training only the last draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.none, self.drop = nn.Linear(8, 8), nn.Dropout(0.0), nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.none(self.lin(x)).relu()
+        return F.dropout(y, 0.0, self.training) * 2 + self.drop(y)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("training", [True, False])
+def test_normalize_removes_dropouts_that_return_their_input(frontend, training):
+    model, args = Dropouts().train(training), (torch.randn(4, 8),)
+    opt = graphopt.optimize(model, args, passes="normalize", frontend=frontend)
+    assert opt.graphopt_report.passes[0].stats["identity_dropouts"] == (2 if training else 3)
+    random = [n for n in opt.graph.nodes if n.op.startswith("call") and getattr(ops.lookup(n, opt), "random", False)]
+    assert len(random) == (1 if training else 0)
+    assert_same_step(model, opt, args, {}, exact=True)  # bitwise, the RNG stream included
 
 
 class Duplicates(nn.Module):

@@ -52,6 +52,14 @@ def may_draw(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     return op.random
 
 
+def is_identity_dropout(op, params: dict) -> bool:
+    """Whether a random op with these bound params is a dropout that draws nothing and returns
+    its input (ATen's dropout for p=0 or train=False returns the input tensor itself). A random
+    op with a `train` switch is a dropout: the registry says so by its params."""
+    return "train" in params and len(op.operands) == 1 and op.output == "tensor" and (
+        params["train"] is False or params.get("p") == 0)
+
+
 def is_impure(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if node.op in ("placeholder", "output"):
         return True

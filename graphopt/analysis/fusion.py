@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from .. import codegen, ops
-from .effects import CALLS, reads_attribute, may_write, state_effect, written_values
+from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
 from .meta import TensorInfo, tensor_info
 
 CYCLE = "would create a cycle (path {path})"
@@ -74,12 +74,6 @@ def example(info: TensorInfo) -> torch.Tensor:
     return torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device="meta")
 
 
-def _is_dropout_identity(op, params) -> bool:
-    # a random op with a `train` switch is a dropout: the registry says so by its params
-    return "train" in params and len(op.operands) == 1 and op.output == "tensor" and (
-        params["train"] is False or params.get("p") == 0)
-
-
 def _one_step(op: str, operands, params) -> tuple[codegen.Group, list[torch.fx.Node]]:
     inputs = list(dict.fromkeys(v for v in operands if isinstance(v, torch.fx.Node)))
     args = tuple(("input", inputs.index(v)) if isinstance(v, torch.fx.Node) else v for v in operands)
@@ -96,7 +90,7 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     bound = ops.bind(node, gm)
     op = ops.lookup(node, gm)
     if op.random:
-        if bound is None or not _is_dropout_identity(op, bound.params):
+        if bound is None or not is_identity_dropout(op, bound.params):
             return "random in training (it draws a mask)" if bound and "train" in bound.params else \
                 f"random ({op.name} draws from the RNG)"
     elif op.kind != "elementwise":

@@ -27,6 +27,10 @@ Algorithm:
      repeated keys and values, saves them for backward and sums their gradients back. Only
      where the kernel takes it: on CPU, and on CUDA without a mask (CUDA's kernels that take a
      mask do not take enable_gqa, and SDPA would fall back to its slow math path).
+  8. Identity dropouts: a dropout with p=0, or in eval mode, returns its input tensor itself
+     and draws nothing (ATen's dropout; the FakeTensor run shows the result sharing the input's
+     storage, offset, shape and strides): its uses read the input, and the node goes. Later
+     passes then see the ops around it as neighbours (fuse, recompute).
 
 Modules with parameters or buffers, and random ops, keep their spelling: their state and
 train/eval behaviour live in the module.
@@ -41,7 +45,8 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..analysis import meta
-from ..analysis.aliases import Aliases
+from ..analysis.aliases import Aliases, storage_key
+from ..analysis.effects import is_identity_dropout
 from .base import Pass, PassContext, PassResult
 from .registry import register
 
@@ -187,10 +192,39 @@ class Normalize(Pass):
         functional, in_place = _functionalize(gm)
         # Step 7
         grouped = _grouped_query_attention(gm)
-        changed = bool(rewritten or functional or grouped)
+        # Step 8
+        dropouts = _identity_dropouts(gm)
+        changed = bool(rewritten or functional or grouped or dropouts)
         return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped,
                                         "functionalized": functional, "kept_in_place": in_place,
-                                        "grouped_query_attention": grouped})
+                                        "grouped_query_attention": grouped, "identity_dropouts": dropouts})
+
+
+def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
+    """Step 8; the number of dropouts removed."""
+    removed = 0
+    for node in list(gm.graph.nodes):
+        op = ops.lookup(node, gm) if node.op.startswith("call") else None
+        if op is None or not op.random:
+            continue
+        bound = ops.bind(node, gm)
+        if bound is None or not is_identity_dropout(op, bound.params):
+            continue
+        x = bound.operands[0]
+        if isinstance(x, torch.fx.Node) and _same_tensor(node.meta.get("val"), x.meta.get("val")):
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+            removed += 1
+    if removed:
+        gm.recompile()
+    return removed
+
+
+def _same_tensor(a, b) -> bool:
+    """Whether two FakeTensors are one tensor as far as any reader can tell."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.layout == b.layout == torch.strided
+            and storage_key(a) == storage_key(b) and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 def _op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
