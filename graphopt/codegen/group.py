@@ -62,7 +62,7 @@ class Group:
         for name in ("inputs", "steps", "outputs", "origin"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "inputs", tuple(i if isinstance(i, Input) else Input(str(i)) for i in self.inputs))
-        object.__setattr__(self, "steps", tuple(_checked(j, s, len(self.inputs)) for j, s in enumerate(self.steps)))
+        object.__setattr__(self, "steps", tuple(checked_step(j, s, len(self.inputs)) for j, s in enumerate(self.steps)))
         if not self.outputs:
             raise ValueError("a fused group needs at least one output step")
         for j in self.outputs:
@@ -103,7 +103,7 @@ def op_info(name: str):
     return op
 
 
-def _checked(j: int, step, n_inputs: int) -> Step:
+def checked_step(j: int, step, n_inputs: int) -> Step:
     if not isinstance(step, Step):
         step = Step(*step)
     op = op_info(step.op)

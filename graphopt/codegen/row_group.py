@@ -1,0 +1,154 @@
+"""The row-group IR: elementwise ops and reductions over the last dimension, one row at a time.
+
+A RowGroup is a Group (group.py) whose program may also reduce a value over its row. Every value
+has a class that says which elements it has for a row of C columns:
+  FULL: C elements (a [..., C] tensor, the rows being its leading dims);
+  ROW:  one element (a [..., 1] tensor: a statistic of the row, or a per-row input);
+  COL:  C elements shared by every row (a [C] tensor: a norm's weight or bias).
+An elementwise step's class is FULL when its refs mix FULL or COL with ROW, or read FULL; ROW
+when it reads only ROW values; COL when only COL values. A Reduce step reads a FULL value and
+is ROW: "sum" adds the row's elements, "max" takes the largest (the gradient is shared evenly
+among the elements equal to it, as torch.amax's backward does).
+
+The norms, softmaxes and losses of the graph are written in these steps by the builders below
+(rms_norm, layer_norm, softmax, log_softmax), the same spelling the fusion analysis will
+recognize in a graph: mean is a sum times 1/C, var a mean of squared deviations.
+
+Everything computes in fp32; this first form takes float32 inputs only (Unsupported otherwise).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .group import Input, Step, Unsupported, checked_step, is_ref
+
+FULL, ROW, COL = "full", "row", "col"
+REDUCTIONS = ("sum", "max")
+
+
+@dataclass(frozen=True)
+class RowInput(Input):
+    kind: str = FULL
+
+
+@dataclass(frozen=True)
+class Reduce:
+    kind: str  # "sum" or "max"
+    arg: tuple  # ("input", k) or ("step", j): a FULL value
+
+    @property
+    def args(self) -> tuple:
+        return (self.arg,)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    inputs: tuple  # RowInput per input
+    steps: tuple  # Step (an elementwise op of the registry) or Reduce
+    outputs: tuple  # step indices
+    origin: tuple = ()
+
+    def __post_init__(self):
+        for name in ("inputs", "steps", "outputs", "origin"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not all(isinstance(i, RowInput) and i.kind in (FULL, ROW, COL) for i in self.inputs):
+            raise ValueError("a row group's inputs are RowInputs of kind 'full', 'row' or 'col'")
+        kinds, steps = [i.kind for i in self.inputs], list(self.steps)
+        for j, s in enumerate(steps):
+            for a in s.args:
+                if is_ref(a) and not (0 <= a[1] < (len(kinds) if a[0] == "input" else j)):
+                    raise ValueError(f"step {j} refers to {a}, which is not an {a[0]} before it")
+            if isinstance(s, Reduce):
+                if s.kind not in REDUCTIONS:
+                    raise ValueError(f"step {j} reduces by {s.kind!r}; a row reduction is one of {REDUCTIONS}")
+                if kinds[s.arg[1] if s.arg[0] == "input" else len(self.inputs) + s.arg[1]] != FULL:
+                    raise ValueError(f"step {j} reduces {s.arg}, which is not a full row")
+            else:  # an elementwise op of the registry with a template, its params completed
+                s = steps[j] = checked_step(j, s, len(self.inputs))
+            kinds.append(self._step_kind(s, kinds))
+        object.__setattr__(self, "steps", tuple(steps))
+        object.__setattr__(self, "_kinds", tuple(kinds))
+        if not self.outputs or len(set(self.outputs)) != len(self.outputs) or \
+                not all(isinstance(j, int) and 0 <= j < len(self.steps) for j in self.outputs):
+            raise ValueError(f"outputs {list(self.outputs)} must name distinct steps")
+        if any(self.step_kind(j) == COL for j in self.outputs):
+            raise ValueError("an output that does not depend on the row: compute it outside the group")
+
+    def _step_kind(self, step, kinds) -> str:
+        if isinstance(step, Reduce):
+            return ROW
+        n = len(self.inputs)
+        found = {kinds[a[1]] if a[0] == "input" else kinds[n + a[1]] for a in step.args if is_ref(a)}
+        if found == {ROW}:
+            return ROW
+        if found == {COL}:
+            return COL
+        return FULL
+
+    def input_kind(self, k: int) -> str:
+        return self._kinds[k]
+
+    def step_kind(self, j: int) -> str:
+        return self._kinds[len(self.inputs) + j]
+
+    def ref_kind(self, ref) -> str:
+        return self.input_kind(ref[1]) if ref[0] == "input" else self.step_kind(ref[1])
+
+    def describe(self) -> str:
+        return " -> ".join(f"row_{s.kind}" if isinstance(s, Reduce) else s.op for s in self.steps)
+
+
+def check_dtypes(group: RowGroup, inputs) -> None:
+    """Unsupported unless every input is float32 (the first form of row kernels)."""
+    for k, t in enumerate(inputs):
+        if t.dtype != torch.float32:
+            raise Unsupported(f"input {k} is {t.dtype}: row kernels take float32 inputs only")
+
+
+# -- builders: the graph's norms and softmaxes as row programs -------------------------------------
+
+
+class _Builder:
+    def __init__(self, kinds):
+        self.inputs = [RowInput(name, kind) for name, kind in kinds]
+        self.steps = []
+
+    def __call__(self, op, *args, **params):
+        self.steps.append(Reduce(op[4:], args[0]) if op.startswith("row_") else Step(op, args, params))
+        return ("step", len(self.steps) - 1)
+
+    def group(self, *outputs) -> RowGroup:
+        return RowGroup(self.inputs, self.steps, [o[1] for o in outputs])
+
+
+def rms_norm(columns: int, eps: float, weight: bool = True) -> RowGroup:
+    """x * rsqrt(mean(x * x) + eps) (* weight), as transformers' RMSNorm computes it."""
+    b = _Builder([("x", FULL)] + ([("weight", COL)] if weight else []))
+    x = ("input", 0)
+    mean = b("mul", b("row_sum", b("mul", x, x)), 1.0 / columns)
+    y = b("mul", x, b("rsqrt", b("add", mean, eps)))
+    return b.group(b("mul", y, ("input", 1)) if weight else y)
+
+
+def layer_norm(columns: int, eps: float, affine: bool = True) -> RowGroup:
+    """(x - mean) * rsqrt(var + eps) (* weight + bias), var the biased variance."""
+    b = _Builder([("x", FULL)] + ([("weight", COL), ("bias", COL)] if affine else []))
+    x = ("input", 0)
+    centered = b("sub", x, b("mul", b("row_sum", x), 1.0 / columns))
+    var = b("mul", b("row_sum", b("mul", centered, centered)), 1.0 / columns)
+    y = b("mul", centered, b("rsqrt", b("add", var, eps)))
+    return b.group(b("add", b("mul", y, ("input", 1)), ("input", 2)) if affine else y)
+
+
+def softmax() -> RowGroup:
+    b = _Builder([("x", FULL)])
+    e = b("exp", b("sub", ("input", 0), b("row_max", ("input", 0))))
+    return b.group(b("div", e, b("row_sum", e)))
+
+
+def log_softmax() -> RowGroup:
+    b = _Builder([("x", FULL)])
+    shifted = b("sub", ("input", 0), b("row_max", ("input", 0)))
+    return b.group(b("sub", shifted, b("log", b("row_sum", b("exp", shifted)))))

@@ -1,0 +1,130 @@
+"""Row kernels (codegen/row_group.py, row_kernel.py) against eager PyTorch in float64, forward and
+backward, in Triton's interpreter: the norms and softmaxes as graphopt writes them, random shapes
+(rows of 1 column, non-powers of two, 3-d leading dims), per-row inputs and outputs, ties of a max."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphopt.codegen import Step, Unsupported
+from graphopt.codegen import row_group as G
+from graphopt.codegen.row_kernel import MAX_COLUMNS, row_call
+from hypothesis_profiles import examples
+
+# Relative to the largest element, float32 kernels against float64 eager; where float32 eager
+# itself is further than that (a norm over one column: its gradient is all cancellation), no
+# further than ten times eager's own distance, as the corpus checks.
+TOLERANCE = 1e-5
+
+
+def _eager(name, columns):
+    eps = 1e-5
+    return {
+        "rms_norm": (G.rms_norm(columns, eps), lambda x, w: F.rms_norm(x, (columns,), w, eps), 2),
+        "rms_norm_plain": (G.rms_norm(columns, eps, weight=False), lambda x: F.rms_norm(x, (columns,), None, eps), 1),
+        "layer_norm": (G.layer_norm(columns, eps), lambda x, w, b: F.layer_norm(x, (columns,), w, b, eps), 3),
+        "layer_norm_plain": (G.layer_norm(columns, eps, affine=False), lambda x: F.layer_norm(x, (columns,), eps=eps), 1),
+        "softmax": (G.softmax(), lambda x: F.softmax(x, -1), 1),
+        "log_softmax": (G.log_softmax(), lambda x: F.log_softmax(x, -1), 1),
+    }[name]
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.detach().abs().max().clamp_min(1e-30)
+    return float((got.detach().double() - want.detach()).abs().max() / scale)
+
+
+def _within(got, eager32, want) -> bool:
+    return _relative(got, want) <= max(TOLERANCE, 10 * _relative(eager32, want))
+
+
+def _check(name: str, shape: tuple, seed: int = 0) -> None:
+    group, eager, n = _eager(name, shape[-1])
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(shape, generator=generator)] + [torch.randn(shape[-1], generator=generator) for _ in range(n - 1)]
+    inputs = [t.requires_grad_() for t in inputs]
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    got, want, plain = row_call(group, *inputs), eager(*wide), eager(*inputs)
+    assert _within(got, plain, want)
+    g = torch.randn(shape, generator=generator)
+    pairs = zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(plain, inputs, g),
+                torch.autograd.grad(want, wide, g.double()))
+    for a, p, b in pairs:
+        assert a.shape == b.shape and _within(a, p, b), name
+
+
+NAMES = ["rms_norm", "rms_norm_plain", "layer_norm", "layer_norm_plain", "softmax", "log_softmax"]
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (3, 37), (2, 3, 100), (5, 1), (2, 1500)], ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_norms_and_softmaxes_equal_eager(name, shape):
+    _check(name, shape)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(name=st.sampled_from(NAMES), rows=st.integers(1, 6), columns=st.integers(1, 300), seed=st.integers(0, 99))
+def test_random_shapes(name, rows, columns, seed):
+    _check(name, (rows, columns), seed)
+
+
+def test_per_row_inputs_and_outputs():
+    """A ROW input (a per-row scale) and ROW outputs (the statistics), each with its gradient."""
+    b = G._Builder([("x", G.FULL), ("scale", G.ROW)])
+    mean = b("mul", b("row_sum", ("input", 0)), 0.125)
+    y = b("mul", b("sub", ("input", 0), mean), ("input", 1))
+    peak = b("row_max", y)
+    group = b.group(y, mean, peak)
+    x, s = torch.randn(3, 8, requires_grad=True), torch.randn(3, 1, requires_grad=True)
+    got = row_call(group, x, s)
+    xd, sd = x.detach().double().requires_grad_(), s.detach().double().requires_grad_()
+    mean_d = xd.mean(-1, keepdim=True)
+    yd = (xd - mean_d) * sd
+    want = (yd, mean_d, yd.amax(-1, keepdim=True))
+    grads = [torch.randn_like(w, dtype=torch.float32) for w in want]
+    for a, w in zip(got, want):
+        assert a.shape == w.shape and _relative(a, w) <= TOLERANCE
+    for a, w in zip(torch.autograd.grad(got, (x, s), grads), torch.autograd.grad(want, (xd, sd), [g.double() for g in grads])):
+        assert a.shape == w.shape and _relative(a, w) <= TOLERANCE
+
+
+def test_a_max_shares_its_gradient_among_ties_as_amax_does():
+    b = G._Builder([("x", G.FULL)])
+    group = b.group(b("row_max", ("input", 0)))
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], requires_grad=True)
+    (grad,) = torch.autograd.grad(row_call(group, x), x, torch.ones(1, 1))
+    (want,) = torch.autograd.grad(x.amax(-1, keepdim=True), x, torch.ones(1, 1))
+    assert torch.equal(grad, want)
+
+
+def test_an_input_without_a_path_to_a_seeded_output_gets_zeros():
+    b = G._Builder([("x", G.FULL), ("w", G.COL)])
+    y = b("mul", ("input", 0), ("input", 1))
+    group = b.group(y, b("row_sum", ("input", 0)))
+    x, w = torch.randn(2, 5, requires_grad=True), torch.randn(5, requires_grad=True)
+    _, total = row_call(group, x, w)
+    gx, gw = torch.autograd.grad(total, (x, w), torch.ones(2, 1))
+    assert torch.equal(gx, torch.ones(2, 5)) and torch.equal(gw, torch.zeros(5))
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: G.RowGroup([G.RowInput("x", G.ROW)], [G.Reduce("sum", ("input", 0))], [0]), "not a full row"),
+    (lambda: G.RowGroup([G.RowInput("x")], [G.Reduce("min", ("input", 0))], [0]), "row reduction is one of"),
+    (lambda: G.RowGroup([G.RowInput("x"), G.RowInput("w", G.COL)], [Step("exp", [("input", 1)])], [0]),
+     "does not depend on the row"),
+    (lambda: G.RowGroup([G.RowInput("x")], [Step("exp", [("step", 0)])], [0]), "not an step before it"),
+    (lambda: G.RowGroup([G.RowInput("x")], [Step("sum", [("input", 0)])], [0]), "only elementwise ops"),
+])
+def test_malformed_groups_say_what_is_wrong(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_what_the_first_form_declines():
+    with pytest.raises(Unsupported, match="float32 inputs only"):
+        row_call(G.softmax(), torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(Unsupported, match="looped form"):
+        row_call(G.softmax(), torch.empty(1, MAX_COLUMNS + 1, device="meta"))
