@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from graphopt.codegen import Step, Unsupported
 from graphopt.codegen import row_group as G
-from graphopt.codegen.row_kernel import MAX_COLUMNS, row_call
+from graphopt.codegen.row_kernel import LOOP_BLOCK, MAX_PERSISTENT, layout, row_call, source
+from graphopt.codegen.row_program import forward_program
 from hypothesis_profiles import examples
 
 # Relative to the largest element, float32 kernels against float64 eager; where float32 eager
@@ -41,13 +42,13 @@ def _within(got, eager32, want) -> bool:
     return _relative(got, want) <= max(TOLERANCE, 10 * _relative(eager32, want))
 
 
-def _check(name: str, shape: tuple, seed: int = 0) -> None:
+def _check(name: str, shape: tuple, seed: int = 0, block: int | None = None) -> None:
     group, eager, n = _eager(name, shape[-1])
     generator = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(shape, generator=generator)] + [torch.randn(shape[-1], generator=generator) for _ in range(n - 1)]
     inputs = [t.requires_grad_() for t in inputs]
     wide = [t.detach().double().requires_grad_() for t in inputs]
-    got, want, plain = row_call(group, *inputs), eager(*wide), eager(*inputs)
+    got, want, plain = row_call(group, *inputs, block=block), eager(*wide), eager(*inputs)
     assert _within(got, plain, want)
     g = torch.randn(shape, generator=generator)
     pairs = zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(plain, inputs, g),
@@ -65,13 +66,31 @@ def test_norms_and_softmaxes_equal_eager(name, shape):
     _check(name, shape)
 
 
+@pytest.mark.parametrize("shape, block", [((3, 37), 16), ((2, 100), 32), ((2, 1500), 256), ((2, 64), 16)], ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_the_looped_form_equals_eager(name, shape, block):
+    """Rows wider than a block, in chunks: passes for the statistics, a last one for the stores."""
+    assert layout(shape[-1], block)[0]
+    _check(name, shape, block=block)
+
+
 @settings(max_examples=examples(30), deadline=None)
-@given(name=st.sampled_from(NAMES), rows=st.integers(1, 6), columns=st.integers(1, 300), seed=st.integers(0, 99))
-def test_random_shapes(name, rows, columns, seed):
-    _check(name, (rows, columns), seed)
+@given(name=st.sampled_from(NAMES), rows=st.integers(1, 6), columns=st.integers(1, 300), seed=st.integers(0, 99),
+       block=st.sampled_from([None, 16, 64]))
+def test_random_shapes(name, rows, columns, seed, block):
+    _check(name, (rows, columns), seed, block)
 
 
-def test_per_row_inputs_and_outputs():
+def test_a_row_wider_than_one_block_is_looped_and_a_narrow_one_is_not():
+    assert layout(MAX_PERSISTENT) == (False, MAX_PERSISTENT)
+    assert layout(MAX_PERSISTENT + 1) == (True, LOOP_BLOCK)
+    assert layout(37) == (False, 64)
+    text = source(G.softmax(), forward_program(G.softmax()), "row_forward", looped=True)
+    assert text.count("for start in range(0, C, BLOCK):") == 3  # max, then sum, then the stores
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_per_row_inputs_and_outputs(block):
     """A ROW input (a per-row scale) and ROW outputs (the statistics), each with its gradient."""
     b = G._Builder([("x", G.FULL), ("scale", G.ROW)])
     mean = b("mul", b("row_sum", ("input", 0)), 0.125)
@@ -79,7 +98,7 @@ def test_per_row_inputs_and_outputs():
     peak = b("row_max", y)
     group = b.group(y, mean, peak)
     x, s = torch.randn(3, 8, requires_grad=True), torch.randn(3, 1, requires_grad=True)
-    got = row_call(group, x, s)
+    got = row_call(group, x, s, block=block)
     xd, sd = x.detach().double().requires_grad_(), s.detach().double().requires_grad_()
     mean_d = xd.mean(-1, keepdim=True)
     yd = (xd - mean_d) * sd
@@ -91,11 +110,12 @@ def test_per_row_inputs_and_outputs():
         assert a.shape == w.shape and _relative(a, w) <= TOLERANCE
 
 
-def test_a_max_shares_its_gradient_among_ties_as_amax_does():
+@pytest.mark.parametrize("block", [None, 2])
+def test_a_max_shares_its_gradient_among_ties_as_amax_does(block):
     b = G._Builder([("x", G.FULL)])
     group = b.group(b("row_max", ("input", 0)))
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], requires_grad=True)
-    (grad,) = torch.autograd.grad(row_call(group, x), x, torch.ones(1, 1))
+    (grad,) = torch.autograd.grad(row_call(group, x, block=block), x, torch.ones(1, 1))
     (want,) = torch.autograd.grad(x.amax(-1, keepdim=True), x, torch.ones(1, 1))
     assert torch.equal(grad, want)
 
@@ -126,5 +146,3 @@ def test_malformed_groups_say_what_is_wrong(build, message):
 def test_what_the_first_form_declines():
     with pytest.raises(Unsupported, match="float32 inputs only"):
         row_call(G.softmax(), torch.randn(2, 8, dtype=torch.float16))
-    with pytest.raises(Unsupported, match="looped form"):
-        row_call(G.softmax(), torch.empty(1, MAX_COLUMNS + 1, device="meta"))

@@ -1,23 +1,22 @@
-"""Triton kernels of a row group (row_group.py): one program per row, the row in one block.
+"""Triton kernels of a row group (row_group.py): one program per row, its program (row_program.py)
+laid out in one of two forms.
 
-Persistent form: the row's C columns fit one block (BLOCK = the next power of two, at most
-MAX_COLUMNS), loaded once, every step computed in registers; a FULL or COL value is a block, a
-ROW value a scalar. Wider rows need the looped form (not built yet: Unsupported).
-
-Forward:
-1. Loads: a FULL input at row * C + cols (the launcher hands rows contiguous), a COL input at
-   cols, a ROW input at row; masked lanes read 0.
-2. One line per step: an elementwise op's registry template over fp32 values (program.py); a
-   reduction over the unmasked lanes (masked lanes hold whatever the templates made of 0).
-3. A store per output: FULL at row * C + cols, ROW at row.
-Backward (reverse mode over the steps, the forward recomputed in place of saved intermediates):
-1. The forward's loads and steps.
-2. Each output's incoming gradient seeds its step's adjoint.
-3. Steps in reverse, each derivative template a contribution to its arg's adjoint, shaped to the
-   arg's class: a FULL step's term into a ROW value is summed over the row; a reduction's term
-   into its FULL arg is broadcast (sum) or shared among the elements equal to the maximum (max).
-4. Stores: a FULL input's gradient at row * C + cols, a ROW input's at row; a COL input's per-row
-   terms into an fp32 [R, C] buffer that the launcher sums over the rows (a column reduction).
+Persistent (the row fits one block, C <= MAX_PERSISTENT): every line once, straight down, the
+row's columns loaded once and kept in registers; a reduce line reduces the block.
+Looped (wider rows): passes over chunks of BLOCK columns.
+1. Each ROW name is known after some pass: a load or a line on known scalars after pass 0, a
+   reduce line one pass after every ROW value its FULL expression depends on.
+2. Pass p (1, 2, ...) walks the chunks, recomputing in each the FULL lines the reduce lines of
+   pass p read (loads included) and adding them into one block-wide accumulator per reduce line
+   (0 for sum, -inf for max), reduced to the row's value after the loop; then the ROW lines that
+   become known.
+3. A last walk over the chunks recomputes what the FULL stores read and stores it; ROW stores
+   follow. A value is recomputed in each pass that needs it rather than kept: a row wider than a
+   block does not fit in registers.
+Either way a FULL or COL value is a block of columns (masked lanes hold whatever the templates
+make of the 0 loaded there, kept out of every reduction and store), a ROW value a scalar;
+pointers are at row * C + cols (FULL), cols (COL) or row (ROW), the launcher handing rows
+contiguous.
 """
 from __future__ import annotations
 
@@ -25,110 +24,106 @@ import math
 
 import torch
 
-from ..ops.templates import render
 from .compile import load
-from .group import Unsupported, is_ref, op_info
 from .kernel import INDENT, module
-from .program import forward_expr, operand_values
-from .row_group import COL, FULL, ROW, Reduce, RowGroup, check_dtypes
+from .row_group import COL, FULL, ROW, RowGroup, check_dtypes
+from .row_program import Line, RowProgram, backward_program, forward_program, vector
 
-MAX_COLUMNS = 1 << 14
-VECTOR = "tl.zeros([BLOCK], dtype=tl.float32) + "
-
-
-def _name(ref) -> str:
-    return f"{'x' if ref[0] == 'input' else 'v'}{ref[1]}"
+MAX_PERSISTENT = 1 << 14  # columns held in one block
+LOOP_BLOCK = 1024  # columns per chunk in the looped form
+AT = {FULL: "row * C + cols", COL: "cols", ROW: "row"}
+NEUTRAL = {"sum": "0.0", "max": "float('-inf')"}
 
 
-def _signature(name: str, pointers: list[str]) -> list[str]:
-    return ["@triton.jit", f"def {name}({', '.join(p + '_ptr' for p in pointers)}, C, BLOCK: tl.constexpr):",
-            INDENT + "row = tl.program_id(0).to(tl.int64)",
-            INDENT + "cols = tl.arange(0, BLOCK)",
-            INDENT + "mask = cols < C"]
+def _load(line: Line) -> str:
+    kind = line.expr  # where it is read from
+    where = "" if kind == ROW else ", mask=mask, other=0.0"
+    return f"{line.target} = tl.load({line.target}_ptr + {AT[kind]}{where}).to(tl.float32)"
 
 
-def _at(kind: str) -> str:
-    return {FULL: "row * C + cols", COL: "cols", ROW: "row"}[kind]
+def _assign(line: Line, kinds: dict) -> str:
+    if line.load:
+        return _load(line)
+    expr = line.expr
+    if vector(line.kind) and not any(vector(kinds[r]) for r in line.reads):
+        expr = f"tl.zeros([BLOCK], dtype=tl.float32) + ({expr})"  # a block, whatever it reads
+    return f"{line.target} = {expr}" + (f"  # {line.comment}" if line.comment else "")
 
 
-def _load(name: str, kind: str, masked: str = "mask") -> str:
-    where = f", mask={masked}, other=0.0" if kind != ROW else ""
-    return f"{name} = tl.load({name}_ptr + {_at(kind)}{where}).to(tl.float32)"
+def _reduced(line: Line) -> str:
+    op = "tl.sum" if line.reduce == "sum" else "tl.max"
+    return f"{op}(tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]}), axis=0)"
 
 
-def _store(name: str, kind: str, value: str) -> str:
-    return f"tl.store({name}_ptr + {_at(kind)}, {value}{', mask=mask' if kind != ROW else ''})"
+def _persistent(program: RowProgram) -> list[str]:
+    kinds = {line.target: line.kind for line in program.lines}
+    body = ["cols = tl.arange(0, BLOCK)", "mask = cols < C"]
+    for line in program.lines:
+        body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds))
+    return body + [f"tl.store({s.pointer}_ptr + {AT[s.kind]}, {s.value}{'' if s.kind == ROW else ', mask=mask'})"
+                   for s in program.stores]
 
 
-def _forward_lines(group: RowGroup) -> list[str]:
-    lines = [_load(f"x{k}", group.input_kind(k)) for k in range(len(group.inputs))]
-    for j, s in enumerate(group.steps):
-        if isinstance(s, Reduce):
-            a = _name(s.arg)
-            expr = (f"tl.sum(tl.where(mask, {a}, 0.0), axis=0)" if s.kind == "sum"
-                    else f"tl.max(tl.where(mask, {a}, float('-inf')), axis=0)")
-            lines.append(f"v{j} = {expr}  # row_{s.kind}")
-        else:
-            lines.append(f"v{j} = {forward_expr(s, torch.float32)}  # {s.op}")
-    return lines
+def _known_after(program: RowProgram) -> dict[str, int]:
+    """Step 1: the pass after which each name is known (for FULL and COL names: after which
+    every ROW value they read is)."""
+    after: dict[str, int] = {}
+    for line in program.lines:
+        needed = max((after[r] for r in line.reads), default=0)
+        after[line.target] = needed + 1 if line.reduce else needed
+    return after
 
 
-def forward_source(group: RowGroup) -> str:
-    pointers = [f"x{k}" for k in range(len(group.inputs))] + [f"out{i}" for i in range(len(group.outputs))]
-    body = _forward_lines(group)
-    body += [_store(f"out{i}", group.step_kind(j), f"v{j}") for i, j in enumerate(group.outputs)]
-    head = [f"# graphopt row forward: {group.describe()}", "import triton", "import triton.language as tl", "", ""]
-    return module(head, _signature("row_forward", pointers) + [INDENT + b for b in body])
+def _closure(program: RowProgram, names) -> list[Line]:
+    """The FULL and COL lines computing `names`, with what they read, in program order."""
+    by_name = {line.target: line for line in program.lines}
+    wanted, stack = set(), [n for n in names if vector(by_name[n].kind)]
+    while stack:
+        name = stack.pop()
+        if name not in wanted:
+            wanted.add(name)
+            stack += [r for r in by_name[name].reads if vector(by_name[r].kind)]
+    return [line for line in program.lines if line.target in wanted]
 
 
-def _contributions(group: RowGroup, j: int) -> list[tuple[tuple, str]]:
-    """(arg ref, term shaped to the arg's class) for each arg of step j a gradient flows into."""
-    s, kind = group.steps[j], group.step_kind(j)
-    if isinstance(s, Reduce):
-        if s.kind == "sum":
-            return [(s.arg, f"{VECTOR}a{j}")]
-        eq = f"tl.where(mask & ({_name(s.arg)} == v{j}), 1.0, 0.0)"
-        return [(s.arg, f"a{j} * {eq} / tl.sum({eq}, axis=0)")]
-    op, out = op_info(s.op), []
-    for i, a in enumerate(s.args):
-        if not is_ref(a) or op.derivatives[i] is None:
-            continue
-        term = render(op.derivatives[i], g=f"a{j}", out=f"v{j}", **operand_values(s))
-        target = group.ref_kind(a)
-        if kind == FULL and target == ROW:
-            term = f"tl.sum(tl.where(mask, {term}, 0.0), axis=0)"
-        elif target != ROW:
-            term = f"{VECTOR}({term})"  # a block, whatever the template's operands are
-        out.append((a, term))
-    return out
+def _chunks(body: list[str]) -> list[str]:
+    return (["for start in range(0, C, BLOCK):", INDENT + "cols = start + tl.arange(0, BLOCK)",
+             INDENT + "mask = cols < C"] + [INDENT + b for b in body])
 
 
-def backward_source(group: RowGroup, has_grad, needs) -> tuple[str, tuple[int, ...]]:
-    """The backward kernel and the inputs it stores a gradient for."""
-    body = _forward_lines(group)
-    assigned = set()
-    seeded = [i for i, g in enumerate(has_grad) if g]
-    for i in seeded:
-        j = group.outputs[i]
-        body.append(_load(f"g{i}", group.step_kind(j)))
-        body.append(f"a{j} = g{i}")
-        assigned.add(f"a{j}")
-    for j in reversed(range(len(group.steps))):
-        if f"a{j}" not in assigned:
-            continue
-        for a, term in _contributions(group, j):
-            target = f"{'d' if a[0] == 'input' else 'a'}{a[1]}"
-            body.append(f"{target} = {term if target not in assigned else f'{target} + {term}'}"
-                        f"  # d step {j} / d {_name(a)}")
-            assigned.add(target)
-    stored = tuple(k for k in range(len(group.inputs)) if needs[k] and f"d{k}" in assigned)
-    # a COL input's gradient is stored per row, as a FULL one: the launcher sums the rows
-    body += [_store(f"d{k}", ROW if group.input_kind(k) == ROW else FULL, f"d{k}") for k in stored]
-    pointers = ([f"x{k}" for k in range(len(group.inputs))] + [f"g{i}" for i in seeded]
-                + [f"d{k}" for k in stored])
-    head = [f"# graphopt row backward: gradients of inputs {list(stored)} of {group.describe()}",
-            "import triton", "import triton.language as tl", "", ""]
-    return module(head, _signature("row_backward", pointers) + [INDENT + b for b in body]), stored
+def _looped(program: RowProgram) -> list[str]:
+    kinds = {line.target: line.kind for line in program.lines}
+    after = _known_after(program)
+    scalars = [line for line in program.lines if line.kind == ROW and not line.reduce]
+    body = [_assign(line, kinds) for line in scalars if after[line.target] == 0]
+    for p in range(1, max((after[line.target] for line in program.lines if line.reduce), default=0) + 1):
+        reduces = [line for line in program.lines if line.reduce and after[line.target] == p]
+        body.append(f"# pass {p}: {', '.join(line.target for line in reduces)}")
+        body += [f"{line.target}_acc = tl.full([BLOCK], {NEUTRAL[line.reduce]}, tl.float32)" for line in reduces]
+        inner = [_assign(line, kinds) for line in _closure(program, [r for line in reduces for r in line.reads])]
+        for line in reduces:
+            value = f"tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]})"
+            inner.append(f"{line.target}_acc = {line.target}_acc + {value}" if line.reduce == "sum"
+                         else f"{line.target}_acc = tl.maximum({line.target}_acc, {value})")
+        body += _chunks(inner)
+        body += [f"{line.target} = {'tl.sum' if line.reduce == 'sum' else 'tl.max'}({line.target}_acc, axis=0)"
+                 f"  # {line.comment}" for line in reduces]
+        body += [_assign(line, kinds) for line in scalars if after[line.target] == p]
+    full = [s for s in program.stores if s.kind != ROW]
+    if full:
+        inner = [_assign(line, kinds) for line in _closure(program, [s.value for s in full])]
+        inner += [f"tl.store({s.pointer}_ptr + {AT[s.kind]}, {s.value}, mask=mask)" for s in full]
+        body += ["# the stores"] + _chunks(inner)
+    return body + [f"tl.store({s.pointer}_ptr + row, {s.value})" for s in program.stores if s.kind == ROW]
+
+
+def source(group: RowGroup, program: RowProgram, name: str, looped: bool) -> str:
+    title = f"# graphopt row {name.split('_')[1]} ({'looped' if looped else 'persistent'}): {group.describe()}"
+    head = [title, "import triton", "import triton.language as tl", "", ""]
+    signature = ["@triton.jit", f"def {name}({', '.join(p + '_ptr' for p in program.pointers)}, C, BLOCK: tl.constexpr):",
+                 INDENT + "row = tl.program_id(0).to(tl.int64)"]
+    body = _looped(program) if looped else _persistent(program)
+    return module(head, signature + [INDENT + b for b in body])
 
 
 # -- launching -------------------------------------------------------------------------------------
@@ -143,19 +138,21 @@ def _rows(group: RowGroup, inputs) -> tuple[tuple, int, int]:
     shape = tuple(full[0].shape)
     if not shape or any(tuple(t.shape) != shape for t in full):
         raise ValueError(f"the full inputs' shapes differ or are 0-dim: {[tuple(t.shape) for t in full]}")
-    c = shape[-1]
-    r = math.prod(shape[:-1])
+    c, r = shape[-1], math.prod(shape[:-1])
     for k, t in enumerate(inputs):
         kind = group.input_kind(k)
         if (kind == COL and t.numel() != c) or (kind == ROW and t.numel() != r):
             raise ValueError(f"input {k} ({kind}) has shape {tuple(t.shape)} for rows of {shape}")
-    if c > MAX_COLUMNS:
-        raise Unsupported(f"rows of {c} columns: the persistent form holds at most {MAX_COLUMNS} (looped form not built)")
     return shape, r, c
 
 
-def _block(c: int) -> int:
-    return max(16, 1 << (c - 1).bit_length())
+def layout(c: int, block: int | None = None) -> tuple[bool, int]:
+    """(looped, BLOCK) for rows of c columns; `block` forces a chunk size (tests of the looped form)."""
+    if block is not None and block < c:
+        return True, block
+    if c <= MAX_PERSISTENT:
+        return False, max(16, 1 << (c - 1).bit_length())
+    return True, LOOP_BLOCK
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -165,33 +162,35 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 _KERNELS: dict = {}
 
 
-def _kernel(source: str, name: str):
-    if source not in _KERNELS:
-        _KERNELS[source] = getattr(load(source), name)
-    return _KERNELS[source]
+def _kernel(text: str, name: str):
+    if text not in _KERNELS:
+        _KERNELS[text] = getattr(load(text), name)
+    return _KERNELS[text]
 
 
-def row_forward(group: RowGroup, inputs) -> list[torch.Tensor]:
+def row_forward(group: RowGroup, inputs, block: int | None = None) -> list[torch.Tensor]:
     shape, r, c = _rows(group, inputs)
+    looped, size = layout(c, block)
     outs = [torch.empty(shape if group.step_kind(j) == FULL else shape[:-1] + (1,), device=inputs[0].device,
                         dtype=torch.float32) for j in group.outputs]
-    kernel = _kernel(forward_source(group), "row_forward")
-    kernel[(r,)](*map(_flat, inputs), *outs, c, BLOCK=_block(c))
+    kernel = _kernel(source(group, forward_program(group), "row_forward", looped), "row_forward")
+    kernel[(r,)](*map(_flat, inputs), *outs, c, BLOCK=size)
     return outs
 
 
-def row_backward(group: RowGroup, inputs, grads, needs) -> list[torch.Tensor | None]:
+def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None) -> list[torch.Tensor | None]:
     """grads: per output, its incoming gradient or None; needs: per input, whether it wants one."""
     shape, r, c = _rows(group, inputs)
-    source, stored = backward_source(group, [g is not None for g in grads], needs)
+    looped, size = layout(c, block)
+    program = backward_program(group, [g is not None for g in grads], needs)
     device = inputs[0].device
     buffers = [torch.empty(shape if group.input_kind(k) != ROW else shape[:-1] + (1,), device=device,
-                           dtype=torch.float32) for k in stored]
-    kernel = _kernel(source, "row_backward")
-    kernel[(r,)](*map(_flat, inputs), *(_flat(g) for g in grads if g is not None), *buffers, c, BLOCK=_block(c))
+                           dtype=torch.float32) for k in program.grads]
+    kernel = _kernel(source(group, program, "row_backward", looped), "row_backward")
+    kernel[(r,)](*map(_flat, inputs), *(_flat(g) for g in grads if g is not None), *buffers, c, BLOCK=size)
     out: list[torch.Tensor | None] = [None] * len(inputs)
-    for k, buffer in zip(stored, buffers):
-        grad = buffer.reshape(-1, c).sum(0) if group.input_kind(k) == COL else buffer
+    for k, buffer in zip(program.grads, buffers):
+        grad = buffer.reshape(-1, c).sum(0) if group.input_kind(k) == COL else buffer  # the column reduction
         out[k] = grad.reshape(inputs[k].shape)
     for k, t in enumerate(inputs):
         if needs[k] and out[k] is None:  # no path from it to an output with a gradient
@@ -203,18 +202,18 @@ class RowFunction(torch.autograd.Function):
     """A row group as one autograd op: its forward and backward kernels."""
 
     @staticmethod
-    def forward(ctx, group: RowGroup, *inputs):
-        ctx.group = group
+    def forward(ctx, group: RowGroup, block, *inputs):
+        ctx.group, ctx.block = group, block
         ctx.save_for_backward(*inputs)
-        outs = row_forward(group, inputs)
+        outs = row_forward(group, inputs, block)
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:]
-        return (None, *row_backward(ctx.group, inputs, list(grads), needs))
+        needs = ctx.needs_input_grad[2:]
+        return (None, None, *row_backward(ctx.group, ctx.saved_tensors, list(grads), needs, ctx.block))
 
 
-def row_call(group: RowGroup, *inputs):
-    return RowFunction.apply(group, *inputs)
+def row_call(group: RowGroup, *inputs, block: int | None = None):
+    """The group on `inputs`, differentiable; `block` forces the looped form's chunk size."""
+    return RowFunction.apply(group, block, *inputs)

@@ -1,0 +1,156 @@
+"""A row group's forward and backward as single-assignment lines over fp32 values, for the row
+kernels (row_kernel.py) to lay out: straight in one block, or in passes over column chunks.
+
+A Line assigns one name once. Its kind says how many values a row has (row_group.py: FULL and
+COL are a block per chunk of columns, ROW is one scalar); a reduce line ("sum" or "max") is ROW
+and reduces its FULL expression over the row's columns. Loads and stores are data too, so the
+layout alone decides where they go.
+
+Forward: a load per input, a line per step (an elementwise op's registry template, program.py;
+a reduction), a store per output.
+Backward (reverse mode, the forward recomputed in place of saved intermediates):
+1. The forward's lines; each output's incoming gradient loaded as its step's first term.
+2. Steps in reverse: once every term of a step's adjoint is known (its users come after it), the
+   adjoint is their sum; then each derivative template is a term for its arg, kind-shaped: a
+   FULL step's term for a ROW value is reduced over the row (a reduce line); a reduction's term
+   for its FULL arg is broadcast (sum), or shared among the elements equal to the maximum (max,
+   as torch.amax's backward: the count of ties is a reduce line too).
+3. Each input that wants a gradient: the sum of its terms, stored; a COL input's per row (the
+   launcher adds the rows up).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.templates import render
+from .group import is_ref, op_info
+from .program import forward_expr, operand_values
+from .row_group import COL, FULL, ROW, Reduce, RowGroup
+
+
+@dataclass(frozen=True)
+class Line:
+    target: str
+    kind: str  # FULL, ROW or COL
+    expr: str  # a load's pointer kind for loads; for a reduce line, the FULL expression it reduces
+    reads: tuple[str, ...] = ()
+    reduce: str | None = None  # "sum" or "max"
+    load: bool = False
+    comment: str = ""
+
+
+@dataclass(frozen=True)
+class Store:
+    pointer: str  # out{i} or d{k}
+    kind: str  # where it goes: FULL (row * C + cols) or ROW (row)
+    value: str
+
+
+@dataclass(frozen=True)
+class RowProgram:
+    pointers: tuple[str, ...]  # in signature order
+    lines: tuple[Line, ...]
+    stores: tuple[Store, ...]
+    grads: tuple[int, ...] = ()  # backward: inputs whose gradient is stored
+
+
+def _name(ref) -> str:
+    return f"{'x' if ref[0] == 'input' else 'v'}{ref[1]}"
+
+
+def _names(expr: str, known) -> tuple[str, ...]:
+    """The names of `known` that expr reads (whole words)."""
+    return tuple(dict.fromkeys(w for w in re.findall(r"\b[a-z]\w*\b", expr) if w in known))
+
+
+class _Lines:
+    def __init__(self):
+        self.lines: list[Line] = []
+        self.kinds: dict[str, str] = {}
+        self._count = 0
+
+    def add(self, target: str, kind: str, expr: str, reduce: str | None = None, load: bool = False,
+            comment: str = "") -> str:
+        self.lines.append(Line(target, kind, expr, () if load else _names(expr, self.kinds), reduce, load, comment))
+        self.kinds[target] = kind
+        return target
+
+    def temp(self, kind: str, expr: str, reduce: str | None = None, comment: str = "") -> str:
+        self._count += 1
+        return self.add(f"t{self._count}", kind, expr, reduce, comment=comment)
+
+
+def _forward(group: RowGroup, lines: _Lines) -> None:
+    for k in range(len(group.inputs)):
+        lines.add(f"x{k}", group.input_kind(k), group.input_kind(k), load=True)
+    for j, s in enumerate(group.steps):
+        if isinstance(s, Reduce):
+            lines.add(f"v{j}", ROW, _name(s.arg), reduce=s.kind, comment=f"row_{s.kind}")
+        else:
+            lines.add(f"v{j}", group.step_kind(j), forward_expr(s, torch.float32), comment=s.op)
+
+
+def forward_program(group: RowGroup) -> RowProgram:
+    lines = _Lines()
+    _forward(group, lines)
+    stores = tuple(Store(f"out{i}", group.step_kind(j), f"v{j}") for i, j in enumerate(group.outputs))
+    pointers = tuple(f"x{k}" for k in range(len(group.inputs))) + tuple(s.pointer for s in stores)
+    return RowProgram(pointers, tuple(lines.lines), stores)
+
+
+def _terms(group: RowGroup, j: int, adjoint: str, lines: _Lines) -> list[tuple[tuple, str]]:
+    """(arg ref, name of its term) for each arg of step j a gradient flows into (Step 2)."""
+    s, kind = group.steps[j], group.step_kind(j)
+    if isinstance(s, Reduce):
+        if s.kind == "sum":
+            return [(s.arg, adjoint)]
+        ties = lines.temp(FULL, f"tl.where({_name(s.arg)} == v{j}, 1.0, 0.0)", comment="elements equal to the max")
+        count = lines.temp(ROW, ties, reduce="sum", comment="how many")
+        return [(s.arg, lines.temp(FULL, f"{adjoint} * {ties} / {count}", comment=f"d row_max(step {j})"))]
+    op, out = op_info(s.op), []
+    for i, a in enumerate(s.args):
+        if not is_ref(a) or op.derivatives[i] is None:
+            continue
+        term = render(op.derivatives[i], g=adjoint, out=f"v{j}", **operand_values(s))
+        comment = f"d {s.op}(step {j}) / d {_name(a)}"
+        reduced = kind == FULL and group.ref_kind(a) == ROW
+        out.append((a, lines.temp(ROW if reduced else kind, term, "sum" if reduced else None, comment)))
+    return out
+
+
+def _sum(names: list[str]) -> str:
+    return " + ".join(names)
+
+
+def backward_program(group: RowGroup, has_grad, needs) -> RowProgram:
+    """has_grad[i]: output i has an incoming gradient; needs[k]: input k wants one."""
+    lines = _Lines()
+    _forward(group, lines)
+    terms: dict[tuple, list[str]] = {}
+    seeded = [i for i, g in enumerate(has_grad) if g]
+    for i in seeded:
+        j = group.outputs[i]
+        terms.setdefault(("step", j), []).append(lines.add(f"g{i}", group.step_kind(j), group.step_kind(j), load=True))
+    for j in reversed(range(len(group.steps))):
+        if ("step", j) not in terms:
+            continue
+        adjoint = lines.add(f"a{j}", group.step_kind(j), _sum(terms[("step", j)]), comment=f"adjoint of step {j}")
+        for a, term in _terms(group, j, adjoint, lines):
+            terms.setdefault(a, []).append(term)
+    grads = tuple(k for k in range(len(group.inputs)) if needs[k] and ("input", k) in terms)
+    stores = []
+    for k in grads:
+        kind = group.input_kind(k)
+        lines.add(f"d{k}", kind, _sum(terms[("input", k)]), comment=f"gradient of input {k}")
+        stores.append(Store(f"d{k}", ROW if kind == ROW else FULL, f"d{k}"))
+    pointers = (tuple(f"x{k}" for k in range(len(group.inputs))) + tuple(f"g{i}" for i in seeded)
+                + tuple(s.pointer for s in stores))
+    return RowProgram(pointers, tuple(lines.lines), tuple(stores), grads)
+
+
+def vector(kind: str) -> bool:
+    """Whether a value of this kind is a block of columns (FULL, COL) rather than a scalar (ROW)."""
+    return kind in (FULL, COL)
