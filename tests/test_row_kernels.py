@@ -144,5 +144,31 @@ def test_malformed_groups_say_what_is_wrong(build, message):
 
 
 def test_what_the_first_form_declines():
-    with pytest.raises(Unsupported, match="float32 inputs only"):
+    with pytest.raises(Unsupported, match="take float32 inputs"):
         row_call(G.softmax(), torch.randn(2, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("rows, classes", [(6, 37), (4, 1000)])
+def test_cross_entropy_per_row_equals_eager(rows, classes, block):
+    """Per-row losses (the target's logit picked by the column index), ignored rows zero; their
+    mean over the rows not ignored is F.cross_entropy's, forward and backward."""
+    generator = torch.Generator().manual_seed(rows)
+    logits = (3 * torch.randn(rows, classes, generator=generator)).requires_grad_()
+    target = torch.randint(0, classes, (rows,), generator=generator)
+    target[1] = -100
+    losses = row_call(G.cross_entropy(), logits, target.reshape(rows, 1), None, block=block)
+    assert losses.shape == (rows, 1) and losses[1].item() == 0.0
+    got = losses.sum() / (target != -100).sum()
+    wide = logits.detach().double().requires_grad_()
+    want, plain = F.cross_entropy(wide, target), F.cross_entropy(logits, target)
+    assert _within(got, plain, want)
+    (a,), (p,), (b,) = (torch.autograd.grad(v, t) for v, t in ((got, logits), (plain, logits), (want, wide)))
+    assert _within(a, p, b) and torch.equal(a[1], torch.zeros(classes))
+
+
+def test_the_column_index_is_made_not_passed():
+    with pytest.raises(ValueError, match="pass None"):
+        row_call(G.cross_entropy(), torch.randn(2, 5), torch.zeros(2, 1, dtype=torch.long), torch.arange(5.0))
+    with pytest.raises(Unsupported, match="per-row ones"):
+        row_call(G.softmax(), torch.zeros(2, 5, dtype=torch.long))

@@ -4,7 +4,9 @@ A RowGroup is a Group (group.py) whose program may also reduce a value over its 
 has a class that says which elements it has for a row of C columns:
   FULL: C elements (a [..., C] tensor, the rows being its leading dims);
   ROW:  one element (a [..., 1] tensor: a statistic of the row, or a per-row input);
-  COL:  C elements shared by every row (a [C] tensor: a norm's weight or bias).
+  COL:  C elements shared by every row (a [C] tensor: a norm's weight or bias);
+  INDEX: the column index 0..C-1, which the kernel makes (no tensor: its input is None), a COL
+        value for picking the target's logit out of a row (cross-entropy).
 An elementwise step's class is FULL when its refs mix FULL or COL with ROW, or read FULL; ROW
 when it reads only ROW values; COL when only COL values. A Reduce step reads a FULL value and
 is ROW: "sum" adds the row's elements, "max" takes the largest (the gradient is shared evenly
@@ -24,7 +26,7 @@ import torch
 
 from .group import Input, Step, Unsupported, checked_step, is_ref
 
-FULL, ROW, COL = "full", "row", "col"
+FULL, ROW, COL, INDEX = "full", "row", "col", "index"
 REDUCTIONS = ("sum", "max")
 
 
@@ -53,9 +55,9 @@ class RowGroup:
     def __post_init__(self):
         for name in ("inputs", "steps", "outputs", "origin"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        if not all(isinstance(i, RowInput) and i.kind in (FULL, ROW, COL) for i in self.inputs):
-            raise ValueError("a row group's inputs are RowInputs of kind 'full', 'row' or 'col'")
-        kinds, steps = [i.kind for i in self.inputs], list(self.steps)
+        if not all(isinstance(i, RowInput) and i.kind in (FULL, ROW, COL, INDEX) for i in self.inputs):
+            raise ValueError("a row group's inputs are RowInputs of kind 'full', 'row', 'col' or 'index'")
+        kinds, steps = [COL if i.kind == INDEX else i.kind for i in self.inputs], list(self.steps)
         for j, s in enumerate(steps):
             for a in s.args:
                 if is_ref(a) and not (0 <= a[1] < (len(kinds) if a[0] == "input" else j)):
@@ -88,7 +90,11 @@ class RowGroup:
         return FULL
 
     def input_kind(self, k: int) -> str:
+        """FULL, ROW or COL (an INDEX input is a COL value)."""
         return self._kinds[k]
+
+    def is_index(self, k: int) -> bool:
+        return self.inputs[k].kind == INDEX
 
     def step_kind(self, j: int) -> str:
         return self._kinds[len(self.inputs) + j]
@@ -100,11 +106,25 @@ class RowGroup:
         return " -> ".join(f"row_{s.kind}" if isinstance(s, Reduce) else s.op for s in self.steps)
 
 
-def check_dtypes(group: RowGroup, inputs) -> None:
-    """Unsupported unless every input is float32 (the first form of row kernels)."""
+INTEGERS = (torch.int32, torch.int64)
+
+
+def check_inputs(group: RowGroup, inputs) -> None:
+    """ValueError unless an index input is given as None and only it; Unsupported unless every
+    other input is float32 or a per-row integer below 2**24 (a class index: exact in fp32)."""
+    if len(inputs) != len(group.inputs):
+        raise ValueError(f"the group has {len(group.inputs)} inputs, got {len(inputs)}")
     for k, t in enumerate(inputs):
-        if t.dtype != torch.float32:
-            raise Unsupported(f"input {k} is {t.dtype}: row kernels take float32 inputs only")
+        if group.is_index(k) != (t is None):
+            why = "the column index is made by the kernel: pass None" if t is not None else \
+                "None is for the column index only"
+            raise ValueError(f"input {k}: {why}")
+        if t is None or t.dtype == torch.float32:
+            continue
+        if not (t.dtype in INTEGERS and group.input_kind(k) == ROW):
+            raise Unsupported(f"input {k} is {t.dtype}: row kernels take float32 inputs, and int32/int64 per-row ones")
+        if t.numel() and t.device.type != "meta" and int(t.abs().max()) >= 2**24:
+            raise Unsupported(f"input {k} holds integers of 2**24 or more, which fp32 does not hold exactly")
 
 
 # -- builders: the graph's norms and softmaxes as row programs -------------------------------------
@@ -146,6 +166,18 @@ def softmax() -> RowGroup:
     b = _Builder([("x", FULL)])
     e = b("exp", b("sub", ("input", 0), b("row_max", ("input", 0))))
     return b.group(b("div", e, b("row_sum", e)))
+
+
+def cross_entropy(ignore_index: int = -100) -> RowGroup:
+    """Per row: logsumexp(logits) - logits[target], 0 where target == ignore_index. Inputs:
+    logits (FULL), target (ROW, integers), the column index (INDEX); the mean over the rows not
+    ignored is the caller's (F.cross_entropy's reduction="mean")."""
+    b = _Builder([("logits", FULL), ("target", ROW), ("cols", INDEX)])
+    x, target = ("input", 0), ("input", 1)
+    peak = b("row_max", x)
+    lse = b("add", b("log", b("row_sum", b("exp", b("sub", x, peak)))), peak)
+    picked = b("row_sum", b("where", b("eq", ("input", 2), target), x, 0.0))
+    return b.group(b("mul", b("sub", lse, picked), b("ne", target, float(ignore_index))))
 
 
 def log_softmax() -> RowGroup:

@@ -26,7 +26,7 @@ import torch
 
 from .compile import load
 from .kernel import INDENT, module
-from .row_group import COL, FULL, ROW, RowGroup, check_dtypes
+from .row_group import COL, FULL, ROW, RowGroup, check_inputs
 from .row_program import Line, RowProgram, backward_program, forward_program, vector
 
 MAX_PERSISTENT = 1 << 14  # columns held in one block
@@ -131,7 +131,7 @@ def source(group: RowGroup, program: RowProgram, name: str, looped: bool) -> str
 
 def _rows(group: RowGroup, inputs) -> tuple[tuple, int, int]:
     """(the FULL inputs' shape, rows R, columns C), checking every input's shape against them."""
-    check_dtypes(group, inputs)
+    check_inputs(group, inputs)
     full = [t for k, t in enumerate(inputs) if group.input_kind(k) == FULL]
     if not full:
         raise ValueError("a row group needs a full input: the rows are its leading dims")
@@ -141,7 +141,7 @@ def _rows(group: RowGroup, inputs) -> tuple[tuple, int, int]:
     c, r = shape[-1], math.prod(shape[:-1])
     for k, t in enumerate(inputs):
         kind = group.input_kind(k)
-        if (kind == COL and t.numel() != c) or (kind == ROW and t.numel() != r):
+        if t is not None and ((kind == COL and t.numel() != c) or (kind == ROW and t.numel() != r)):
             raise ValueError(f"input {k} ({kind}) has shape {tuple(t.shape)} for rows of {shape}")
     return shape, r, c
 
@@ -159,6 +159,11 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1)
 
 
+def _given(inputs) -> list[torch.Tensor]:
+    """The tensors the kernel reads, in signature order (the column index is made, not read)."""
+    return [_flat(t) for t in inputs if t is not None]
+
+
 _KERNELS: dict = {}
 
 
@@ -174,7 +179,7 @@ def row_forward(group: RowGroup, inputs, block: int | None = None) -> list[torch
     outs = [torch.empty(shape if group.step_kind(j) == FULL else shape[:-1] + (1,), device=inputs[0].device,
                         dtype=torch.float32) for j in group.outputs]
     kernel = _kernel(source(group, forward_program(group), "row_forward", looped), "row_forward")
-    kernel[(r,)](*map(_flat, inputs), *outs, c, BLOCK=size)
+    kernel[(r,)](*_given(inputs), *outs, c, BLOCK=size)
     return outs
 
 
@@ -187,13 +192,13 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
     buffers = [torch.empty(shape if group.input_kind(k) != ROW else shape[:-1] + (1,), device=device,
                            dtype=torch.float32) for k in program.grads]
     kernel = _kernel(source(group, program, "row_backward", looped), "row_backward")
-    kernel[(r,)](*map(_flat, inputs), *(_flat(g) for g in grads if g is not None), *buffers, c, BLOCK=size)
+    kernel[(r,)](*_given(inputs), *(_flat(g) for g in grads if g is not None), *buffers, c, BLOCK=size)
     out: list[torch.Tensor | None] = [None] * len(inputs)
     for k, buffer in zip(program.grads, buffers):
         grad = buffer.reshape(-1, c).sum(0) if group.input_kind(k) == COL else buffer  # the column reduction
         out[k] = grad.reshape(inputs[k].shape)
     for k, t in enumerate(inputs):
-        if needs[k] and out[k] is None:  # no path from it to an output with a gradient
+        if needs[k] and out[k] is None and t is not None:  # no path from it to an output with a gradient
             out[k] = torch.zeros_like(t)
     return out
 

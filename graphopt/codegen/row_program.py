@@ -85,7 +85,10 @@ class _Lines:
 
 def _forward(group: RowGroup, lines: _Lines) -> None:
     for k in range(len(group.inputs)):
-        lines.add(f"x{k}", group.input_kind(k), group.input_kind(k), load=True)
+        if group.is_index(k):
+            lines.add(f"x{k}", COL, "cols.to(tl.float32)", comment="the column index")
+        else:
+            lines.add(f"x{k}", group.input_kind(k), group.input_kind(k), load=True)
     for j, s in enumerate(group.steps):
         if isinstance(s, Reduce):
             lines.add(f"v{j}", ROW, _name(s.arg), reduce=s.kind, comment=f"row_{s.kind}")
@@ -97,8 +100,11 @@ def forward_program(group: RowGroup) -> RowProgram:
     lines = _Lines()
     _forward(group, lines)
     stores = tuple(Store(f"out{i}", group.step_kind(j), f"v{j}") for i, j in enumerate(group.outputs))
-    pointers = tuple(f"x{k}" for k in range(len(group.inputs))) + tuple(s.pointer for s in stores)
-    return RowProgram(pointers, tuple(lines.lines), stores)
+    return RowProgram(_read(group) + tuple(s.pointer for s in stores), tuple(lines.lines), stores)
+
+
+def _read(group: RowGroup) -> tuple[str, ...]:
+    return tuple(f"x{k}" for k in range(len(group.inputs)) if not group.is_index(k))
 
 
 def _terms(group: RowGroup, j: int, adjoint: str, lines: _Lines) -> list[tuple[tuple, str]]:
@@ -140,14 +146,13 @@ def backward_program(group: RowGroup, has_grad, needs) -> RowProgram:
         adjoint = lines.add(f"a{j}", group.step_kind(j), _sum(terms[("step", j)]), comment=f"adjoint of step {j}")
         for a, term in _terms(group, j, adjoint, lines):
             terms.setdefault(a, []).append(term)
-    grads = tuple(k for k in range(len(group.inputs)) if needs[k] and ("input", k) in terms)
+    grads = tuple(k for k in range(len(group.inputs)) if needs[k] and ("input", k) in terms and not group.is_index(k))
     stores = []
     for k in grads:
         kind = group.input_kind(k)
         lines.add(f"d{k}", kind, _sum(terms[("input", k)]), comment=f"gradient of input {k}")
         stores.append(Store(f"d{k}", ROW if kind == ROW else FULL, f"d{k}"))
-    pointers = (tuple(f"x{k}" for k in range(len(group.inputs))) + tuple(f"g{i}" for i in seeded)
-                + tuple(s.pointer for s in stores))
+    pointers = _read(group) + tuple(f"g{i}" for i in seeded) + tuple(s.pointer for s in stores)
     return RowProgram(pointers, tuple(lines.lines), tuple(stores), grads)
 
 
