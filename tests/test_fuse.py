@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphopt
 from graphopt.dump import notes
 from graphopt.runtime import FusedOp, launch_count, running_fused
+from graphopt.runtime.fused_row import FusedRowOp
 from graphopt.testing import zoo
 
 pytest.importorskip("triton")
@@ -52,7 +53,7 @@ def fuse(fn, *args, train=True, **modules):
 
 
 def fused_nodes(gm):
-    return [n for n in gm.graph.nodes if isinstance(n.target, FusedOp)]
+    return [n for n in gm.graph.nodes if isinstance(n.target, (FusedOp, FusedRowOp))]
 
 
 def group_nodes(stats):
@@ -269,15 +270,19 @@ def test_models_train_the_same_with_fewer_kernels(name):
 
 
 @pytest.mark.parametrize("train", [True, False])
-def test_the_zoo_gpt_has_no_chain_to_fuse_and_the_report_says_why(train):
-    """Its GELU sits between two linears, each residual add between a linear and a layer norm, and its
-    dropouts are random in training and computeless in eval: every elementwise op is alone."""
+def test_the_zoo_gpt_fuses_each_residual_add_into_the_layer_norm_after_it(train):
+    """Each residual add sits between a linear and a layer norm: it joins the norm in a row kernel.
+    Its GELU sits between two linears, and its dropouts are random in training and computeless in
+    eval: the GELU stays alone, and the report says why."""
     model, args, kwargs = zoo.gpt()
     opt = graphopt.optimize(model, args, example_kwargs=kwargs, passes="normalize,cse,dce,fuse", train=train)
     stats = opt.graphopt_report.passes[-1].stats
-    assert stats["kernels"] == 0 and not fused_nodes(opt)
+    assert stats["kernels"] == len(fused_nodes(opt)) == 5
+    assert group_nodes(stats) == [["blocks_0_ln1"], ["add_1", "blocks_0_ln2"], ["add_2", "blocks_1_ln1"],
+                                  ["add_3", "blocks_1_ln2"], ["add_4", "ln"]]
+    assert all(isinstance(n.target, FusedRowOp) for n in fused_nodes(opt))
     assert stats["alone"]["gelu"] == {"blocks_0_fc": "not elementwise (matmul)",
                                       "blocks_0_out": "not elementwise (matmul)"}
     dropout = "random in training (it draws a mask)"
-    assert (stats["alone"]["add_1"].get("dropout") == dropout) is train
+    assert (stats["alone"]["add"].get("drop") == dropout) is train
     assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-5)

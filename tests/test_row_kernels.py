@@ -92,7 +92,7 @@ def test_a_row_wider_than_one_block_is_looped_and_a_narrow_one_is_not():
 @pytest.mark.parametrize("block", [None, 4])
 def test_per_row_inputs_and_outputs(block):
     """A ROW input (a per-row scale) and ROW outputs (the statistics), each with its gradient."""
-    b = G._Builder([("x", G.FULL), ("scale", G.ROW)])
+    b = G.Builder([("x", G.FULL), ("scale", G.ROW)])
     mean = b("mul", b("row_sum", ("input", 0)), 0.125)
     y = b("mul", b("sub", ("input", 0), mean), ("input", 1))
     peak = b("row_max", y)
@@ -112,7 +112,7 @@ def test_per_row_inputs_and_outputs(block):
 
 @pytest.mark.parametrize("block", [None, 2])
 def test_a_max_shares_its_gradient_among_ties_as_amax_does(block):
-    b = G._Builder([("x", G.FULL)])
+    b = G.Builder([("x", G.FULL)])
     group = b.group(b("row_max", ("input", 0)))
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], requires_grad=True)
     (grad,) = torch.autograd.grad(row_call(group, x, block=block), x, torch.ones(1, 1))
@@ -121,7 +121,7 @@ def test_a_max_shares_its_gradient_among_ties_as_amax_does(block):
 
 
 def test_an_input_without_a_path_to_a_seeded_output_gets_zeros():
-    b = G._Builder([("x", G.FULL), ("w", G.COL)])
+    b = G.Builder([("x", G.FULL), ("w", G.COL)])
     y = b("mul", ("input", 0), ("input", 1))
     group = b.group(y, b("row_sum", ("input", 0)))
     x, w = torch.randn(2, 5, requires_grad=True), torch.randn(5, requires_grad=True)

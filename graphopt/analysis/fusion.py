@@ -1,21 +1,27 @@
-"""Which elementwise nodes can run as one fused kernel (an analysis: it reads the graph, never mutates).
+"""Which nodes can run as one fused kernel (an analysis: it reads the graph, never mutates).
 
 Algorithm:
   1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a Triton
      template in the registry (or a dropout that is the identity: train=False or p=0), bound to
      tensor nodes and Python scalars, contiguous in eager (a kernel writes contiguous tensors),
      and accepted by codegen as a one-step group at its operands' dtypes with eager's result
-     dtype and shape. Every other node gets the reason it stays out.
+     dtype and shape; or a row member (analysis/row_fusion.py: a sum, mean or amax over the last
+     dim, a softmax, log_softmax, layer_norm or rms_norm over it, in float32). Every other node
+     gets the reason it stays out.
      An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
      node that may write memory gets that tensor: the fused result is a copy.
   2. Walk the graph in order and merge each candidate's group with the groups of its candidate
      producers, unless the contracted graph (networkx) would get a cycle (a path from one group to
      the other through a node outside both), or a node that may write memory would lie between
-     the group's first and last node: the fused kernel reads all its inputs at one point.
+     the group's first and last node (the fused kernel reads all its inputs at one point), or the
+     merged group would hold a row member and a value that is not a row, per-row or per-column
+     value of its rows (row_fusion.fits_rows).
   3. Groups with fewer than two ops that compute are dropped (an identity dropout computes
-     nothing). Each remaining group becomes a codegen Group: inputs are the outside tensors it
-     reads, steps its nodes in graph order (an identity dropout is no step: it aliases its input),
-     outputs the nodes used outside it. codegen.supports() has the last word.
+     nothing), unless they hold a norm or softmax (one alone saves eager's statistics). Each
+     remaining group becomes a codegen Group, or a RowGroup when it holds a row member: inputs are
+     the outside tensors it reads (a leaf module's parameters too, for a row group), steps its
+     nodes in graph order (an identity dropout is no step: it aliases its input; a row member the
+     steps of its row program), outputs the nodes used outside it. codegen has the last word.
   4. For each group: the forward memory traffic it saves (eager reads and writes of every node
      minus the fused kernel's reads of inputs and writes of outputs, from TensorInfo.nbytes), and
      for each neighbouring node left out, the reason; the same reasons for each candidate left
@@ -31,8 +37,10 @@ import torch
 import torch.fx
 
 from .. import codegen, ops
+from ..codegen.row_group import RowGroup
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
 from .meta import TensorInfo, tensor_info
+from .row_fusion import NORMALIZING, build_rows, fits_rows, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
 
@@ -46,20 +54,21 @@ class Member:
     operands: tuple  # fx Nodes (tensors) and Python scalars
     params: dict
     identity: bool = False  # a dropout that returns its input
+    row: tuple | None = None  # a row member (analysis/row_fusion.py): the shape of the rows it reduces
 
 
 @dataclass
 class FusionGroup:
     nodes: list[torch.fx.Node]  # graph order
-    inputs: list[torch.fx.Node]
+    inputs: list  # fx Nodes, and for a row group StateInputs (a leaf module's parameters)
     outputs: list[torch.fx.Node]  # the step each one is stored from: group.outputs, same order
     aliases: dict  # identity member -> the input node it returns (it needs no kernel output)
-    group: codegen.Group
+    group: codegen.Group | RowGroup
     bytes_saved: int
     not_fused: dict[str, str] = field(default_factory=dict)  # neighbour node name -> reason
 
     def ops(self) -> list[str]:
-        return [s.op for s in self.group.steps]
+        return [getattr(s, "op", None) or f"row_{s.kind}" for s in self.group.steps]
 
 
 @dataclass
@@ -89,6 +98,12 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
         return effect
     bound = ops.bind(node, gm)
     op = ops.lookup(node, gm)
+    row = row_member(node, gm, op, bound)
+    if row is not None:
+        if isinstance(row, str):
+            return row
+        full, operands, params = row
+        return Member(node, op.name, operands, params, row=full)
     if op.random:
         if bound is None or not is_identity_dropout(op, bound.params):
             return "random in training (it draws a mask)" if bound and "train" in bound.params else \
@@ -148,6 +163,8 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
     writers = [i for i, n in enumerate(order) if may_write(n, gm)]
     span = {n: (i, i) for i, n in enumerate(order) if n in members}  # a root's first and last position
     parent = {n: n for n in members}  # union-find: a group's root is its vertex in q
+    rows = {n: m.row for n, m in members.items()}  # a root's row shape, once it holds a row member
+    held = {n: [m] for n, m in members.items()}  # a root's members
 
     def root(n):
         while parent[n] is not n:
@@ -166,6 +183,12 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
             a, b = root(producer), root(node)
             if a == b:
                 continue
+            full = rows[a] or rows[b]
+            if full is not None:
+                reason = fits_rows(held[a] + held[b], full)
+                if reason is not None:
+                    refused[(producer, node)] = f"not one row group: {reason}"
+                    continue
             lo, hi = min(span[a][0], span[b][0]), max(span[a][1], span[b][1])
             k = bisect.bisect_right(writers, lo)
             if k < len(writers) and writers[k] < hi:
@@ -178,6 +201,8 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
             nx.contracted_nodes(q, a, b, self_loops=False, copy=False)
             parent[b] = a
             span[a] = (lo, hi)
+            rows[a] = full
+            held[a] += held.pop(b)
     groups: dict = {}
     for node in gm.graph.nodes:
         if node in members:
@@ -189,12 +214,20 @@ def _traffic(member: Member) -> int:
     """Bytes eager reads and writes for one node; an identity dropout returns its input untouched."""
     if member.identity:
         return 0
-    reads = sum(tensor_info(v).nbytes for v in dict.fromkeys(member.operands) if isinstance(v, torch.fx.Node))
+    reads = sum(info_of(v).nbytes for v in dict.fromkeys(member.operands) if info_of(v) is not None)
     return reads + tensor_info(member.node).nbytes
 
 
 def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
-    """Step 3 for one group: its codegen Group, or the reason codegen gives for declining it."""
+    """Step 3 for one group: its codegen Group (a RowGroup when it holds a row member), or the
+    reason codegen gives for declining it."""
+    full = next((members[n].row for n in nodes if members[n].row is not None), None)
+    if full is not None:
+        built = build_rows(nodes, members, full)
+        if isinstance(built, str):
+            return built
+        inputs, outputs, aliases, group = built
+        return FusionGroup(nodes, inputs, outputs, aliases, group, _saved_traffic(nodes, members, inputs, outputs))
     inside = set(nodes)
     inputs: list[torch.fx.Node] = []
     refs: dict = {}  # member -> its value inside the group: ("input", k) or ("step", j)
@@ -235,9 +268,12 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
     reason = codegen.supports(group, [example(tensor_info(v)) for v in inputs])
     if reason is not None:
         return f"declined by codegen: {reason}"
+    return FusionGroup(nodes, inputs, outputs, aliases, group, _saved_traffic(nodes, members, inputs, outputs))
+
+
+def _saved_traffic(nodes, members, inputs, outputs) -> int:
     eager = sum(_traffic(members[n]) for n in nodes)
-    fused = sum(tensor_info(v).nbytes for v in inputs) + sum(tensor_info(n).nbytes for n in outputs)
-    return FusionGroup(nodes, inputs, outputs, aliases, group, eager - fused)
+    return eager - sum(info_of(v).nbytes for v in inputs) - sum(tensor_info(n).nbytes for n in outputs)
 
 
 def _neighbours(nodes: list, reasons: dict, refused: dict) -> dict[str, str]:
@@ -274,7 +310,9 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
     # Step 3
     groups, declined, single = [], [], []
     for nodes in node_groups:
-        if sum(not members[n].identity for n in nodes) < 2:
+        # a norm or softmax is a kernel alone (it saves less for backward); an elementwise op or a sum is not
+        alone_pays = any(members[n].op in NORMALIZING and members[n].row is not None for n in nodes)
+        if sum(not members[n].identity for n in nodes) < 2 and not alone_pays:
             single += [n for n in nodes if not members[n].identity]
             continue
         built = build(nodes, members)

@@ -130,57 +130,83 @@ def check_inputs(group: RowGroup, inputs) -> None:
 # -- builders: the graph's norms and softmaxes as row programs -------------------------------------
 
 
-class _Builder:
-    def __init__(self, kinds):
+class Builder:
+    """A row group written one step at a time: b(op, *args, **params) appends an elementwise step
+    of the registry, b("row_sum", x) or b("row_max", x) a reduction; each returns the step's ref.
+    The fusion analysis writes a graph's group this way, node by node."""
+
+    def __init__(self, kinds=()):
         self.inputs = [RowInput(name, kind) for name, kind in kinds]
         self.steps = []
+
+    def input(self, name: str, kind: str) -> tuple:
+        self.inputs.append(RowInput(name, kind))
+        return ("input", len(self.inputs) - 1)
 
     def __call__(self, op, *args, **params):
         self.steps.append(Reduce(op[4:], args[0]) if op.startswith("row_") else Step(op, args, params))
         return ("step", len(self.steps) - 1)
 
-    def group(self, *outputs) -> RowGroup:
-        return RowGroup(self.inputs, self.steps, [o[1] for o in outputs])
+    def group(self, *outputs, origin=()) -> RowGroup:
+        return RowGroup(self.inputs, self.steps, [o[1] for o in outputs], origin)
+
+
+def emit_mean(b: Builder, x, columns: int):
+    return b("mul", b("row_sum", x), 1.0 / columns)
+
+
+def emit_rms_norm(b: Builder, x, weight, columns: int, eps: float):
+    """x * rsqrt(mean(x * x) + eps) (* weight), as transformers' RMSNorm computes it."""
+    y = b("mul", x, b("rsqrt", b("add", emit_mean(b, b("mul", x, x), columns), eps)))
+    return y if weight is None else b("mul", y, weight)
+
+
+def emit_layer_norm(b: Builder, x, weight, bias, columns: int, eps: float):
+    """(x - mean) * rsqrt(var + eps) (* weight) (+ bias), var the biased variance."""
+    centered = b("sub", x, emit_mean(b, x, columns))
+    y = b("mul", centered, b("rsqrt", b("add", emit_mean(b, b("mul", centered, centered), columns), eps)))
+    y = y if weight is None else b("mul", y, weight)
+    return y if bias is None else b("add", y, bias)
+
+
+def emit_softmax(b: Builder, x):
+    e = b("exp", b("sub", x, b("row_max", x)))
+    return b("div", e, b("row_sum", e))
+
+
+def emit_log_softmax(b: Builder, x):
+    shifted = b("sub", x, b("row_max", x))
+    return b("sub", shifted, b("log", b("row_sum", b("exp", shifted))))
 
 
 def rms_norm(columns: int, eps: float, weight: bool = True) -> RowGroup:
-    """x * rsqrt(mean(x * x) + eps) (* weight), as transformers' RMSNorm computes it."""
-    b = _Builder([("x", FULL)] + ([("weight", COL)] if weight else []))
-    x = ("input", 0)
-    mean = b("mul", b("row_sum", b("mul", x, x)), 1.0 / columns)
-    y = b("mul", x, b("rsqrt", b("add", mean, eps)))
-    return b.group(b("mul", y, ("input", 1)) if weight else y)
+    b = Builder([("x", FULL)] + ([("weight", COL)] if weight else []))
+    return b.group(emit_rms_norm(b, ("input", 0), ("input", 1) if weight else None, columns, eps))
 
 
 def layer_norm(columns: int, eps: float, affine: bool = True) -> RowGroup:
-    """(x - mean) * rsqrt(var + eps) (* weight + bias), var the biased variance."""
-    b = _Builder([("x", FULL)] + ([("weight", COL), ("bias", COL)] if affine else []))
-    x = ("input", 0)
-    centered = b("sub", x, b("mul", b("row_sum", x), 1.0 / columns))
-    var = b("mul", b("row_sum", b("mul", centered, centered)), 1.0 / columns)
-    y = b("mul", centered, b("rsqrt", b("add", var, eps)))
-    return b.group(b("add", b("mul", y, ("input", 1)), ("input", 2)) if affine else y)
+    b = Builder([("x", FULL)] + ([("weight", COL), ("bias", COL)] if affine else []))
+    w, bias = (("input", 1), ("input", 2)) if affine else (None, None)
+    return b.group(emit_layer_norm(b, ("input", 0), w, bias, columns, eps))
 
 
 def softmax() -> RowGroup:
-    b = _Builder([("x", FULL)])
-    e = b("exp", b("sub", ("input", 0), b("row_max", ("input", 0))))
-    return b.group(b("div", e, b("row_sum", e)))
+    b = Builder([("x", FULL)])
+    return b.group(emit_softmax(b, ("input", 0)))
+
+
+def log_softmax() -> RowGroup:
+    b = Builder([("x", FULL)])
+    return b.group(emit_log_softmax(b, ("input", 0)))
 
 
 def cross_entropy(ignore_index: int = -100) -> RowGroup:
     """Per row: logsumexp(logits) - logits[target], 0 where target == ignore_index. Inputs:
     logits (FULL), target (ROW, integers), the column index (INDEX); the mean over the rows not
     ignored is the caller's (F.cross_entropy's reduction="mean")."""
-    b = _Builder([("logits", FULL), ("target", ROW), ("cols", INDEX)])
+    b = Builder([("logits", FULL), ("target", ROW), ("cols", INDEX)])
     x, target = ("input", 0), ("input", 1)
     peak = b("row_max", x)
     lse = b("add", b("log", b("row_sum", b("exp", b("sub", x, peak)))), peak)
     picked = b("row_sum", b("where", b("eq", ("input", 2), target), x, 0.0))
     return b.group(b("mul", b("sub", lse, picked), b("ne", target, float(ignore_index))))
-
-
-def log_softmax() -> RowGroup:
-    b = _Builder([("x", FULL)])
-    shifted = b("sub", ("input", 0), b("row_max", ("input", 0)))
-    return b.group(b("sub", shifted, b("log", b("row_sum", b("exp", shifted)))))

@@ -1,18 +1,21 @@
-"""Triton kernels of a row group (row_group.py): one program per row, its program (row_program.py)
-laid out in one of two forms.
+"""Triton kernels of a row group (row_group.py): each program takes a run of rows, its program
+(row_program.py) laid out in one of two forms.
 
-Persistent (the row fits one block, C <= MAX_PERSISTENT): every line once, straight down, the
-row's columns loaded once and kept in registers; a reduce line reduces the block.
-Looped (wider rows): passes over chunks of BLOCK columns.
+Persistent (the row fits one block, C <= MAX_PERSISTENT): a program loops over its ROWS rows, every
+line once per row, straight down, the row's columns loaded once and kept in registers; a reduce
+line reduces the block. A COL store (a weight's gradient) adds into a block-wide accumulator over
+the program's rows, stored once at the end as the program's partial sum: the launcher sums P
+partial rows, not R (Liger-Kernel's and Inductor's split of a norm's weight gradient).
+Looped (wider rows): one row per program, in passes over chunks of BLOCK columns.
 1. Each ROW name is known after some pass: a load or a line on known scalars after pass 0, a
    reduce line one pass after every ROW value its FULL expression depends on.
 2. Pass p (1, 2, ...) walks the chunks, recomputing in each the FULL lines the reduce lines of
    pass p read (loads included) and adding them into one block-wide accumulator per reduce line
    (0 for sum, -inf for max), reduced to the row's value after the loop; then the ROW lines that
    become known.
-3. A last walk over the chunks recomputes what the FULL stores read and stores it; ROW stores
-   follow. A value is recomputed in each pass that needs it rather than kept: a row wider than a
-   block does not fit in registers.
+3. A last walk over the chunks recomputes what the FULL and COL stores read and stores it (a COL
+   store's partial sum is the row's own); ROW stores follow. A value is recomputed in each pass
+   that needs it rather than kept: a row wider than a block does not fit in registers.
 Either way a FULL or COL value is a block of columns (masked lanes hold whatever the templates
 make of the 0 loaded there, kept out of every reduction and store), a ROW value a scalar;
 pointers are at row * C + cols (FULL), cols (COL) or row (ROW), the launcher handing rows
@@ -32,6 +35,7 @@ from .row_program import Line, RowProgram, backward_program, forward_program, ve
 MAX_PERSISTENT = 1 << 14  # columns held in one block
 LOOP_BLOCK = 1024  # columns per chunk in the looped form
 AT = {FULL: "row * C + cols", COL: "cols", ROW: "row"}
+PARTIAL = "pid * C + cols"  # where a program stores its partial sum of a COL store
 NEUTRAL = {"sum": "0.0", "max": "float('-inf')"}
 
 
@@ -57,11 +61,17 @@ def _reduced(line: Line) -> str:
 
 def _persistent(program: RowProgram) -> list[str]:
     kinds = {line.target: line.kind for line in program.lines}
-    body = ["cols = tl.arange(0, BLOCK)", "mask = cols < C"]
+    partial = [s for s in program.stores if s.kind == COL]
+    head = ["cols = tl.arange(0, BLOCK)", "mask = cols < C"]
+    head += [f"{s.value}_acc = tl.zeros([BLOCK], dtype=tl.float32)" for s in partial]
+    body = []
     for line in program.lines:
         body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds))
-    return body + [f"tl.store({s.pointer}_ptr + {AT[s.kind]}, {s.value}{'' if s.kind == ROW else ', mask=mask'})"
-                   for s in program.stores]
+    body += [f"tl.store({s.pointer}_ptr + {AT[s.kind]}, {s.value}{'' if s.kind == ROW else ', mask=mask'})"
+             for s in program.stores if s.kind != COL]
+    body += [f"{s.value}_acc = {s.value}_acc + {s.value}" for s in partial]
+    loop = ["for row in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R)):"] + [INDENT + b for b in body]
+    return head + loop + [f"tl.store({s.pointer}_ptr + {PARTIAL}, {s.value}_acc, mask=mask)" for s in partial]
 
 
 def _known_after(program: RowProgram) -> dict[str, int]:
@@ -112,16 +122,16 @@ def _looped(program: RowProgram) -> list[str]:
     full = [s for s in program.stores if s.kind != ROW]
     if full:
         inner = [_assign(line, kinds) for line in _closure(program, [s.value for s in full])]
-        inner += [f"tl.store({s.pointer}_ptr + {AT[s.kind]}, {s.value}, mask=mask)" for s in full]
+        inner += [f"tl.store({s.pointer}_ptr + {AT[FULL]}, {s.value}, mask=mask)" for s in full]
         body += ["# the stores"] + _chunks(inner)
-    return body + [f"tl.store({s.pointer}_ptr + row, {s.value})" for s in program.stores if s.kind == ROW]
+    return ["row = pid"] + body + [f"tl.store({s.pointer}_ptr + row, {s.value})" for s in program.stores if s.kind == ROW]
 
 
 def source(group: RowGroup, program: RowProgram, name: str, looped: bool) -> str:
     title = f"# graphopt row {name.split('_')[1]} ({'looped' if looped else 'persistent'}): {group.describe()}"
     head = [title, "import triton", "import triton.language as tl", "", ""]
-    signature = ["@triton.jit", f"def {name}({', '.join(p + '_ptr' for p in program.pointers)}, C, BLOCK: tl.constexpr):",
-                 INDENT + "row = tl.program_id(0).to(tl.int64)"]
+    signature = ["@triton.jit", f"def {name}({', '.join(p + '_ptr' for p in program.pointers)}, C, R, ROWS, "
+                 "BLOCK: tl.constexpr):", INDENT + "pid = tl.program_id(0).to(tl.int64)"]
     body = _looped(program) if looped else _persistent(program)
     return module(head, signature + [INDENT + b for b in body])
 
@@ -173,29 +183,49 @@ def _kernel(text: str, name: str):
     return _KERNELS[text]
 
 
-def row_forward(group: RowGroup, inputs, block: int | None = None) -> list[torch.Tensor]:
+def programs(r: int, looped: bool, partial: bool, device: torch.device) -> tuple[int, int]:
+    """(P programs, ROWS rows each) for r rows: a row per program, unless the program stores COL
+    partial sums, which each program adds over a run of rows (a few programs per multiprocessor
+    on CUDA: P x C partial sums to add up rather than R x C)."""
+    if looped or not partial or r == 0:
+        return r, 1
+    slots = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    rows = -(-r // min(r, slots))
+    return -(-r // rows), rows
+
+
+def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool = True) -> list[torch.Tensor]:
+    """The outputs (FULL ones at the rows' shape, ROW ones with a last dim of 1), float32; with
+    launch=False they are allocated and not computed (FakeTensors: what a run allocates)."""
     shape, r, c = _rows(group, inputs)
     looped, size = layout(c, block)
-    outs = [torch.empty(shape if group.step_kind(j) == FULL else shape[:-1] + (1,), device=inputs[0].device,
+    device = next(t.device for t in inputs if t is not None)
+    outs = [torch.empty(shape if group.step_kind(j) == FULL else shape[:-1] + (1,), device=device,
                         dtype=torch.float32) for j in group.outputs]
-    kernel = _kernel(source(group, forward_program(group), "row_forward", looped), "row_forward")
-    kernel[(r,)](*_given(inputs), *outs, c, BLOCK=size)
+    given = _given(inputs)  # contiguous copies of strided inputs: allocated with launch=False too
+    if launch and r:
+        kernel = _kernel(source(group, forward_program(group), "row_forward", looped), "row_forward")
+        kernel[(r,)](*given, *outs, c, r, 1, BLOCK=size)
     return outs
 
 
-def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None) -> list[torch.Tensor | None]:
+def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None,
+                 launch: bool = True) -> list[torch.Tensor | None]:
     """grads: per output, its incoming gradient or None; needs: per input, whether it wants one."""
     shape, r, c = _rows(group, inputs)
     looped, size = layout(c, block)
     program = backward_program(group, [g is not None for g in grads], needs)
-    device = inputs[0].device
-    buffers = [torch.empty(shape if group.input_kind(k) != ROW else shape[:-1] + (1,), device=device,
-                           dtype=torch.float32) for k in program.grads]
-    kernel = _kernel(source(group, program, "row_backward", looped), "row_backward")
-    kernel[(r,)](*_given(inputs), *(_flat(g) for g in grads if g is not None), *buffers, c, BLOCK=size)
+    device = next(t.device for t in inputs if t is not None)
+    p, rows = programs(r, looped, any(s.kind == COL for s in program.stores), device)
+    sizes = {FULL: shape, ROW: shape[:-1] + (1,), COL: (p, c)}
+    buffers = [torch.empty(sizes[group.input_kind(k)], device=device, dtype=torch.float32) for k in program.grads]
+    given = _given(inputs) + [_flat(g) for g in grads if g is not None]  # as in forward
+    if launch and r and program.grads:
+        kernel = _kernel(source(group, program, "row_backward", looped), "row_backward")
+        kernel[(p,)](*given, *buffers, c, r, rows, BLOCK=size)
     out: list[torch.Tensor | None] = [None] * len(inputs)
     for k, buffer in zip(program.grads, buffers):
-        grad = buffer.reshape(-1, c).sum(0) if group.input_kind(k) == COL else buffer  # the column reduction
+        grad = buffer.sum(0) if group.input_kind(k) == COL else buffer  # the programs' partial sums added up
         out[k] = grad.reshape(inputs[k].shape)
     for k, t in enumerate(inputs):
         if needs[k] and out[k] is None and t is not None:  # no path from it to an output with a gradient

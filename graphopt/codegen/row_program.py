@@ -15,8 +15,8 @@ Backward (reverse mode, the forward recomputed in place of saved intermediates):
    FULL step's term for a ROW value is reduced over the row (a reduce line); a reduction's term
    for its FULL arg is broadcast (sum), or shared among the elements equal to the maximum (max,
    as torch.amax's backward: the count of ties is a reduce line too).
-3. Each input that wants a gradient: the sum of its terms, stored; a COL input's per row (the
-   launcher adds the rows up).
+3. Each input that wants a gradient: the sum of its terms, stored; a COL input's summed over the
+   rows of the program (the launcher adds the programs' partial sums up).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Line:
 @dataclass(frozen=True)
 class Store:
     pointer: str  # out{i} or d{k}
-    kind: str  # where it goes: FULL (row * C + cols) or ROW (row)
+    kind: str  # where it goes: FULL (row * C + cols), ROW (row), or COL: a sum over the program's rows
     value: str
 
 
@@ -151,7 +151,7 @@ def backward_program(group: RowGroup, has_grad, needs) -> RowProgram:
     for k in grads:
         kind = group.input_kind(k)
         lines.add(f"d{k}", kind, _sum(terms[("input", k)]), comment=f"gradient of input {k}")
-        stores.append(Store(f"d{k}", ROW if kind == ROW else FULL, f"d{k}"))
+        stores.append(Store(f"d{k}", kind, f"d{k}"))
     pointers = _read(group) + tuple(f"g{i}" for i in seeded) + tuple(s.pointer for s in stores)
     return RowProgram(pointers, tuple(lines.lines), tuple(stores), grads)
 

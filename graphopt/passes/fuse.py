@@ -1,21 +1,26 @@
-"""fuse: run each group of elementwise ops as one generated Triton kernel, forward and backward.
+"""fuse: run each group of elementwise ops, with the norms, softmaxes and row reductions among
+them, as one generated Triton kernel, forward and backward.
 
 Algorithm:
   1. Find the groups (graphopt.analysis.fusion: maximal connected groups of registry elementwise
-     ops that keep the graph acyclic and that codegen accepts) and why their neighbours stay out.
+     ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
+     and why their neighbours stay out. A row group runs row kernels, on CUDA or in Triton's
+     interpreter; on another device it stays as it is, with that reason.
   2. Place each group: its node must come after every input and before every outside use of an
      output. Members are removed, so that is the spot after the last member, or else just before
      the first outside use; when an input is only computed after that use, the group is left
-     alone with that reason (fusing it would need the graph reordered). No node that may write
-     memory lies between a group's members (analysis/fusion.py step 2), so no read moves past a write.
-  3. Insert one call_function node targeting a FusedOp (runtime/fused.py), plus an
+     alone with that reason (fusing it would need the graph reordered); an attribute read moves
+     up to the call. No node that may write memory lies between a group's members (analysis/fusion.py
+     step 2), so no read moves past a write.
+  3. Insert one call_function node targeting a FusedOp (runtime/fused.py) or a FusedRowOp
+     (runtime/fused_row.py), reading a leaf module's parameters through get_attr nodes, plus an
      operator.getitem node per output when there are several; copy the members' metadata onto
      them; point every outside use at them (an identity dropout's uses at what it returns) and
      erase the members.
   4. Report each group (ops, nodes, bytes of forward memory traffic saved, neighbours left out
      and why), each declined group and each elementwise op left alone (with its neighbours'
      reasons) as stats; note the decisions on the nodes; hand the kernels' sources, a repro
-     script per group and a readable fusion report to the dumps.
+     script per elementwise group and a readable fusion report to the dumps.
 """
 from __future__ import annotations
 
@@ -26,8 +31,15 @@ import torch.fx
 
 from ..analysis.fusion import FusionGroup, find_groups
 from ..analysis.meta import ANNOTATED, KEY, graph_device, tensor_info
+from ..analysis.row_fusion import StateInput, info_of
+from ..codegen.row_group import RowGroup
+from ..codegen.row_kernel import layout as row_layout
+from ..codegen.row_kernel import source as row_source
+from ..codegen.row_program import backward_program, forward_program
 from ..dump import note
 from ..runtime import FusedOp, repro_script, source
+from ..runtime.fused import interpreting
+from ..runtime.fused_row import FusedRowOp
 from .base import Pass, PassContext, PassResult
 from .registry import register
 
@@ -43,7 +55,9 @@ def _outside_users(group: FusionGroup) -> list[torch.fx.Node]:
 def _anchor(group: FusionGroup, position: dict) -> tuple[torch.fx.Node | None, str | None]:
     """Step 2: the node to insert the fused call before, or the reason there is none."""
     first_use = min(_outside_users(group), key=position.__getitem__)
-    last_input = max(group.inputs, key=position.__getitem__, default=None)
+    # an attribute read placed later moves up to the fused call (_rewrite): it reads no value
+    last_input = max((n for n in group.inputs if isinstance(n, torch.fx.Node) and n.op != "get_attr"),
+                     key=position.__getitem__, default=None)
     if last_input is not None and position[last_input] > position[first_use]:
         return None, (f"{first_use.name} uses the group's result before its input {last_input.name} is "
                       "computed; fusing would need the graph reordered")
@@ -63,7 +77,16 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
     """Step 3 for one group: returns the fused call node; records what replaced each member in `replaced`."""
     graph = gm.graph
     with graph.inserting_before(anchor):
-        call = graph.call_function(FusedOp(group.group), tuple(group.inputs))
+        inputs = [graph.get_attr(v.target) if isinstance(v, StateInput) else v for v in group.inputs]
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        for v in inputs:
+            if v.op == "get_attr" and position[v] > position[anchor]:
+                anchor.prepend(v)
+        for node, v in zip(inputs, group.inputs):
+            if isinstance(v, StateInput):
+                node.meta[KEY] = v.info
+        runs = FusedRowOp(group.group) if isinstance(group.group, RowGroup) else FusedOp(group.group)
+        call = graph.call_function(runs, tuple(inputs))
         _copy_meta(call, group.outputs)
         note(call, "fuse", label)
         results = [call]
@@ -84,12 +107,20 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
 
 
 def _kernel_files(name: str, group: FusionGroup) -> dict[str, str]:
-    infos = [tensor_info(n) for n in group.inputs]
-    shapes, dtypes = [i.shape for i in infos], [i.dtype for i in infos]
-    forward, backward = source(group.group, shapes, dtypes, [i.stride for i in infos])
+    infos = [info_of(n) for n in group.inputs]
     inputs = ", ".join(f"{n.name} {i.short()}" for n, i in zip(group.inputs, infos))
     header = (f"# {name}: {group.group.describe()}\n# FX nodes: {', '.join(n.name for n in group.nodes)}\n"
               f"# inputs: {inputs}\n# outputs: {', '.join(n.name for n in group.outputs)}\n\n")
+    if isinstance(group.group, RowGroup):
+        rows = next(i.shape for k, i in enumerate(infos) if group.group.input_kind(k) == "full")
+        looped = row_layout(rows[-1])[0]
+        needs = [i.dtype.is_floating_point for i in infos]
+        program = backward_program(group.group, [True] * len(group.group.outputs), needs)
+        forward = row_source(group.group, forward_program(group.group), "row_forward", looped)
+        backward = row_source(group.group, program, "row_backward", looped) if program.grads else None
+        return {f"kernels/{name}.py": header + forward + ("\n\n" + backward if backward else "")}
+    shapes, dtypes = [i.shape for i in infos], [i.dtype for i in infos]
+    forward, backward = source(group.group, shapes, dtypes, [i.stride for i in infos])
     return {f"kernels/{name}.py": header + forward + ("\n\n" + backward if backward else ""),
             f"kernels/{name}_repro.py": repro_script(group.group, shapes, dtypes)}
 
@@ -112,7 +143,7 @@ def _report(groups: list[dict], declined: list[dict], alone: dict) -> str:
 
 @register
 class Fuse(Pass):
-    """Fuse groups of elementwise ops into generated Triton kernels."""
+    """Fuse groups of elementwise ops, norms and softmaxes into generated Triton kernels."""
 
     name = "fuse"
 
@@ -129,7 +160,13 @@ class Fuse(Pass):
         declined = list(fusion.declined)
         done, files = [], {}
         replaced: dict = {}  # a member of a group already fused -> the node that now gives its value
+        rows_here = graph_device(gm) == "cuda" or interpreting()
         for found in fusion.groups:
+            if isinstance(found.group, RowGroup) and not rows_here:
+                declined.append({"nodes": [n.name for n in found.nodes], "ops": found.ops(),
+                                 "reason": f"row kernels run on CUDA (or in Triton's interpreter); on "
+                                           f"{graph_device(gm)} eager's own norm and softmax kernels stay"})
+                continue
             # an input (or an alias's target) a group fused earlier computed now comes from its node
             group = dataclasses.replace(found, inputs=[replaced.get(n, n) for n in found.inputs],
                                         aliases={a: replaced.get(t, t) for a, t in found.aliases.items()})

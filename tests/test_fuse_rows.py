@@ -1,0 +1,176 @@
+"""The fuse pass with reductions over the last dim: norms, softmaxes and row sums join the elementwise
+ops around them in row kernels (Triton's interpreter), equal to eager forward and backward; what
+stays out says why; the CPU path, FakeTensors and the memory a fused norm saves."""
+import gc
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fuse import fused_nodes, group_nodes, module
+
+import graphopt
+from graphopt.analysis.live_storage import LiveStorage
+from graphopt.analysis.memory import estimate_peak
+from graphopt.runtime.fused_row import FusedRowOp
+from graphopt.testing import zoo
+from graphopt.trace import placeholder_values
+from hypothesis_profiles import examples
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked-off lanes: log(0)
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def fuse(fn, *args, **modules):
+    model = module(fn, len(args), **modules)
+    opt = graphopt.optimize(model, args, passes="fuse")
+    assert_same_step(model, opt, args, {}, exact=False)
+    return opt, opt.graphopt_report.passes[-1].stats
+
+
+def hf_rms_norm(m, x):
+    """transformers' LlamaRMSNorm, spelled as it is."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return m.weight * (x * torch.rsqrt(variance + 1e-6))
+
+
+def test_hf_rms_norm_is_one_row_kernel():
+    opt, stats = fuse(hf_rms_norm, torch.randn(2, 5, 48, requires_grad=True), weight=torch.nn.Parameter(torch.randn(48)))
+    assert stats["kernels"] == 1 and isinstance(fused_nodes(opt)[0].target, FusedRowOp)
+    assert stats["groups"][0]["ops"] == ["pow_scalar", "row_sum", "mul", "add", "rsqrt", "mul", "mul"]
+
+
+def test_residual_add_joins_a_layer_norm_module_and_its_parameters_are_read_once():
+    ln = torch.nn.LayerNorm(40)
+    torch.nn.init.normal_(ln.weight), torch.nn.init.normal_(ln.bias)
+    opt, stats = fuse(lambda m, x, y: m.ln(x + y), torch.randn(3, 40, requires_grad=True), torch.randn(3, 40), ln=ln)
+    assert group_nodes(stats) == [["add", "ln"]]
+    reads = [n.target for n in opt.graph.nodes if n.op == "get_attr"]
+    assert reads == ["ln.weight", "ln.bias"]
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_scaled_scores_and_their_softmax_are_one_kernel_and_a_broadcast_mask_says_why_it_stays_out(name):
+    normalize = getattr(F, name)
+
+    def attention_probs(m, q, k, mask):
+        scores = (q @ k.transpose(-1, -2)) * 0.125
+        return normalize(scores + mask, dim=-1).exp()
+
+    q, k = torch.randn(2, 3, 6, 8, requires_grad=True), torch.randn(2, 3, 6, 8, requires_grad=True)
+    mask = torch.zeros(2, 1, 6, 6).masked_fill(torch.rand(2, 1, 6, 6) < 0.3, -1e4)
+    opt, stats = fuse(attention_probs, q, k, mask)
+    scale, probs = stats["groups"]
+    assert scale["nodes"] == ["mul", "add"] and probs["nodes"] == [name, "exp"]
+    assert probs["not_fused"]["add"] == ("not one row group: z (float32[2,1,6,6]) is not a float32 row, per-row "
+                                         "or per-column value of rows [2, 3, 6, 6]")
+
+
+def test_row_sums_and_maxima_with_keepdim_join_and_other_reductions_say_why_not():
+    def fn(m, x):
+        a = x - x.amax(-1, keepdim=True)
+        b = a.exp().sum(-1, keepdim=True)
+        return a / b + x.sum(0)  # a sum over dim 0 is no row reduction
+
+    opt, stats = fuse(fn, torch.randn(4, 33, requires_grad=True))
+    (group,) = stats["groups"]
+    assert group["ops"][:5] == ["row_max", "sub", "exp", "row_sum", "div"]
+    assert "reduce the last dim" in group["not_fused"]["sum_2"]
+
+
+def test_half_precision_rows_stay_out_with_the_reason():
+    def fn(m, x):
+        return F.layer_norm(x * 2, (16,))
+
+    model = module(fn, 1)
+    opt = graphopt.optimize(model, (torch.randn(4, 16, dtype=torch.float16),), passes="fuse")
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["kernels"] == 0
+    assert "row kernels compute float32" in stats["alone"]["mul"]["layer_norm"]
+
+
+def test_a_norm_over_the_leading_dims_stays_out():
+    opt, stats = fuse(lambda m, x: F.layer_norm(x, (4, 6)) * 3, torch.randn(2, 4, 6, requires_grad=True))
+    assert stats["kernels"] == 0 and "normalize the last dim alone" in stats["alone"]["mul"]["layer_norm"]
+
+
+def test_on_cpu_without_the_interpreter_row_groups_stay_and_the_report_says_so(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = module(hf_rms_norm, 1, weight=torch.nn.Parameter(torch.randn(8)))
+    opt = graphopt.optimize(model, (torch.randn(2, 8),), passes="fuse")
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["kernels"] == 0 and not fused_nodes(opt)
+    assert "row kernels run on CUDA" in stats["declined"][0]["reason"]
+
+
+def test_the_torch_path_equals_the_kernels(monkeypatch):
+    """A fused graph called on CPU without the interpreter runs the group's steps as torch ops."""
+    model = module(lambda m, x: F.softmax(m.ln(x) * 2, -1), 1, ln=torch.nn.LayerNorm(24))
+    x = torch.randn(3, 24, requires_grad=True)
+    opt = graphopt.optimize(model, (x,), passes="fuse")
+    assert len(fused_nodes(opt)) == 1
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert_same_step(model, opt, (x,), {}, exact=False)
+
+
+def _measured_step(gm, args) -> int:
+    """Peak bytes of forward and backward; Triton's interpreter holds a kernel's arguments in a
+    reference cycle until Python collects it (no GPU run does): collected between the two."""
+    with LiveStorage([*gm.parameters(), *args]) as live:
+        loss = gm(*args)
+        gc.collect()
+        loss.backward()
+    for p in gm.parameters():
+        p.grad = None
+    return live.peak
+
+
+def test_the_estimate_counts_what_a_fused_step_allocates_and_the_norm_saves_less():
+    """FakeTensors take the kernels' allocations, so the estimate equals the measured step; a fused
+    layer norm keeps its input only, not eager's input, mean and rstd, nor the add's output."""
+    model = module(lambda m, x, y: m.ln(x + y).sum(), 2, ln=torch.nn.LayerNorm(256))
+    args = (torch.randn(64, 256), torch.randn(64, 256))
+    plain = graphopt.optimize(model, args, passes="normalize")
+    opt = graphopt.optimize(model, args, passes="fuse")
+    assert len(fused_nodes(opt)) == 1
+    peaks = {}
+    for label, gm in (("plain", plain), ("fused", opt)):
+        peaks[label] = _measured_step(gm, args)
+        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
+    assert peaks["fused"] < peaks["plain"]
+
+
+def test_the_zoo_llama_fuses_its_rms_norms():
+    model, args, kwargs = zoo.llama(batch=2, seq=8)
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, passes="fuse")
+    stats = opt.graphopt_report.passes[-1].stats
+    norms = [g for g in stats["groups"] if "rsqrt" in g["ops"] and "row_sum" in g["ops"]]
+    assert len(norms) >= 5  # two per block and the last one
+    assert_same_step(model, opt, args, kwargs, exact=False)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(which=st.sampled_from(["layer_norm", "rms_norm", "softmax", "log_softmax"]), rows=st.integers(1, 5),
+       columns=st.integers(2, 300), seed=st.integers(0, 99), residual=st.booleans())
+def test_random_rows_equal_eager(which, rows, columns, seed, residual):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(columns, generator=generator))
+    norms = {"layer_norm": lambda x: F.layer_norm(x, (columns,), weight, weight * 0.5),
+             "rms_norm": lambda x: F.rms_norm(x, (columns,), weight),
+             "softmax": lambda x: F.softmax(x, -1), "log_softmax": lambda x: F.log_softmax(x, -1)}
+
+    def fn(m, x, y):
+        return norms[which]((x + y) if residual else x) * 1.5
+
+    x = torch.randn(rows, columns, generator=generator, requires_grad=True)
+    y = torch.randn(rows, columns, generator=generator)
+    opt, stats = fuse(fn, x, y, weight=weight)
+    assert stats["kernels"] == 1 and math.prod(x.shape) > 0
