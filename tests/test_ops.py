@@ -204,7 +204,8 @@ def test_templates_compile_and_agree_in_the_triton_interpreter(tmp_path):
 # ---------------------------------------------------------------- registry shape
 
 def test_public_names():
-    assert KINDS == ("elementwise", "view", "reduction", "matmul", "normalization", "random", "creation", "other")
+    assert KINDS == ("elementwise", "view", "reduction", "matmul", "normalization", "loss", "random", "creation",
+                     "other")
     assert PRECISION_CLASSES == ("lower", "fp32", "promote")
     for name in ("OpInfo", "Bound", "lookup", "lookup_target", "bind", "flops", "canonical_ops"):
         assert hasattr(ops, name)

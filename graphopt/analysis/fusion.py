@@ -39,10 +39,12 @@ import torch.fx
 from .. import codegen, ops
 from ..codegen.row_group import RowGroup
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
-from .meta import TensorInfo, tensor_info
+from .meta import TensorInfo, leaves, tensor_info
 from .row_fusion import NORMALIZING, build_rows, fits_rows, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
+# ops bound by memory traffic rather than arithmetic: what fusion is for
+MEMORY_BOUND = ("elementwise", "reduction", "normalization", "loss", "random")
 
 
 @dataclass
@@ -326,3 +328,19 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
         g.not_fused = _neighbours(g.nodes, reasons, refused)
     alone = {n.name: _neighbours([n], reasons, refused) for n in single}
     return Fusion(groups, declined, alone)
+
+
+def memory_bound(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether the node runs an op bound by memory traffic (elementwise, casts, reductions, norms,
+    softmaxes, losses, dropout) outside any fused kernel."""
+    if node.op not in CALLS or reads_attribute(node):
+        return False
+    op = ops.lookup(node, gm)
+    return op is not None and op.kind in MEMORY_BOUND and isinstance(tensor_info(node), (TensorInfo, tuple))
+
+
+def traffic(node: torch.fx.Node) -> tuple[int, int]:
+    """(bytes read, bytes written) by one run of the node: its tensor inputs and outputs."""
+    read = sum(i.nbytes for v in dict.fromkeys(node.all_input_nodes) for i in leaves(tensor_info(v)))
+    return read, sum(i.nbytes for i in leaves(tensor_info(node)))
+

@@ -87,5 +87,5 @@ LOSSES = {
     "kl_div": ref("aten.kl_div.default"),
 }
 
-BY_KIND = {"reduction": REDUCTIONS, "normalization": NORMALIZATIONS, "matmul": MATMULS, "other": LOSSES}
+BY_KIND = {"reduction": REDUCTIONS, "normalization": NORMALIZATIONS, "matmul": MATMULS, "loss": LOSSES}
 SPECS = {name: dict(spec, kind=kind) for kind, table in BY_KIND.items() for name, spec in table.items()}

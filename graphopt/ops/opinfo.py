@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("elementwise", "view", "reduction", "matmul", "normalization", "random", "creation", "other")
+KINDS = ("elementwise", "view", "reduction", "matmul", "normalization", "loss", "random", "creation", "other")
 PRECISION_CLASSES = ("lower", "fp32", "promote")  # None: runs in whatever its inputs are (autocast's unlisted ops)
 OUTPUTS = ("tensor", "tuple", "scalar", "none")
 

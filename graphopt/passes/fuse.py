@@ -29,7 +29,7 @@ import operator
 
 import torch.fx
 
-from ..analysis.fusion import FusionGroup, find_groups
+from ..analysis.fusion import FusionGroup, find_groups, memory_bound, traffic
 from ..analysis.meta import ANNOTATED, KEY, graph_device, tensor_info
 from ..analysis.row_fusion import StateInput, info_of
 from ..codegen.row_group import RowGroup
@@ -125,11 +125,16 @@ def _kernel_files(name: str, group: FusionGroup) -> dict[str, str]:
             f"kernels/{name}_repro.py": repro_script(group.group, shapes, dtypes)}
 
 
-def _report(groups: list[dict], declined: list[dict], alone: dict) -> str:
-    lines = ["# fusion report", ""]
+def _report(stats: dict) -> str:
+    groups, declined, alone = stats["groups"], stats["declined"], stats["alone"]
+    lines = ["# fusion report", "",
+             f"{stats['memory_bound_ops_unfused']} of the forward's {stats['memory_bound_ops']} memory-bound ops "
+             f"left outside kernels; their traffic {stats['memory_bound_traffic_before']} -> "
+             f"{stats['memory_bound_traffic_after']} bytes", ""]
     for g in groups:
         lines.append(f"## {g['name']}: {' -> '.join(g['ops'])}")
-        lines.append(f"nodes: {', '.join(g['nodes'])}; saves {g['bytes_saved']} bytes of forward traffic")
+        lines.append(f"nodes: {', '.join(g['nodes'])}; reads {g['bytes_read']}, writes {g['bytes_written']} bytes; "
+                     f"saves {g['bytes_saved']} bytes of forward traffic")
         lines += [f"- {n} not fused: {r}" for n, r in g["not_fused"].items()]
         lines.append("")
     for d in declined:
@@ -155,6 +160,8 @@ class Fuse(Pass):
         return None
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        bound_before = [n for n in gm.graph.nodes if memory_bound(n, gm)]
+        traffic_before = sum(sum(traffic(n)) for n in bound_before)
         # Step 1
         fusion = find_groups(gm)
         declined = list(fusion.declined)
@@ -179,18 +186,26 @@ class Fuse(Pass):
             nodes = [n.name for n in group.nodes]
             call = _rewrite(gm, group, anchor, f"group {len(done)}", replaced)
             # Step 4
+            read, written = traffic(call)
             done.append({"name": call.name, "ops": group.ops(), "nodes": nodes,
                          "inputs": [n.name for n in group.inputs], "outputs": [n.name for n in group.outputs],
-                         "bytes_saved": group.bytes_saved, "not_fused": group.not_fused})
+                         "bytes_saved": group.bytes_saved, "bytes_read": read, "bytes_written": written,
+                         "not_fused": group.not_fused})
             files.update(_kernel_files(call.name, group))
         by_name = {n.name: n for n in gm.graph.nodes}
         for reasons in [g["not_fused"] for g in done] + list(fusion.alone.values()):
             for name, reason in reasons.items():
                 if name in by_name:
                     note(by_name[name], "fuse", f"not fused: {reason}")
+        bound_after = [n for n in gm.graph.nodes if memory_bound(n, gm)]
         stats = {"kernels": len(done), "fused_nodes": sum(len(g["nodes"]) for g in done),
-                 "bytes_saved": sum(g["bytes_saved"] for g in done), "groups": done, "declined": declined,
-                 "alone": fusion.alone}
+                 "bytes_saved": sum(g["bytes_saved"] for g in done),
+                 # the forward's memory-bound ops, and the bytes they move, before and after
+                 "memory_bound_ops": len(bound_before), "memory_bound_ops_unfused": len(bound_after),
+                 "memory_bound_traffic_before": traffic_before,
+                 "memory_bound_traffic_after": sum(sum(traffic(n)) for n in bound_after)
+                 + sum(g["bytes_read"] + g["bytes_written"] for g in done),
+                 "groups": done, "declined": declined, "alone": fusion.alone}
         if done or declined or fusion.alone:
-            files["fusion.md"] = _report(done, declined, fusion.alone)
+            files["fusion.md"] = _report(stats)
         return PassResult(gm, bool(done), stats, files)
