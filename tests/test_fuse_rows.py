@@ -102,13 +102,13 @@ def test_a_norm_over_the_leading_dims_stays_out():
     assert stats["kernels"] == 0 and "normalize the last dim alone" in stats["alone"]["mul"]["layer_norm"]
 
 
-def test_on_cpu_without_the_interpreter_row_groups_stay_and_the_report_says_so(monkeypatch):
+def test_on_cpu_without_the_interpreter_groups_stay_and_the_report_says_so(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     model = module(hf_rms_norm, 1, weight=torch.nn.Parameter(torch.randn(8)))
     opt = graphopt.optimize(model, (torch.randn(2, 8),), passes="fuse")
     stats = opt.graphopt_report.passes[-1].stats
     assert stats["kernels"] == 0 and not fused_nodes(opt)
-    assert "row kernels run on CUDA" in stats["declined"][0]["reason"]
+    assert "fused kernels run on CUDA" in stats["declined"][0]["reason"]
 
 
 def test_the_torch_path_equals_the_kernels(monkeypatch):
@@ -174,3 +174,13 @@ def test_random_rows_equal_eager(which, rows, columns, seed, residual):
     y = torch.randn(rows, columns, generator=generator)
     opt, stats = fuse(fn, x, y, weight=weight)
     assert stats["kernels"] == 1 and math.prod(x.shape) > 0
+
+
+def test_a_batch_norm_says_why_it_stays_out():
+    model = module(lambda m, x: torch.relu(m.bn(x)) + 1, 1, bn=torch.nn.BatchNorm2d(3))
+    opt = graphopt.optimize(model, (torch.randn(2, 3, 4, 4),), passes="fuse")
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["alone"] == {} and group_nodes(stats) == [["relu", "add"]]
+    assert stats["groups"][0]["not_fused"]["bn"] == ("batch_norm_train normalizes each channel over the other dims "
+                                                     "and updates its running statistics; row kernels reduce the "
+                                                     "last dim only")

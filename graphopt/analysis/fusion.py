@@ -40,7 +40,7 @@ from .. import codegen, ops
 from ..codegen.row_group import RowGroup
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
 from .meta import TensorInfo, leaves, tensor_info
-from .row_fusion import NORMALIZING, build_rows, fits_rows, info_of, row_member
+from .row_fusion import NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
 # ops bound by memory traffic rather than arithmetic: what fusion is for
@@ -95,6 +95,9 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     """Step 1 for one call node: a Member, or the reason it cannot be one."""
     if reads_attribute(node):
         return "reads a tensor attribute"
+    channels = channel_norm(ops.lookup(node, gm))
+    if channels is not None:
+        return channels
     effect = state_effect(node, gm)
     if effect is not None:
         return effect

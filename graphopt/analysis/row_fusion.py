@@ -27,6 +27,8 @@ from .meta import TensorInfo, tensor_info
 REDUCING = ("sum", "mean", "amax")
 NORMALIZING = ("softmax", "log_softmax", "layer_norm", "rms_norm")
 ROW_OPS = REDUCING + NORMALIZING
+CHANNEL_NORMS = ("batch_norm", "batch_norm_train", "native_batch_norm", "native_batch_norm_train", "group_norm",
+                 "native_group_norm", "instance_norm")
 DTYPE = torch.float32
 
 
@@ -130,6 +132,14 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
         if not isinstance(params.get("eps"), float):
             return f"{op.name}'s eps is not a number known when tracing"
     return full, tuple(operands), params
+
+
+def channel_norm(op) -> str | None:
+    """Why a norm over channels stays out of fused kernels; None for other ops."""
+    if op is None or op.name not in CHANNEL_NORMS:
+        return None
+    state = " and updates its running statistics" if op.mutates else ""
+    return f"{op.name} normalizes each channel over the other dims{state}; row kernels reduce the last dim only"
 
 
 def emit(b: Builder, op: str, refs: list, params: dict, full: tuple):

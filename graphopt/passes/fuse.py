@@ -4,8 +4,9 @@ them, as one generated Triton kernel, forward and backward.
 Algorithm:
   1. Find the groups (graphopt.analysis.fusion: maximal connected groups of registry elementwise
      ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
-     and why their neighbours stay out. A row group runs row kernels, on CUDA or in Triton's
-     interpreter; on another device it stays as it is, with that reason.
+     and why their neighbours stay out. Kernels run on CUDA, or in Triton's interpreter (how
+     the tests check them on CPU); on another device a group would run as torch ops, slower than
+     eager's and keeping more memory, so every group stays as it is, with that reason.
   2. Place each group: its node must come after every input and before every outside use of an
      output. Members are removed, so that is the spot after the last member, or else just before
      the first outside use; when an input is only computed after that use, the group is left
@@ -167,12 +168,13 @@ class Fuse(Pass):
         declined = list(fusion.declined)
         done, files = [], {}
         replaced: dict = {}  # a member of a group already fused -> the node that now gives its value
-        rows_here = graph_device(gm) == "cuda" or interpreting()
+        device = graph_device(gm)
         for found in fusion.groups:
-            if isinstance(found.group, RowGroup) and not rows_here:
+            if device != "cuda" and not interpreting():
                 declined.append({"nodes": [n.name for n in found.nodes], "ops": found.ops(),
-                                 "reason": f"row kernels run on CUDA (or in Triton's interpreter); on "
-                                           f"{graph_device(gm)} eager's own norm and softmax kernels stay"})
+                                 "reason": f"fused kernels run on CUDA (or in Triton's interpreter); on {device} the "
+                                           "group would run as torch ops, slower than eager's and keeping more "
+                                           "memory: eager's ops stay"})
                 continue
             # an input (or an alias's target) a group fused earlier computed now comes from its node
             group = dataclasses.replace(found, inputs=[replaced.get(n, n) for n in found.inputs],
