@@ -8,14 +8,12 @@ the forward's elementwise ops, casts, reductions, norms, softmaxes, losses and d
 (analysis/fusion.memory_bound); the fuse pass's report counts them before and after, with the
 bytes they read and write. The peaks are the user's step (forward, the case's loss, backward,
 gradients None before), measured as live tensor storages with the kernels run in Triton's
-interpreter; the interpreter holds a kernel's arguments in a reference cycle until Python
-collects it (a GPU run does not), so the step collects between forward and backward.
+interpreter.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import sys
@@ -36,9 +34,7 @@ def step_peak(module, case) -> int:
                 *(t for t in torch.utils._pytree.tree_leaves((case.args, case.kwargs)) if isinstance(t, torch.Tensor))]
     torch.manual_seed(0)
     with LiveStorage(resident) as live:
-        loss = case.loss(module(*case.args, **case.kwargs))
-        gc.collect()
-        loss.backward()
+        case.loss(module(*case.args, **case.kwargs)).backward()
     clear_grads(case.model)
     return live.peak
 

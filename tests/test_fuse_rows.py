@@ -1,7 +1,6 @@
 """The fuse pass with reductions over the last dim: norms, softmaxes and row sums join the elementwise
 ops around them in row kernels (Triton's interpreter), equal to eager forward and backward; what
 stays out says why; the CPU path, FakeTensors and the memory a fused norm saves."""
-import gc
 import math
 
 import pytest
@@ -122,12 +121,9 @@ def test_the_torch_path_equals_the_kernels(monkeypatch):
 
 
 def _measured_step(gm, args) -> int:
-    """Peak bytes of forward and backward; Triton's interpreter holds a kernel's arguments in a
-    reference cycle until Python collects it (no GPU run does): collected between the two."""
+    """Peak bytes of forward and backward."""
     with LiveStorage([*gm.parameters(), *args]) as live:
-        loss = gm(*args)
-        gc.collect()
-        loss.backward()
+        gm(*args).backward()
     for p in gm.parameters():
         p.grad = None
     return live.peak
@@ -184,3 +180,45 @@ def test_a_batch_norm_says_why_it_stays_out():
     assert stats["groups"][0]["not_fused"]["bn"] == ("batch_norm_train normalizes each channel over the other dims "
                                                      "and updates its running statistics; row kernels reduce the "
                                                      "last dim only")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_with_the_logits_scaling_before_it_is_one_kernel(reduction):
+    def fn(m, x, t):
+        return F.cross_entropy(m.head(x) * 0.5, t, reduction=reduction)
+
+    x, t = torch.randn(7, 12), torch.randint(0, 7, (7,))
+    t[3] = -100  # ignored: no loss, no gradient
+    opt, stats = fuse(fn, x, t, head=torch.nn.Linear(12, 7))  # 7 rows of 7 classes: shapes alone cannot tell
+    assert group_nodes(stats) == [["mul", "cross_entropy"]]
+
+
+def test_cross_entropy_refuses_a_class_index_out_of_range_as_eager_does():
+    model = module(lambda m, x, t: F.cross_entropy(x * 2, t), 2)
+    opt = graphopt.optimize(model, (torch.randn(4, 5), torch.randint(0, 5, (4,))), passes="fuse")
+    assert len(fused_nodes(opt)) == 1
+    with pytest.raises(IndexError, match="Target 5 is out of bounds"):
+        opt(torch.randn(4, 5), torch.tensor([0, 5, 1, 2]))
+
+
+def test_cross_entropy_with_label_smoothing_or_class_weights_stays_out():
+    model = module(lambda m, x, t: F.cross_entropy(x * 2, t, label_smoothing=0.1), 2)
+    opt = graphopt.optimize(model, (torch.randn(4, 5), torch.randint(0, 5, (4,))), passes="fuse")
+    assert opt.graphopt_report.passes[-1].stats["alone"]["mul"]["cross_entropy"] == "cross_entropy with label smoothing"
+
+
+def test_a_fused_cross_entropy_over_a_32k_vocabulary_keeps_no_log_probabilities():
+    """Eager's cross-entropy keeps its log_softmax ([tokens, vocab] fp32) for backward; the fused one
+    keeps the logits, which the head's output already is."""
+    tokens, vocab = 64, 32000
+    model = module(lambda m, x, t: F.cross_entropy(m.head(x), t), 2, head=torch.nn.Linear(32, vocab, bias=False))
+    args = (torch.randn(tokens, 32), torch.randint(0, vocab, (tokens,)))
+    plain = graphopt.optimize(model, args, passes="normalize")
+    opt = graphopt.optimize(model, args, passes="fuse")
+    assert len(fused_nodes(opt)) == 1
+    assert_same_step(model, opt, args, {}, exact=False)
+    peaks = {label: _measured_step(gm, args) for label, gm in (("plain", plain), ("fused", opt))}
+    for label, gm in (("plain", plain), ("fused", opt)):
+        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
+    logits = tokens * vocab * 4
+    assert peaks["plain"] - peaks["fused"] >= 0.99 * logits  # less a few per-row buffers

@@ -68,6 +68,7 @@ class FusionGroup:
     group: codegen.Group | RowGroup
     bytes_saved: int
     not_fused: dict[str, str] = field(default_factory=dict)  # neighbour node name -> reason
+    finish: tuple = ()  # a row group's: per output, what makes the node's value of its rows (row_fusion)
 
     def ops(self) -> list[str]:
         return [getattr(s, "op", None) or f"row_{s.kind}" for s in self.group.steps]
@@ -231,8 +232,9 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
         built = build_rows(nodes, members, full)
         if isinstance(built, str):
             return built
-        inputs, outputs, aliases, group = built
-        return FusionGroup(nodes, inputs, outputs, aliases, group, _saved_traffic(nodes, members, inputs, outputs))
+        inputs, outputs, aliases, group, finish = built
+        return FusionGroup(nodes, inputs, outputs, aliases, group, _saved_traffic(nodes, members, inputs, outputs),
+                           finish=finish)
     inside = set(nodes)
     inputs: list[torch.fx.Node] = []
     refs: dict = {}  # member -> its value inside the group: ("input", k) or ("step", j)

@@ -3,8 +3,9 @@ group holding one runs (an analysis: it reads the graph, never mutates).
 
 A row member reduces or normalizes each row of its input's last dim: sum, mean and amax over
 dim -1 with keepdim, softmax and log_softmax over dim -1, layer_norm and rms_norm over the last
-dim alone; in float32, the dtype the row kernels take (codegen/row_group.py). A group that holds
-one is a row group. Every value in it has a class relative to the shape F = [..., C] of the rows
+dim alone, cross_entropy of [N, C] logits with [N] class indices (no class weights, no label
+smoothing: its rows' losses, then their mean or sum); in float32, the dtype the row kernels take
+(codegen/row_group.py). A group that holds one is a row group. Every value in it has a class relative to the shape F = [..., C] of the rows
 (the row member's input): FULL when its shape is F, ROW when it is F[:-1] + [1], COL when it is
 [C] (leading 1s allowed). An elementwise node joins a row group only when each of its tensors
 has a class and its result's class is what its operands' classes make (ROW with COL is FULL, as
@@ -20,13 +21,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..codegen.row_group import COL, FULL, ROW, Builder, RowGroup, emit_layer_norm, emit_log_softmax, emit_mean, \
-    emit_rms_norm, emit_softmax
+from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, RowGroup, emit_cross_entropy, emit_layer_norm, \
+    emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
 from .meta import TensorInfo, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
-NORMALIZING = ("softmax", "log_softmax", "layer_norm", "rms_norm")
+NORMALIZING = ("softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy")
 ROW_OPS = REDUCING + NORMALIZING
+# aten's integer codes for a loss's reduction
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum", "none": "none", "mean": "mean", "sum": "sum"}
 CHANNEL_NORMS = ("batch_norm", "batch_norm_train", "native_batch_norm", "native_batch_norm_train", "group_norm",
                  "native_group_norm", "instance_norm")
 DTYPE = torch.float32
@@ -104,14 +107,20 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
     xinfo = info_of(x)
     if not isinstance(info, TensorInfo) or xinfo is None:
         return "no tensor metadata (annotate the graph first)"
-    if info.dtype != DTYPE or xinfo.dtype != DTYPE:
+    if (op.name != "cross_entropy" and info.dtype != DTYPE) or xinfo.dtype != DTYPE:
         return f"{op.name} in {info.dtype}: row kernels compute float32 tensors"
     full, params = xinfo.shape, dict(bound.params)
     if len(full) < 2 or full[-1] < 2:
         return f"rows of shape {list(full)}: a row kernel reduces a last dim of 2 or more over leading dims"
-    if not info.contiguous:
+    if op.name != "cross_entropy" and not info.contiguous:
         return f"eager makes it with strides {info.stride}; a fused kernel writes contiguous tensors"
     operands = [_state(v, gm) for v in bound.operands]
+    if op.name == "cross_entropy":
+        reason = _cross_entropy(operands, params, full)
+        if reason is not None:
+            return reason
+        return full, tuple(operands[:2]), {"reduction": REDUCTIONS[params["reduction"]],
+                                           "ignore_index": params["ignore_index"]}
     if op.name in REDUCING:
         if not _dim_is_last(params.get("dim"), len(full)) or params.get("keepdim") is not True \
                 or params.get("dtype") not in (None, DTYPE):
@@ -134,6 +143,22 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
     return full, tuple(operands), params
 
 
+def _cross_entropy(operands, params, full) -> str | None:
+    """Why this cross_entropy is no row member; None when it is one."""
+    target = info_of(operands[1])
+    if len(full) != 2:
+        return f"cross_entropy over logits of shape {list(full)}: row kernels take [N, C] logits"
+    if target is None or target.dtype not in (torch.int64, torch.int32) or target.shape != full[:1]:
+        return "cross_entropy's target is not one class index per row"
+    if len(operands) > 2 and operands[2] is not None:
+        return "cross_entropy with class weights"
+    if params.get("label_smoothing", 0.0) != 0.0:
+        return "cross_entropy with label smoothing"
+    if params.get("reduction") not in REDUCTIONS or not isinstance(params.get("ignore_index"), int):
+        return f"cross_entropy with reduction {params.get('reduction')!r}"
+    return None
+
+
 def channel_norm(op) -> str | None:
     """Why a norm over channels stays out of fused kernels; None for other ops."""
     if op is None or op.name not in CHANNEL_NORMS:
@@ -143,8 +168,11 @@ def channel_norm(op) -> str | None:
 
 
 def emit(b: Builder, op: str, refs: list, params: dict, full: tuple):
-    """The steps of a row member, its operands given as refs; returns its value's ref."""
+    """The steps of a row member, its operands given as refs; returns its value's ref (a cross
+    entropy's: its rows' losses)."""
     columns = full[-1]
+    if op == "cross_entropy":
+        return emit_cross_entropy(b, refs[0], refs[1], b.input("cols", INDEX), params["ignore_index"])
     if op == "sum":
         return b("row_sum", refs[0])
     if op == "mean":
@@ -199,10 +227,18 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
             b.input(value.name, kind_of(info_of(value).shape, full))
         return ("input", inputs.index(value))
 
+    def ref_as(value, kind):  # an input of a given class (a cross entropy's class indices: per row)
+        if value not in inputs:
+            inputs.append(value)
+            b.input(value.name, kind)
+        return ("input", inputs.index(value))
+
     for node in nodes:
         m = members[node]
         if m.identity:
             refs[node] = ref(m.operands[0])
+        elif m.op == "cross_entropy":
+            refs[node] = emit(b, m.op, [ref(m.operands[0]), ref_as(m.operands[1], ROW)], m.params, full)
         elif m.row is not None:
             refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, full)
         else:
@@ -225,4 +261,12 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
         group = b.group(*(("step", j) for j in stored), origin=[n.name for n in nodes])
     except ValueError as e:
         return f"declined by codegen: {e}"
-    return inputs, outputs, aliases, group
+    return inputs, outputs, aliases, group, tuple(_finish(members[n], inputs) for n in outputs)
+
+
+def _finish(member, inputs) -> tuple | None:
+    """What turns an output's rows into the node's value: a cross entropy's reduction of its rows'
+    losses, ("mean" | "sum" | "none", the target's input index, ignore_index); None: as it is."""
+    if member.op != "cross_entropy":
+        return None
+    return member.params["reduction"], inputs.index(member.operands[1]), member.params["ignore_index"]

@@ -109,9 +109,10 @@ class RowGroup:
 INTEGERS = (torch.int32, torch.int64)
 
 
-def check_inputs(group: RowGroup, inputs) -> None:
+def check_inputs(group: RowGroup, inputs, values: bool = True) -> None:
     """ValueError unless an index input is given as None and only it; Unsupported unless every
-    other input is float32 or a per-row integer below 2**24 (a class index: exact in fp32)."""
+    other input is float32 or a per-row integer below 2**24 (a class index: exact in fp32; its
+    values are looked at only with values=True, not on tensors without data)."""
     if len(inputs) != len(group.inputs):
         raise ValueError(f"the group has {len(group.inputs)} inputs, got {len(inputs)}")
     for k, t in enumerate(inputs):
@@ -123,7 +124,7 @@ def check_inputs(group: RowGroup, inputs) -> None:
             continue
         if not (t.dtype in INTEGERS and group.input_kind(k) == ROW):
             raise Unsupported(f"input {k} is {t.dtype}: row kernels take float32 inputs, and int32/int64 per-row ones")
-        if t.numel() and t.device.type != "meta" and int(t.abs().max()) >= 2**24:
+        if t.numel() and values and int(t.abs().max()) >= 2**24:
             raise Unsupported(f"input {k} holds integers of 2**24 or more, which fp32 does not hold exactly")
 
 
@@ -200,13 +201,17 @@ def log_softmax() -> RowGroup:
     return b.group(emit_log_softmax(b, ("input", 0)))
 
 
-def cross_entropy(ignore_index: int = -100) -> RowGroup:
-    """Per row: logsumexp(logits) - logits[target], 0 where target == ignore_index. Inputs:
-    logits (FULL), target (ROW, integers), the column index (INDEX); the mean over the rows not
-    ignored is the caller's (F.cross_entropy's reduction="mean")."""
-    b = Builder([("logits", FULL), ("target", ROW), ("cols", INDEX)])
-    x, target = ("input", 0), ("input", 1)
+def emit_cross_entropy(b: Builder, x, target, cols, ignore_index: int):
+    """Per row: logsumexp(logits) - logits[target], 0 where target == ignore_index; target a ROW
+    input of integers, cols the INDEX input."""
     peak = b("row_max", x)
     lse = b("add", b("log", b("row_sum", b("exp", b("sub", x, peak)))), peak)
-    picked = b("row_sum", b("where", b("eq", ("input", 2), target), x, 0.0))
-    return b.group(b("mul", b("sub", lse, picked), b("ne", target, float(ignore_index))))
+    picked = b("row_sum", b("where", b("eq", cols, target), x, 0.0))
+    return b("mul", b("sub", lse, picked), b("ne", target, float(ignore_index)))
+
+
+def cross_entropy(ignore_index: int = -100) -> RowGroup:
+    """Per-row losses; inputs: logits (FULL), target (ROW, integers), the column index (INDEX);
+    the mean over the rows not ignored is the caller's (F.cross_entropy's reduction="mean")."""
+    b = Builder([("logits", FULL), ("target", ROW), ("cols", INDEX)])
+    return b.group(emit_cross_entropy(b, ("input", 0), ("input", 1), ("input", 2), ignore_index))

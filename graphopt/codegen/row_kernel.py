@@ -139,9 +139,10 @@ def source(group: RowGroup, program: RowProgram, name: str, looped: bool) -> str
 # -- launching -------------------------------------------------------------------------------------
 
 
-def _rows(group: RowGroup, inputs) -> tuple[tuple, int, int]:
-    """(the FULL inputs' shape, rows R, columns C), checking every input's shape against them."""
-    check_inputs(group, inputs)
+def _rows(group: RowGroup, inputs, values: bool = True) -> tuple[tuple, int, int]:
+    """(the FULL inputs' shape, rows R, columns C), checking every input's shape against them
+    (and with values=True, an integer input's values)."""
+    check_inputs(group, inputs, values)
     full = [t for k, t in enumerate(inputs) if group.input_kind(k) == FULL]
     if not full:
         raise ValueError("a row group needs a full input: the rows are its leading dims")
@@ -197,7 +198,7 @@ def programs(r: int, looped: bool, partial: bool, device: torch.device) -> tuple
 def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool = True) -> list[torch.Tensor]:
     """The outputs (FULL ones at the rows' shape, ROW ones with a last dim of 1), float32; with
     launch=False they are allocated and not computed (FakeTensors: what a run allocates)."""
-    shape, r, c = _rows(group, inputs)
+    shape, r, c = _rows(group, inputs, launch)
     looped, size = layout(c, block)
     device = next(t.device for t in inputs if t is not None)
     outs = [torch.empty(shape if group.step_kind(j) == FULL else shape[:-1] + (1,), device=device,
@@ -212,7 +213,7 @@ def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool 
 def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None,
                  launch: bool = True) -> list[torch.Tensor | None]:
     """grads: per output, its incoming gradient or None; needs: per input, whether it wants one."""
-    shape, r, c = _rows(group, inputs)
+    shape, r, c = _rows(group, inputs, launch)
     looped, size = layout(c, block)
     program = backward_program(group, [g is not None for g in grads], needs)
     device = next(t.device for t in inputs if t is not None)

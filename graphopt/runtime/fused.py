@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import threading
@@ -125,6 +126,16 @@ def _launch(kernel, plan: LaunchPlan, tensors, device: torch.device, scalars: li
             kernel[grid](*tensors, *scalars, BLOCK=block)
     else:
         kernel[grid](*tensors, *scalars, BLOCK=block)
+    release_interpreted_arguments()
+
+
+def release_interpreted_arguments() -> None:
+    """Triton's interpreter keeps a launch's tensor storages in a reference cycle (a recursive
+    closure over a dict of them) until Python collects it, which can be long after the tensors'
+    last use: a measured step would hold them where a GPU run does not. The cycle is young, so a
+    collection of the youngest generation frees it."""
+    if interpreting():
+        gc.collect(0)
 
 
 def triton_cdiv(a: int, b: int) -> int:
