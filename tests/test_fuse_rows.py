@@ -57,7 +57,7 @@ def test_residual_add_joins_a_layer_norm_module_and_its_parameters_are_read_once
 
 
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
-def test_scaled_scores_and_their_softmax_are_one_kernel_and_a_broadcast_mask_says_why_it_stays_out(name):
+def test_scaled_scores_a_mask_broadcast_over_heads_and_their_softmax_are_one_kernel(name):
     normalize = getattr(F, name)
 
     def attention_probs(m, q, k, mask):
@@ -67,10 +67,30 @@ def test_scaled_scores_and_their_softmax_are_one_kernel_and_a_broadcast_mask_say
     q, k = torch.randn(2, 3, 6, 8, requires_grad=True), torch.randn(2, 3, 6, 8, requires_grad=True)
     mask = torch.zeros(2, 1, 6, 6).masked_fill(torch.rand(2, 1, 6, 6) < 0.3, -1e4)
     opt, stats = fuse(attention_probs, q, k, mask)
-    scale, probs = stats["groups"]
-    assert scale["nodes"] == ["mul", "add"] and probs["nodes"] == [name, "exp"]
-    assert probs["not_fused"]["add"] == ("not one row group: z (float32[2,1,6,6]) is not a float32 row, per-row "
-                                         "or per-column value of rows [2, 3, 6, 6]")
+    (probs,) = stats["groups"]
+    assert probs["nodes"] == ["mul", "add", name, "exp"] and probs["inputs"] == ["matmul", "z"]
+
+
+def test_a_transposed_value_joins_a_row_group_and_is_written_as_eager_lays_it_out():
+    """q.transpose(1, 2) * 2 is not contiguous: no elementwise group takes it (they write contiguous
+    tensors), a row group does, in eager's layout."""
+    def fn(m, x):
+        q = x.transpose(1, 2) * 2.0
+        return q + q.amax(-1, keepdim=True), q
+
+    x = torch.randn(2, 5, 3, 8, requires_grad=True)
+    opt, stats = fuse(fn, x)
+    assert group_nodes(stats) == [["transpose", "mul", "amax", "add"]] or group_nodes(stats) == [["mul", "amax", "add"]]
+    got, want = opt(x), fn(None, x)
+    assert [t.stride() for t in got] == [t.stride() for t in want]
+
+
+def test_a_transposed_elementwise_chain_alone_says_why_it_stays_out():
+    model = module(lambda m, x: (x.transpose(0, 1) * 2).exp(), 1)
+    opt = graphopt.optimize(model, (torch.randn(4, 6),), passes="fuse")
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["kernels"] == 0
+    assert "an elementwise kernel writes contiguous tensors" in stats["alone"]["mul"]["exp"]
 
 
 def test_row_sums_and_maxima_with_keepdim_join_and_other_reductions_say_why_not():

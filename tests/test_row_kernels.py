@@ -172,3 +172,28 @@ def test_the_column_index_is_made_not_passed():
         row_call(G.cross_entropy(), torch.randn(2, 5), torch.zeros(2, 1, dtype=torch.long), torch.arange(5.0))
     with pytest.raises(Unsupported, match="per-row ones"):
         row_call(G.softmax(), torch.zeros(2, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("block", [None, 8])
+def test_strided_and_broadcast_inputs_are_read_in_place_and_outputs_laid_out_as_asked(block):
+    """softmax(scores + mask) over a transposed score tensor and a mask broadcast over heads: the
+    kernel reads both where they are (no copies), writes the output in the scores' dim order, and
+    the mask's gradient is summed over the heads it was broadcast to."""
+    from graphopt.codegen.row_kernel import row_backward, row_forward
+    from graphopt.codegen.row_space import RowSpace, dim_order
+
+    b = G.Builder([("scores", G.FULL), ("mask", G.FULL)])
+    group = b.group(G.emit_softmax(b, b("add", ("input", 0), ("input", 1))))
+    scores = torch.randn(2, 5, 3, 12).transpose(1, 2)  # [2, 3, 5, 12], not contiguous
+    mask = torch.randn(2, 1, 5, 12)
+    space = RowSpace.last(scores.shape)
+    order = dim_order(scores.shape, scores.stride())
+    (out,) = row_forward(group, [scores, mask], block=block, space=space, orders=(order,))
+    want = F.softmax(scores.double() + mask.double(), -1)
+    assert out.stride() == scores.stride() and _relative(out, want) <= TOLERANCE
+    g = torch.randn(2, 3, 5, 12)
+    ds, dm = row_backward(group, [scores, mask], [g], [True, True], block=block, space=space)
+    sd, md = scores.double().requires_grad_(), mask.double().requires_grad_()
+    ws, wm = torch.autograd.grad(F.softmax(sd + md, -1), (sd, md), g.double())
+    assert ds.shape == scores.shape and dm.shape == mask.shape
+    assert _relative(ds, ws) <= TOLERANCE and _relative(dm, wm) <= TOLERANCE

@@ -3,8 +3,8 @@
 Algorithm:
   1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a Triton
      template in the registry (or a dropout that is the identity: train=False or p=0), bound to
-     tensor nodes and Python scalars, contiguous in eager (a kernel writes contiguous tensors),
-     and accepted by codegen as a one-step group at its operands' dtypes with eager's result
+     tensor nodes and Python scalars, dense in eager (contiguous, or else only in a row group,
+     whose kernels write eager's layout), and accepted by codegen as a one-step group at its operands' dtypes with eager's result
      dtype and shape; or a row member (analysis/row_fusion.py: a sum, mean or amax over the last
      dim, a softmax, log_softmax, layer_norm or rms_norm over it, in float32). Every other node
      gets the reason it stays out.
@@ -39,7 +39,7 @@ import torch.fx
 from .. import codegen, ops
 from ..codegen.row_group import RowGroup
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
-from .meta import TensorInfo, leaves, tensor_info
+from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
@@ -57,6 +57,7 @@ class Member:
     params: dict
     identity: bool = False  # a dropout that returns its input
     row: tuple | None = None  # a row member (analysis/row_fusion.py): the shape of the rows it reduces
+    strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class FusionGroup:
     bytes_saved: int
     not_fused: dict[str, str] = field(default_factory=dict)  # neighbour node name -> reason
     finish: tuple = ()  # a row group's: per output, what makes the node's value of its rows (row_fusion)
+    orders: tuple = ()  # a row group's: per output, eager's order of its dims in memory (None: contiguous)
 
     def ops(self) -> list[str]:
         return [getattr(s, "op", None) or f"row_{s.kind}" for s in self.group.steps]
@@ -131,8 +133,11 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     for v in tensors:
         if not isinstance(tensor_info(v), TensorInfo):
             return f"operand {v.name} is not a tensor (a value computed at run time)"
+    strided = None
     if not info.contiguous:
-        return f"eager makes it with strides {info.stride}; a fused kernel writes contiguous tensors"
+        if not dense(info):
+            return f"eager makes it with strides {info.stride}, overlapping or with gaps; a fused kernel writes dense tensors"
+        strided = f"eager makes it with strides {info.stride}; an elementwise kernel writes contiguous tensors"
     if op.random:
         source = tensor_info(tensors[0])
         if (source.shape, source.dtype) != (info.shape, info.dtype):
@@ -147,7 +152,7 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     shape = tuple(codegen.step_shapes(group, [t.shape for t in examples])[0])
     if (dtype, shape) != (info.dtype, info.shape):
         return f"codegen would make {dtype}{list(shape)} where eager makes {info.dtype}{list(info.shape)}"
-    return Member(node, op.name, tuple(bound.operands), dict(bound.params))
+    return Member(node, op.name, tuple(bound.operands), dict(bound.params), strided=strided)
 
 
 def _path(q: nx.DiGraph, a, b, names) -> list[str] | None:
@@ -171,6 +176,7 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
     parent = {n: n for n in members}  # union-find: a group's root is its vertex in q
     rows = {n: m.row for n, m in members.items()}  # a root's row shape, once it holds a row member
     held = {n: [m] for n, m in members.items()}  # a root's members
+    strided = {n: m.strided for n, m in members.items()}  # a root's reason to be a row group or nothing
 
     def root(n):
         while parent[n] is not n:
@@ -195,6 +201,9 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
                 if reason is not None:
                     refused[(producer, node)] = f"not one row group: {reason}"
                     continue
+            elif strided[a] or strided[b]:
+                refused[(producer, node)] = strided[a] or strided[b]
+                continue
             lo, hi = min(span[a][0], span[b][0]), max(span[a][1], span[b][1])
             k = bisect.bisect_right(writers, lo)
             if k < len(writers) and writers[k] < hi:
@@ -209,6 +218,7 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
             span[a] = (lo, hi)
             rows[a] = full
             held[a] += held.pop(b)
+            strided[a] = None if full is not None else strided[a] or strided[b]
     groups: dict = {}
     for node in gm.graph.nodes:
         if node in members:
@@ -232,9 +242,9 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
         built = build_rows(nodes, members, full)
         if isinstance(built, str):
             return built
-        inputs, outputs, aliases, group, finish = built
+        inputs, outputs, aliases, group, finish, orders = built
         return FusionGroup(nodes, inputs, outputs, aliases, group, _saved_traffic(nodes, members, inputs, outputs),
-                           finish=finish)
+                           finish=finish, orders=orders)
     inside = set(nodes)
     inputs: list[torch.fx.Node] = []
     refs: dict = {}  # member -> its value inside the group: ("input", k) or ("step", j)

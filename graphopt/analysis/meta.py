@@ -53,6 +53,18 @@ class TensorInfo:
         return f"{torch_name(self.dtype)}[{','.join(map(str, self.shape))}]"
 
 
+def dense(info: TensorInfo) -> bool:
+    """Whether the tensor's elements fill its storage span exactly once in some order of its dims
+    (a contiguous tensor, or a permutation of one, such as a transpose)."""
+    dims = sorted((st, size) for size, st in zip(info.shape, info.stride) if size != 1)
+    expected = 1
+    for st, size in dims:
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
 def describe(value):
     """TensorInfo for a tensor, a tuple of them for a tuple/list output, None otherwise."""
     if isinstance(value, torch.Tensor):

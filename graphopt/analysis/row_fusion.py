@@ -5,11 +5,18 @@ A row member reduces or normalizes each row of its input's last dim: sum, mean a
 dim -1 with keepdim, softmax and log_softmax over dim -1, layer_norm and rms_norm over the last
 dim alone, cross_entropy of [N, C] logits with [N] class indices (no class weights, no label
 smoothing: its rows' losses, then their mean or sum); in float32, the dtype the row kernels take
-(codegen/row_group.py). A group that holds one is a row group. Every value in it has a class relative to the shape F = [..., C] of the rows
-(the row member's input): FULL when its shape is F, ROW when it is F[:-1] + [1], COL when it is
-[C] (leading 1s allowed). An elementwise node joins a row group only when each of its tensors
-has a class and its result's class is what its operands' classes make (ROW with COL is FULL, as
-broadcasting makes it); that is the whole rule, checked at every merge (fits_rows).
+(codegen/row_group.py). A group that holds one is a row group.
+
+Every value in a row group has a class relative to the shape F = [..., C] of the rows (the row
+member's input), as eager broadcasts it against F: FULL when it varies along the columns and
+some row dim (F itself, or a mask of [B, 1, S, S] against scores of [B, H, S, S]), COL when only
+along the columns ([C]: a norm's weight), ROW otherwise ([..., 1]: a row's statistic). An
+elementwise node joins a row group only when each of its tensors has a class and its result has
+the class its operands' classes make (ROW with COL is FULL, as broadcasting makes it), at the
+shape a kernel stores (F for FULL, F[:-1] + [1] for ROW); that is the whole rule, checked at
+every merge (fits_rows). A row group's kernels read and write tensors in eager's layout
+(codegen/row_space.py), so a node eager makes transposed may join one, where an elementwise
+group, which writes contiguous tensors, leaves it out.
 
 A norm's weight and bias may be a leaf module's parameters, which are no graph nodes: they are
 StateInputs, which the fuse pass reads with a get_attr node.
@@ -21,9 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..codegen.row_space import dim_order
 from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, RowGroup, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
-from .meta import TensorInfo, tensor_info
+from .meta import TensorInfo, dense, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
 NORMALIZING = ("softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy")
@@ -57,15 +65,27 @@ def info_of(value) -> TensorInfo | None:
 
 
 def kind_of(shape, full: tuple) -> str | None:
-    """FULL, ROW or COL: the class of a value of this shape in rows of shape `full`; None for none."""
+    """FULL, ROW or COL: the class of a value of this shape in rows of shape `full`, broadcast as
+    eager broadcasts it (a mask of [B, 1, S, S] against scores of [B, H, S, S] is FULL); None when
+    it does not broadcast to them."""
     shape = tuple(shape)
     if shape == full:
         return FULL
-    if shape == full[:-1] + (1,):
-        return ROW
-    if 0 < len(shape) <= len(full) and shape[-1] == full[-1] and all(s == 1 for s in shape[:-1]):
-        return COL
-    return None
+    if len(shape) > len(full):
+        return None
+    aligned = (1,) * (len(full) - len(shape)) + shape
+    if any(s not in (1, f) for s, f in zip(aligned, full)):
+        return None
+    along_rows = any(s == f != 1 for s, f in zip(aligned[:-1], full[:-1]))
+    if aligned[-1] == full[-1] != 1:
+        return FULL if along_rows else COL
+    return ROW
+
+
+def exact_shape(kind: str, full: tuple) -> tuple | None:
+    """The shape a node's value of this class has when a kernel stores it; None for COL (stored
+    by no kernel)."""
+    return {FULL: full, ROW: full[:-1] + (1,)}.get(kind)
 
 
 def combined(kinds) -> str:
@@ -112,8 +132,8 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
     full, params = xinfo.shape, dict(bound.params)
     if len(full) < 2 or full[-1] < 2:
         return f"rows of shape {list(full)}: a row kernel reduces a last dim of 2 or more over leading dims"
-    if op.name != "cross_entropy" and not info.contiguous:
-        return f"eager makes it with strides {info.stride}; a fused kernel writes contiguous tensors"
+    if op.name != "cross_entropy" and not dense(info):
+        return f"eager makes it with strides {info.stride}, overlapping or with gaps; a fused kernel writes dense tensors"
     operands = [_state(v, gm) for v in bound.operands]
     if op.name == "cross_entropy":
         reason = _cross_entropy(operands, params, full)
@@ -207,7 +227,8 @@ def fits_rows(members: list, full: tuple) -> str | None:
             kinds.append(kind)
         if m.identity:
             continue
-        if out.dtype != DTYPE or kind_of(out.shape, full) != combined(kinds):
+        kind = combined(kinds)
+        if out.dtype != DTYPE or kind_of(out.shape, full) != kind or exact_shape(kind, full) not in (None, out.shape):
             return f"{m.node.name} makes {out.short()}, not a float32 value of rows {list(full)}"
     return None
 
@@ -261,7 +282,8 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
         group = b.group(*(("step", j) for j in stored), origin=[n.name for n in nodes])
     except ValueError as e:
         return f"declined by codegen: {e}"
-    return inputs, outputs, aliases, group, tuple(_finish(members[n], inputs) for n in outputs)
+    orders = tuple(dim_order(tensor_info(n).shape, tensor_info(n).stride) for n in outputs)
+    return inputs, outputs, aliases, group, tuple(_finish(members[n], inputs) for n in outputs), orders
 
 
 def _finish(member, inputs) -> tuple | None:

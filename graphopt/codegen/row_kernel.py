@@ -17,9 +17,12 @@ Looped (wider rows): one row per program, in passes over chunks of BLOCK columns
    store's partial sum is the row's own); ROW stores follow. A value is recomputed in each pass
    that needs it rather than kept: a row wider than a block does not fit in registers.
 Either way a FULL or COL value is a block of columns (masked lanes hold whatever the templates
-make of the 0 loaded there, kept out of every reduction and store), a ROW value a scalar;
-pointers are at row * C + cols (FULL), cols (COL) or row (ROW), the launcher handing rows
-contiguous.
+make of the 0 loaded there, kept out of every reduction and store), a ROW value a scalar. A
+tensor's element (row, col) is at its row offset plus its col offset (row_space.py): the row
+index is unravelled over the row dims once per row, the col index over the col dims once per
+block, and each is dotted with the tensor's strides, so tensors are read and written where
+eager keeps them (a transposed query, a mask broadcast over heads) without copies. A partial
+sum is at pid * C + col.
 """
 from __future__ import annotations
 
@@ -31,18 +34,54 @@ from .compile import load
 from .kernel import INDENT, module
 from .row_group import COL, FULL, ROW, RowGroup, check_inputs
 from .row_program import Line, RowProgram, backward_program, forward_program, vector
+from .row_space import RowSpace, addressing, empty_like_order
 
 MAX_PERSISTENT = 1 << 14  # columns held in one block
 LOOP_BLOCK = 1024  # columns per chunk in the looped form
-AT = {FULL: "row * C + cols", COL: "cols", ROW: "row"}
 PARTIAL = "pid * C + cols"  # where a program stores its partial sum of a COL store
+
+
+def _at(pointer: str, kind: str) -> str:
+    return {FULL: f"{pointer}_row + {pointer}_col", ROW: f"{pointer}_row", COL: f"{pointer}_col"}[kind]
 NEUTRAL = {"sum": "0.0", "max": "float('-inf')"}
 
 
 def _load(line: Line) -> str:
     kind = line.expr  # where it is read from
     where = "" if kind == ROW else ", mask=mask, other=0.0"
-    return f"{line.target} = tl.load({line.target}_ptr + {AT[kind]}{where}).to(tl.float32)"
+    return f"{line.target} = tl.load({line.target}_ptr + {_at(line.target, kind)}{where}).to(tl.float32)"
+
+
+def _store(pointer: str, kind: str, value: str) -> str:
+    return f"tl.store({pointer}_ptr + {_at(pointer, kind)}, {value}{'' if kind == ROW else ', mask=mask'})"
+
+
+def pointer_kinds(program: RowProgram) -> dict[str, str]:
+    """Each pointer's class: where its tensor is read or written; "partial" for a COL store's
+    partial sums (at pid * C + col, no strides)."""
+    kinds = {line.target: line.expr for line in program.lines if line.load}
+    kinds.update({s.pointer: "partial" if s.kind == COL else s.kind for s in program.stores})
+    return {p: kinds[p] for p in program.pointers}
+
+
+def _unravel(index: str, sizes: str, n: int, name: str) -> list[str]:
+    """Lines giving {name}0..{name}{n-1}, the index's coordinates over n dims (sizes {sizes}0..)."""
+    if n == 1:
+        return [f"{name}0 = {index}"]
+    lines, rest = [], index
+    for d in range(n - 1, 0, -1):
+        lines.append(f"{name}{d} = {rest} % {sizes}{d}")
+        lines.append(f"{name}_rest{d} = {rest} // {sizes}{d}")
+        rest = f"{name}_rest{d}"
+    return lines + [f"{name}0 = {rest}"]
+
+
+def _offsets(kinds: dict, which: str, n: int) -> list[str]:
+    """Each pointer's row (which="row") or col offset from the unravelled coordinates."""
+    index = "i" if which == "row" else "j"
+    wanted = (FULL, ROW) if which == "row" else (FULL, COL)
+    return [f"{p}_{which} = " + " + ".join(f"{index}{d} * {p}_{which[0]}s{d}" for d in range(n))
+            for p, kind in kinds.items() if kind in wanted]
 
 
 def _assign(line: Line, kinds: dict) -> str:
@@ -59,16 +98,16 @@ def _reduced(line: Line) -> str:
     return f"{op}(tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]}), axis=0)"
 
 
-def _persistent(program: RowProgram) -> list[str]:
-    kinds = {line.target: line.kind for line in program.lines}
+def _persistent(program: RowProgram, dims: tuple[int, int]) -> list[str]:
+    kinds, pointers = {line.target: line.kind for line in program.lines}, pointer_kinds(program)
     partial = [s for s in program.stores if s.kind == COL]
-    head = ["cols = tl.arange(0, BLOCK)", "mask = cols < C"]
+    head = ["cols = tl.arange(0, BLOCK)", "mask = cols < C"] + _unravel("cols", "CS", dims[1], "j")
+    head += _offsets(pointers, "col", dims[1])
     head += [f"{s.value}_acc = tl.zeros([BLOCK], dtype=tl.float32)" for s in partial]
-    body = []
+    body = _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0])
     for line in program.lines:
         body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds))
-    body += [f"tl.store({s.pointer}_ptr + {AT[s.kind]}, {s.value}{'' if s.kind == ROW else ', mask=mask'})"
-             for s in program.stores if s.kind != COL]
+    body += [_store(s.pointer, s.kind, s.value) for s in program.stores if s.kind != COL]
     body += [f"{s.value}_acc = {s.value}_acc + {s.value}" for s in partial]
     loop = ["for row in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R)):"] + [INDENT + b for b in body]
     return head + loop + [f"tl.store({s.pointer}_ptr + {PARTIAL}, {s.value}_acc, mask=mask)" for s in partial]
@@ -96,13 +135,14 @@ def _closure(program: RowProgram, names) -> list[Line]:
     return [line for line in program.lines if line.target in wanted]
 
 
-def _chunks(body: list[str]) -> list[str]:
-    return (["for start in range(0, C, BLOCK):", INDENT + "cols = start + tl.arange(0, BLOCK)",
-             INDENT + "mask = cols < C"] + [INDENT + b for b in body])
+def _chunks(body: list[str], dims: tuple[int, int], pointers: dict) -> list[str]:
+    head = ["cols = start + tl.arange(0, BLOCK)", "mask = cols < C"] + _unravel("cols", "CS", dims[1], "j")
+    head += _offsets(pointers, "col", dims[1])
+    return ["for start in range(0, C, BLOCK):"] + [INDENT + b for b in head + body]
 
 
-def _looped(program: RowProgram) -> list[str]:
-    kinds = {line.target: line.kind for line in program.lines}
+def _looped(program: RowProgram, dims: tuple[int, int]) -> list[str]:
+    kinds, pointers = {line.target: line.kind for line in program.lines}, pointer_kinds(program)
     after = _known_after(program)
     scalars = [line for line in program.lines if line.kind == ROW and not line.reduce]
     body = [_assign(line, kinds) for line in scalars if after[line.target] == 0]
@@ -115,46 +155,66 @@ def _looped(program: RowProgram) -> list[str]:
             value = f"tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]})"
             inner.append(f"{line.target}_acc = {line.target}_acc + {value}" if line.reduce == "sum"
                          else f"{line.target}_acc = tl.maximum({line.target}_acc, {value})")
-        body += _chunks(inner)
+        body += _chunks(inner, dims, pointers)
         body += [f"{line.target} = {'tl.sum' if line.reduce == 'sum' else 'tl.max'}({line.target}_acc, axis=0)"
                  f"  # {line.comment}" for line in reduces]
         body += [_assign(line, kinds) for line in scalars if after[line.target] == p]
     full = [s for s in program.stores if s.kind != ROW]
     if full:
         inner = [_assign(line, kinds) for line in _closure(program, [s.value for s in full])]
-        inner += [f"tl.store({s.pointer}_ptr + {AT[FULL]}, {s.value}, mask=mask)" for s in full]
-        body += ["# the stores"] + _chunks(inner)
-    return ["row = pid"] + body + [f"tl.store({s.pointer}_ptr + row, {s.value})" for s in program.stores if s.kind == ROW]
+        inner += [f"tl.store({s.pointer}_ptr + {PARTIAL if s.kind == COL else _at(s.pointer, FULL)}, {s.value}, "
+                  "mask=mask)" for s in full]
+        body += ["# the stores"] + _chunks(inner, dims, pointers)
+    row = ["row = pid"] + _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0])
+    return row + body + [_store(s.pointer, ROW, s.value) for s in program.stores if s.kind == ROW]
 
 
-def source(group: RowGroup, program: RowProgram, name: str, looped: bool) -> str:
+def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: tuple[int, int] = (1, 1)) -> str:
+    """The kernel's text for rows unravelled over dims[0] dims and columns over dims[1]."""
     title = f"# graphopt row {name.split('_')[1]} ({'looped' if looped else 'persistent'}): {group.describe()}"
     head = [title, "import triton", "import triton.language as tl", "", ""]
-    signature = ["@triton.jit", f"def {name}({', '.join(p + '_ptr' for p in program.pointers)}, C, R, ROWS, "
-                 "BLOCK: tl.constexpr):", INDENT + "pid = tl.program_id(0).to(tl.int64)"]
-    body = _looped(program) if looped else _persistent(program)
+    strided = list(pointer_kinds(program).items())
+    params = [p + "_ptr" for p in program.pointers] + ["R", "C", "ROWS"]
+    params += [f"RS{d}" for d in range(dims[0])] + [f"CS{d}" for d in range(dims[1])]
+    for p, kind in strided:
+        if kind in (FULL, ROW):
+            params += [f"{p}_rs{d}" for d in range(dims[0])]
+        if kind in (FULL, COL):
+            params += [f"{p}_cs{d}" for d in range(dims[1])]
+    signature = ["@triton.jit", f"def {name}({', '.join(params)}, BLOCK: tl.constexpr):",
+                 INDENT + "pid = tl.program_id(0).to(tl.int64)"]
+    body = _looped(program, dims) if looped else _persistent(program, dims)
     return module(head, signature + [INDENT + b for b in body])
 
 
 # -- launching -------------------------------------------------------------------------------------
 
 
-def _rows(group: RowGroup, inputs, values: bool = True) -> tuple[tuple, int, int]:
-    """(the FULL inputs' shape, rows R, columns C), checking every input's shape against them
-    (and with values=True, an integer input's values)."""
+def _space(group: RowGroup, inputs, space: RowSpace | None, values: bool) -> tuple[RowSpace, list]:
+    """The rows (by default over the leading dims of the first FULL input) and the inputs as the
+    kernel reads them: a ROW input of one value per row but no col dims (a class index per row)
+    viewed with them. ValueError when an input does not fit the rows."""
     check_inputs(group, inputs, values)
-    full = [t for k, t in enumerate(inputs) if group.input_kind(k) == FULL]
-    if not full:
-        raise ValueError("a row group needs a full input: the rows are its leading dims")
-    shape = tuple(full[0].shape)
-    if not shape or any(tuple(t.shape) != shape for t in full):
-        raise ValueError(f"the full inputs' shapes differ or are 0-dim: {[tuple(t.shape) for t in full]}")
-    c, r = shape[-1], math.prod(shape[:-1])
+    if space is None:
+        full = [t for k, t in enumerate(inputs) if group.input_kind(k) == FULL]
+        if not full or full[0].dim() == 0:
+            raise ValueError("a row group needs a full input of at least one dim: the rows are its leading dims")
+        space = RowSpace.last(full[0].shape)
+    given = []
     for k, t in enumerate(inputs):
+        if t is None:
+            given.append(None)
+            continue
         kind = group.input_kind(k)
-        if t is not None and ((kind == COL and t.numel() != c) or (kind == ROW and t.numel() != r)):
-            raise ValueError(f"input {k} ({kind}) has shape {tuple(t.shape)} for rows of {shape}")
-    return shape, r, c
+        if kind == ROW and t.dim() < len(space.shape) and t.numel() == space.rows and tuple(t.shape) == tuple(
+                s for d, s in enumerate(space.shape) if d not in space.col_dims):
+            t = t.reshape(space.row_shape())
+        strides = space.strides(t)
+        if (kind == ROW and any(strides[d] for d in space.col_dims if space.shape[d] > 1)) or \
+                (kind == COL and any(strides[d] for d in space.row_dims if space.shape[d] > 1)):
+            raise ValueError(f"input {k} ({kind}) has shape {tuple(t.shape)} for rows of {list(space.shape)}")
+        given.append(t)
+    return space, given
 
 
 def layout(c: int, block: int | None = None) -> tuple[bool, int]:
@@ -164,15 +224,6 @@ def layout(c: int, block: int | None = None) -> tuple[bool, int]:
     if c <= MAX_PERSISTENT:
         return False, max(16, 1 << (c - 1).bit_length())
     return True, LOOP_BLOCK
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1)
-
-
-def _given(inputs) -> list[torch.Tensor]:
-    """The tensors the kernel reads, in signature order (the column index is made, not read)."""
-    return [_flat(t) for t in inputs if t is not None]
 
 
 _KERNELS: dict = {}
@@ -195,39 +246,60 @@ def programs(r: int, looped: bool, partial: bool, device: torch.device) -> tuple
     return -(-r // rows), rows
 
 
-def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool = True) -> list[torch.Tensor]:
-    """The outputs (FULL ones at the rows' shape, ROW ones with a last dim of 1), float32; with
-    launch=False they are allocated and not computed (FakeTensors: what a run allocates)."""
-    shape, r, c = _rows(group, inputs, launch)
-    looped, size = layout(c, block)
-    device = next(t.device for t in inputs if t is not None)
-    outs = [torch.empty(shape if group.step_kind(j) == FULL else shape[:-1] + (1,), device=device,
-                        dtype=torch.float32) for j in group.outputs]
-    given = _given(inputs)  # contiguous copies of strided inputs: allocated with launch=False too
-    if launch and r:
-        kernel = _kernel(source(group, forward_program(group), "row_forward", looped), "row_forward")
-        kernel[(r,)](*given, *outs, c, r, 1, BLOCK=size)
+def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, tensors: dict, grid: int, rows: int,
+            block: int | None) -> None:
+    """tensors: pointer name -> tensor (a partial-sum buffer is [P, C], without strides)."""
+    looped, size = layout(space.columns, block)
+    kinds = pointer_kinds(program)
+    strided = [p for p in program.pointers if kinds[p] != "partial"]
+    where = addressing(space, [tensors[p] for p in strided])
+    kernel = _kernel(source(group, program, name, looped, where.dims), name)
+    args = [tensors[p] for p in program.pointers] + [space.rows, space.columns, rows]
+    args += list(where.row_sizes) + list(where.col_sizes)
+    for p, row_strides, col_strides in zip(strided, where.row_strides, where.col_strides):
+        args += list(row_strides) if kinds[p] in (FULL, ROW) else []
+        args += list(col_strides) if kinds[p] in (FULL, COL) else []
+    kernel[(grid,)](*args, BLOCK=size)
+
+
+def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool = True,
+                space: RowSpace | None = None, orders: tuple = ()) -> list[torch.Tensor]:
+    """The outputs, float32: FULL ones at the rows' shape, laid out in orders[i] (outermost dim
+    first; contiguous by default), ROW ones at the row shape; with launch=False they are allocated
+    and not computed (FakeTensors: what a run allocates)."""
+    space, given = _space(group, inputs, space, launch)
+    device = next(t.device for t in given if t is not None)
+    outs = [empty_like_order(space.shape, orders[i] if i < len(orders) else None, torch.float32, device)
+            if group.step_kind(j) == FULL else torch.empty(space.row_shape(), dtype=torch.float32, device=device)
+            for i, j in enumerate(group.outputs)]
+    if launch and space.rows and space.columns:
+        program = forward_program(group)
+        tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
+        tensors.update({f"out{i}": o for i, o in enumerate(outs)})
+        _launch(group, program, "row_forward", space, tensors, space.rows, 1, block)
     return outs
 
 
-def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None,
-                 launch: bool = True) -> list[torch.Tensor | None]:
+def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None, launch: bool = True,
+                 space: RowSpace | None = None) -> list[torch.Tensor | None]:
     """grads: per output, its incoming gradient or None; needs: per input, whether it wants one."""
-    shape, r, c = _rows(group, inputs, launch)
-    looped, size = layout(c, block)
+    space, given = _space(group, inputs, space, launch)
     program = backward_program(group, [g is not None for g in grads], needs)
-    device = next(t.device for t in inputs if t is not None)
-    p, rows = programs(r, looped, any(s.kind == COL for s in program.stores), device)
-    sizes = {FULL: shape, ROW: shape[:-1] + (1,), COL: (p, c)}
-    buffers = [torch.empty(sizes[group.input_kind(k)], device=device, dtype=torch.float32) for k in program.grads]
-    given = _given(inputs) + [_flat(g) for g in grads if g is not None]  # as in forward
-    if launch and r and program.grads:
-        kernel = _kernel(source(group, program, "row_backward", looped), "row_backward")
-        kernel[(p,)](*given, *buffers, c, r, rows, BLOCK=size)
+    device = next(t.device for t in given if t is not None)
+    looped, _ = layout(space.columns, block)
+    p, rows = programs(space.rows, looped, any(s.kind == COL for s in program.stores), device)
+    sizes = {FULL: space.shape, ROW: space.row_shape(), COL: (p, space.columns)}
+    buffers = {k: torch.empty(sizes[group.input_kind(k)], device=device, dtype=torch.float32) for k in program.grads}
+    if launch and space.rows and space.columns and program.grads:
+        tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
+        tensors.update({f"g{i}": g for i, g in enumerate(grads) if g is not None})
+        tensors.update({f"d{k}": b for k, b in buffers.items()})
+        _launch(group, program, "row_backward", space, tensors, p, rows, block)
     out: list[torch.Tensor | None] = [None] * len(inputs)
-    for k, buffer in zip(program.grads, buffers):
-        grad = buffer.sum(0) if group.input_kind(k) == COL else buffer  # the programs' partial sums added up
-        out[k] = grad.reshape(inputs[k].shape)
+    for k, buffer in buffers.items():
+        if group.input_kind(k) == COL:  # the programs' partial sums added up
+            buffer = buffer.sum(0).reshape(space.col_shape())
+        out[k] = buffer.sum_to_size(given[k].shape).reshape(inputs[k].shape)
     for k, t in enumerate(inputs):
         if needs[k] and out[k] is None and t is not None:  # no path from it to an output with a gradient
             out[k] = torch.zeros_like(t)

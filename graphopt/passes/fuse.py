@@ -86,7 +86,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
         for node, v in zip(inputs, group.inputs):
             if isinstance(v, StateInput):
                 node.meta[KEY] = v.info
-        runs = FusedRowOp(group.group, group.finish) if isinstance(group.group, RowGroup) else FusedOp(group.group)
+        runs = FusedRowOp(group.group, group.finish, group.orders) if isinstance(group.group, RowGroup) \
+            else FusedOp(group.group)
         call = graph.call_function(runs, tuple(inputs))
         _copy_meta(call, group.outputs)
         note(call, "fuse", label)

@@ -12,8 +12,6 @@ with the elementwise ops around it, as one autograd op.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -21,20 +19,21 @@ from ..codegen.group import Step
 from ..codegen.program import forward_expr, name
 from ..codegen.row_group import FULL, ROW, RowGroup
 from ..codegen.row_kernel import row_backward, row_forward
+from ..codegen.row_space import RowSpace, empty_like_order
 from ..ops.shim import tl
 from .fused import STATS, _device, _inside, _runs_kernel, _shape_only, release_interpreted_arguments
 
 
-def row_reference(group: RowGroup, inputs) -> list[torch.Tensor]:
-    """The group's outputs computed by torch ops over rows: FULL values as [R, C], ROW as [R, 1],
-    COL as [C]; differentiable, so autograd gives the reference gradients."""
-    full = next(t.shape for k, t in enumerate(inputs) if group.input_kind(k) == FULL)
-    c = full[-1]
+def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor]:
+    """The group's outputs computed by torch ops, each value broadcast over the rows as eager
+    would; differentiable, so autograd gives the reference gradients."""
     scope = {"tl": tl}
     for k, t in enumerate(inputs):
-        kind = group.input_kind(k)
-        t = t.to(torch.float32)
-        scope[f"x{k}"] = t.reshape(-1, c) if kind == FULL else t.reshape(-1, 1) if kind == ROW else t.reshape(c)
+        if t is None:  # the column index
+            t = torch.arange(space.columns, dtype=torch.float32, device=next(x for x in inputs if x is not None).device)
+        elif group.input_kind(k) == ROW and t.dim() < len(space.shape):
+            t = t.reshape(space.row_shape())
+        scope[f"x{k}"] = t.to(torch.float32)
     for j, step in enumerate(group.steps):
         if isinstance(step, Step):
             value = eval(forward_expr(step, torch.float32), scope)
@@ -42,9 +41,8 @@ def row_reference(group: RowGroup, inputs) -> list[torch.Tensor]:
             arg = scope[name(step.arg)]
             value = arg.sum(-1, keepdim=True) if step.kind == "sum" else arg.amax(-1, keepdim=True)
         scope[f"v{j}"] = torch.as_tensor(value)
-    rows = math.prod(full[:-1])
-    return [scope[f"v{j}"].broadcast_to((rows, c) if group.step_kind(j) == FULL else (rows, 1))
-            .reshape(full if group.step_kind(j) == FULL else full[:-1] + (1,)) for j in group.outputs]
+    return [scope[f"v{j}"].broadcast_to(space.shape if group.step_kind(j) == FULL else space.row_shape())
+            for j in group.outputs]
 
 
 class _RowFunction(torch.autograd.Function):
@@ -71,16 +69,25 @@ class FusedRowOp:
     output, turns its rows into the node's value: None (as they are), or a cross entropy's
     reduction of its rows' losses, ("mean" | "sum" | "none", the class indices' input, ignore_index)."""
 
-    def __init__(self, group: RowGroup, finish: tuple = ()):
+    def __init__(self, group: RowGroup, finish: tuple = (), orders: tuple = ()):
         self.group, self.finish = group, tuple(finish) or (None,) * len(group.outputs)
+        self.orders = tuple(orders)
         self.given = [k for k in range(len(group.inputs)) if not group.is_index(k)]
         self.__name__ = self.__qualname__ = "fused_row_" + group.describe().replace(" -> ", "_")[:80]
 
     def __getstate__(self):
-        return {"group": self.group, "finish": self.finish}
+        return {"group": self.group, "finish": self.finish, "orders": self.orders}
 
     def __setstate__(self, state):
-        self.__init__(state["group"], state["finish"])
+        self.__init__(state["group"], state["finish"], state["orders"])
+
+    def space(self, inputs) -> RowSpace:
+        """The rows of this call: the shape every input broadcasts to (a class index per row given
+        without its col dim aside), columns along its last dim."""
+        rank = max(t.dim() for k, t in enumerate(inputs) if t is not None and self.group.input_kind(k) == FULL)
+        shapes = [t.shape for k, t in enumerate(inputs)
+                  if t is not None and not (self.group.input_kind(k) == ROW and t.dim() < rank)]
+        return RowSpace.last(torch.broadcast_shapes(*shapes))
 
     def __repr__(self) -> str:
         return f"FusedRowOp({self.group.describe()})"
@@ -109,11 +116,15 @@ class FusedRowOp:
         with _inside():
             STATS["launches"] += not fake
             if fake or _runs_kernel(device):
-                rows = row_forward(self.group, everything, launch=not fake)
+                rows = row_forward(self.group, everything, launch=not fake, space=self.space(everything),
+                                   orders=self.orders)
                 release_interpreted_arguments()
             else:
+                space = self.space(everything)
                 with torch.no_grad():
-                    rows = [v.contiguous() for v in row_reference(self.group, everything)]
+                    values = row_reference(self.group, everything, space)
+                rows = [empty_like_order(v.shape, self.orders[i] if i < len(self.orders) else None, torch.float32,
+                                         device).copy_(v) for i, v in enumerate(values)]
             return [self._finished(o, f, everything) for o, f in zip(rows, self.finish)]
 
     def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
@@ -126,7 +137,8 @@ class FusedRowOp:
         with _inside():
             STATS["launches"] += not fake
             if fake or _runs_kernel(device):
-                result = row_backward(self.group, everything, grads, [bool(w) for w in wants], launch=not fake)
+                result = row_backward(self.group, everything, grads, [bool(w) for w in wants], launch=not fake,
+                                      space=self.space(everything))
                 release_interpreted_arguments()
             else:
                 result = self._reference_backward(everything, grads, [bool(w) for w in wants])
@@ -135,7 +147,7 @@ class FusedRowOp:
     def _reference_backward(self, inputs, grads, needs):
         wanted = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
         with torch.enable_grad():
-            outs = row_reference(self.group, wanted)
+            outs = row_reference(self.group, wanted, self.space(inputs))
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
         found = iter(torch.autograd.grad([o for o, _ in pairs], [t for t, n in zip(wanted, needs) if n],
                                          [g for _, g in pairs], allow_unused=True))
