@@ -242,3 +242,35 @@ def test_a_fused_cross_entropy_over_a_32k_vocabulary_keeps_no_log_probabilities(
         assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
     logits = tokens * vocab * 4
     assert peaks["plain"] - peaks["fused"] >= 0.99 * logits  # less a few per-row buffers
+
+
+def rotate_half(x):
+    """transformers' rotate_half, spelled as it is."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_rotary_embeddings_on_a_transposed_query_are_one_kernel(frontend):
+    """q * cos + rotate_half(q) * sin: the slices, the negation and the cat are read as q shifted
+    by half a row each way (no copies of the halves), cos and sin broadcast over the heads, q and
+    the result in eager's transposed layout."""
+    def fn(m, q, cos, sin):
+        q = q.transpose(1, 2)
+        return (q * cos) + (rotate_half(q) * sin)
+
+    q, cos, sin = torch.randn(2, 6, 3, 16, requires_grad=True), torch.randn(2, 1, 6, 16), torch.randn(2, 1, 6, 16)
+    model = module(fn, 3)
+    opt = graphopt.optimize(model, (q, cos, sin), passes="fuse", frontend=frontend)
+    assert_same_step(model, opt, (q, cos, sin), {}, exact=False)
+    (group,) = opt.graphopt_report.passes[-1].stats["groups"]
+    assert group["ops"] == ["mul", "neg", "lt", "where", "mul", "add"]
+    assert opt(q, cos, sin).stride() == fn(None, q, cos, sin).stride()
+
+
+def test_a_cat_of_other_values_says_why_it_stays_out():
+    model = module(lambda m, x, y: torch.cat((x * 2, y), -1) * 3, 2)
+    opt = graphopt.optimize(model, (torch.randn(2, 4), torch.randn(2, 4)), passes="fuse")
+    assert opt.graphopt_report.passes[-1].stats["alone"]["mul_1"]["cat"] == \
+        "cat of values other than column slices of one value"

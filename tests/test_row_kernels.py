@@ -197,3 +197,28 @@ def test_strided_and_broadcast_inputs_are_read_in_place_and_outputs_laid_out_as_
     ws, wm = torch.autograd.grad(F.softmax(sd + md, -1), (sd, md), g.double())
     assert ds.shape == scores.shape and dm.shape == mask.shape
     assert _relative(ds, ws) <= TOLERANCE and _relative(dm, wm) <= TOLERANCE
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_shifted_reads_rotate_halves_as_rotary_embeddings_do(block):
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[..., h:], x[..., :h]): x read twice
+    shifted by +h and -h, the halves picked by the column index; x's gradient from all three reads."""
+    c, h = 12, 6
+    b = G.Builder([("x", G.FULL), ("cos", G.FULL), ("sin", G.FULL)])
+    cols = b.input("cols", G.INDEX)
+    upper, lower = b.input("x", G.FULL, shift=h), b.input("x", G.FULL, shift=-h)
+    rotated = b("where", b("lt", cols, float(h)), b("neg", upper), lower)
+    group = b.group(b("add", b("mul", ("input", 0), ("input", 1)), b("mul", rotated, ("input", 2))))
+    x = torch.randn(3, 5, c).transpose(0, 1).requires_grad_()  # strided too
+    cos, sin = torch.randn(5, 1, c), torch.randn(5, 1, c)
+    got = row_call(group, x, cos, sin, None, x, x, block=block)
+
+    def rotate_half(t):
+        return torch.cat((-t[..., h:], t[..., :h]), -1)
+
+    xd = x.detach().double().requires_grad_()
+    want = xd * cos.double() + rotate_half(xd) * sin.double()
+    assert _relative(got, want) <= TOLERANCE
+    g = torch.randn(5, 3, c)
+    (gx,), (wx,) = torch.autograd.grad(got, (x,), g), torch.autograd.grad(want, (xd,), g.double())
+    assert _relative(gx, wx) <= TOLERANCE

@@ -58,6 +58,7 @@ class Member:
     identity: bool = False  # a dropout that returns its input
     row: tuple | None = None  # a row member (analysis/row_fusion.py): the shape of the rows it reduces
     strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
+    absorbed: tuple = ()  # nodes only it reads, computed inside its steps (a rotation's slices)
 
 
 @dataclass
@@ -110,8 +111,8 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     if row is not None:
         if isinstance(row, str):
             return row
-        full, operands, params = row
-        return Member(node, op.name, operands, params, row=full)
+        full, operands, params, absorbed = row
+        return Member(node, op.name, operands, params, row=full, absorbed=absorbed)
     if op.random:
         if bound is None or not is_identity_dropout(op, bound.params):
             return "random in training (it draws a mask)" if bound and "train" in bound.params else \
@@ -189,7 +190,8 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
     for node in gm.graph.nodes:
         if node not in members:
             continue
-        for producer in node.all_input_nodes:
+        # row groups first: a node eager lays out strided may join one, and then its other producers
+        for producer in sorted(node.all_input_nodes, key=lambda p: p in members and rows[root(p)] is None):
             if producer not in members:
                 continue
             a, b = root(producer), root(node)
@@ -237,7 +239,7 @@ def _traffic(member: Member) -> int:
 def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
     """Step 3 for one group: its codegen Group (a RowGroup when it holds a row member), or the
     reason codegen gives for declining it."""
-    full = next((members[n].row for n in nodes if members[n].row is not None), None)
+    full = next((members[n].row for n in nodes if n in members and members[n].row is not None), None)
     if full is not None:
         built = build_rows(nodes, members, full)
         if isinstance(built, str):
@@ -289,7 +291,7 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
 
 
 def _saved_traffic(nodes, members, inputs, outputs) -> int:
-    eager = sum(_traffic(members[n]) for n in nodes)
+    eager = sum(_traffic(members[n]) for n in nodes if n in members)
     return eager - sum(info_of(v).nbytes for v in inputs) - sum(tensor_info(n).nbytes for n in outputs)
 
 
@@ -322,6 +324,10 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
             members[node] = found
         else:
             reasons[node] = found
+    for node, m in list(members.items()):
+        for a in m.absorbed:
+            members.pop(a, None)
+            reasons[a] = f"computed inside {node.name}'s kernel, which reads {m.operands[0].name} shifted"
     # Step 2
     node_groups, refused = _merge(gm, members)
     # Step 3
@@ -332,6 +338,8 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
         if sum(not members[n].identity for n in nodes) < 2 and not alone_pays:
             single += [n for n in nodes if not members[n].identity]
             continue
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        nodes = sorted(nodes + [a for n in nodes for a in members[n].absorbed], key=position.__getitem__)
         built = build(nodes, members)
         if isinstance(built, str):
             declined.append({"nodes": [n.name for n in nodes], "ops": [members[n].op for n in nodes],

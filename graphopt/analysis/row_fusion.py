@@ -31,11 +31,14 @@ import torch.fx
 from ..codegen.row_space import dim_order
 from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, RowGroup, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
+from .. import ops
 from .meta import TensorInfo, dense, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
 NORMALIZING = ("softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy")
-ROW_OPS = REDUCING + NORMALIZING
+ROW_OPS = REDUCING + NORMALIZING + ("cat",)
+PIECE = object()  # in a rotation's chain of ops: where the piece's value goes
+INT64_MAX = 2**63 - 1  # aten.slice's end for "to the end"
 # aten's integer codes for a loss's reduction
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum", "none": "none", "mean": "mean", "sum": "sum"}
 CHANNEL_NORMS = ("batch_norm", "batch_norm_train", "native_batch_norm", "native_batch_norm_train", "group_norm",
@@ -117,13 +120,15 @@ def _state(value, gm: torch.fx.GraphModule):
 
 
 def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tuple | str | None:
-    """(F, operands, params) for a row member; the reason when the node's op is a row op that this
-    node cannot be one of; None when its op is none."""
+    """(F, operands, params, the nodes it absorbs) for a row member; the reason when the node's op
+    is a row op that this node cannot be one of; None when its op is none."""
     if op is None or op.name not in ROW_OPS:
         return None
     if bound is None:
         return f"its arguments do not bind to {op.name}'s operands and params"
     x, info = bound.operands[0], tensor_info(node)
+    if op.name == "cat":
+        x = x[0] if isinstance(x, (list, tuple)) and x else None
     xinfo = info_of(x)
     if not isinstance(info, TensorInfo) or xinfo is None:
         return "no tensor metadata (annotate the graph first)"
@@ -134,13 +139,15 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
         return f"rows of shape {list(full)}: a row kernel reduces a last dim of 2 or more over leading dims"
     if op.name != "cross_entropy" and not dense(info):
         return f"eager makes it with strides {info.stride}, overlapping or with gaps; a fused kernel writes dense tensors"
+    if op.name == "cat":
+        return _rotation_member(node, gm, bound, info)
     operands = [_state(v, gm) for v in bound.operands]
     if op.name == "cross_entropy":
         reason = _cross_entropy(operands, params, full)
         if reason is not None:
             return reason
         return full, tuple(operands[:2]), {"reduction": REDUCTIONS[params["reduction"]],
-                                           "ignore_index": params["ignore_index"]}
+                                           "ignore_index": params["ignore_index"]}, ()
     if op.name in REDUCING:
         if not _dim_is_last(params.get("dim"), len(full)) or params.get("keepdim") is not True \
                 or params.get("dtype") not in (None, DTYPE):
@@ -160,7 +167,93 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
             params["eps"] = torch.finfo(DTYPE).eps  # what F.rms_norm takes for None
         if not isinstance(params.get("eps"), float):
             return f"{op.name}'s eps is not a number known when tracing"
-    return full, tuple(operands), params
+    return full, tuple(operands), params, ()
+
+
+def column_slice(node: torch.fx.Node, gm: torch.fx.GraphModule):
+    """(x, first column, width) when the node takes a run of x's last dim whole along the others
+    (x[..., a:b], aten.slice, narrow); None otherwise."""
+    op, bound, info = ops.lookup(node, gm), ops.bind(node, gm), tensor_info(node)
+    if op is None or bound is None or not isinstance(info, TensorInfo) or not info.shape:
+        return None
+    x = bound.operands[0]
+    xinfo = info_of(x)
+    if xinfo is None or len(xinfo.shape) != len(info.shape) or xinfo.shape[:-1] != info.shape[:-1]:
+        return None
+    width, columns, params = info.shape[-1], xinfo.shape[-1], bound.params
+    if op.name == "slice":
+        if not _dim_is_last(params["dim"], len(info.shape)) or params["step"] != 1:
+            return None
+        start, end = params["start"], params["end"]
+    elif op.name == "narrow":
+        if not _dim_is_last(params["dim"], len(info.shape)):
+            return None
+        start, end = params["start"], None
+    elif op.name in ("getitem", "getitem_index"):  # a view by basic indexing, or by tensors
+        index = params["index"]
+        index = index if isinstance(index, tuple) else (index,)
+        last = index[-1] if index and isinstance(index[-1], slice) else None
+        leading = index[:-1]
+        if last is None or last.step not in (None, 1) or not (leading in ((Ellipsis,), ()) or (
+                len(leading) == len(info.shape) - 1 and all(i == slice(None) for i in leading))):
+            return None
+        start, end = last.start, last.stop
+    else:
+        return None
+    if end == INT64_MAX:
+        end = None
+    # bounds computed at run time (x.shape[-1] // 2) are known from the slice's width when the other end is open
+    if isinstance(start, torch.fx.Node):
+        start = columns - width if end is None else None
+    elif start is None:
+        start = 0
+    if not isinstance(start, int) or start < 0 or start + width > columns:
+        return None
+    return x, start, width
+
+
+def _rotation_member(node: torch.fx.Node, gm: torch.fx.GraphModule, bound, info) -> tuple | str:
+    """A cat along the last dim of column slices of one value x (each through a chain of one-tensor
+    elementwise ops), as wide as x: rotary's rotate_half, cat(-x[..., h:], x[..., :h]). The slices
+    and chains are absorbed: the row program reads x shifted (codegen/row_group.py)."""
+    tensors = bound.operands[0]
+    if not _dim_is_last(bound.params.get("dim"), len(info.shape)) or not isinstance(tensors, (list, tuple)):
+        return "cat along a dim other than the last"
+    pieces, absorbed, source, start = [], [], None, 0
+    for piece in tensors:
+        chain, v = [], piece
+        while isinstance(v, torch.fx.Node) and len(v.users) == 1:
+            step = _chain_step(v, gm)
+            if step is None:
+                break
+            chain.insert(0, step[0])
+            absorbed.append(v)
+            v = step[1]
+        found = column_slice(v, gm) if isinstance(v, torch.fx.Node) and len(v.users) == 1 else None
+        if found is None or (source is not None and found[0] is not source):
+            return "cat of values other than column slices of one value"
+        source = found[0]
+        absorbed.append(v)
+        pieces.append((start, found[1] - start, tuple(chain)))
+        start += tensor_info(piece).shape[-1]
+    xinfo = info_of(source)
+    if xinfo.shape != info.shape or xinfo.dtype != DTYPE:
+        return "cat of column slices into a value of another shape or dtype"
+    return info.shape, (source,), {"pieces": tuple(pieces)}, tuple(absorbed)
+
+
+def _chain_step(node: torch.fx.Node, gm: torch.fx.GraphModule):
+    """(op, args with PIECE for the tensor, params) and the tensor, for an elementwise node of one
+    float32 tensor operand and Python scalars; None otherwise."""
+    op, bound, info = ops.lookup(node, gm), ops.bind(node, gm), tensor_info(node)
+    if op is None or op.kind != "elementwise" or op.triton is None or bound is None or \
+            not isinstance(info, TensorInfo) or info.dtype != DTYPE:
+        return None
+    tensors = [v for v in bound.operands if isinstance(v, torch.fx.Node)]
+    if len(tensors) != 1 or not isinstance(tensor_info(tensors[0]), TensorInfo) or tensor_info(tensors[0]).shape != info.shape:
+        return None
+    args = tuple(PIECE if v is tensors[0] else v for v in bound.operands)
+    return (op.name, args, dict(bound.params)), tensors[0]
 
 
 def _cross_entropy(operands, params, full) -> str | None:
@@ -187,12 +280,12 @@ def channel_norm(op) -> str | None:
     return f"{op.name} normalizes each channel over the other dims{state}; row kernels reduce the last dim only"
 
 
-def emit(b: Builder, op: str, refs: list, params: dict, full: tuple):
-    """The steps of a row member, its operands given as refs; returns its value's ref (a cross
-    entropy's: its rows' losses)."""
+def emit(b: Builder, op: str, refs: list, params: dict, full: tuple, index):
+    """The steps of a row member, its operands given as refs (index() gives the column index's);
+    returns its value's ref (a cross entropy's: its rows' losses)."""
     columns = full[-1]
     if op == "cross_entropy":
-        return emit_cross_entropy(b, refs[0], refs[1], b.input("cols", INDEX), params["ignore_index"])
+        return emit_cross_entropy(b, refs[0], refs[1], index(), params["ignore_index"])
     if op == "sum":
         return b("row_sum", refs[0])
     if op == "mean":
@@ -234,43 +327,51 @@ def fits_rows(members: list, full: tuple) -> str | None:
 
 
 def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
-    """A row group's (inputs, outputs, aliases, RowGroup) for these nodes, or the reason there is none."""
+    """A row group's (inputs, outputs, aliases, RowGroup, finish, orders) for these nodes (members
+    and the nodes they absorb), or the reason there is none. inputs are the graph values the fused
+    call takes: the RowGroup's inputs but its column index, in order (a value read shifted is
+    taken once more)."""
     inside = set(nodes)
-    b, inputs, refs, aliases = Builder(), [], {}, {}
+    b, slots, refs, aliases = Builder(), [], {}, {}  # slots: per RowGroup input, its value (None: the column index)
+
+    def slot(value, kind, shift=0):
+        key = (value, kind, shift)
+        if key not in refs:
+            slots.append(value)
+            refs[key] = b.input("cols" if value is None else value.name, kind, shift)
+        return refs[key]
 
     def ref(value):
         if value is None or not isinstance(value, (torch.fx.Node, StateInput)):
             return value
         if value in inside:
             return refs[value]
-        if value not in inputs:
-            inputs.append(value)
-            b.input(value.name, kind_of(info_of(value).shape, full))
-        return ("input", inputs.index(value))
+        return slot(value, kind_of(info_of(value).shape, full))
 
-    def ref_as(value, kind):  # an input of a given class (a cross entropy's class indices: per row)
-        if value not in inputs:
-            inputs.append(value)
-            b.input(value.name, kind)
-        return ("input", inputs.index(value))
+    def columns():
+        return slot(None, INDEX)
 
     for node in nodes:
-        m = members[node]
+        m = members.get(node)
+        if m is None:  # absorbed by a member after it
+            continue
         if m.identity:
             refs[node] = ref(m.operands[0])
-        elif m.op == "cross_entropy":
-            refs[node] = emit(b, m.op, [ref(m.operands[0]), ref_as(m.operands[1], ROW)], m.params, full)
+        elif m.op == "cross_entropy":  # its class indices are per row, whatever their shape says
+            refs[node] = emit(b, m.op, [ref(m.operands[0]), slot(m.operands[1], ROW)], m.params, full, columns)
+        elif m.op == "cat":
+            refs[node] = _rotation(b, m, ref, slot, columns)
         elif m.row is not None:
-            refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, full)
+            refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, full, columns)
         else:
             refs[node] = b(m.op, *(ref(v) for v in m.operands), **m.params)
     outputs, stored = [], []
     for node in nodes:
-        if not any(user not in inside for user in node.users):
+        if node not in members or not any(user not in inside for user in node.users):
             continue
         kind, index = refs[node]
         if kind == "input":
-            aliases[node] = inputs[index]
+            aliases[node] = slots[index]
         elif index not in stored:
             stored.append(index)
             outputs.append(node)
@@ -283,12 +384,29 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
     except ValueError as e:
         return f"declined by codegen: {e}"
     orders = tuple(dim_order(tensor_info(n).shape, tensor_info(n).stride) for n in outputs)
-    return inputs, outputs, aliases, group, tuple(_finish(members[n], inputs) for n in outputs), orders
+    finish = tuple(_finish(members[n], refs) for n in outputs)
+    return [v for v in slots if v is not None], outputs, aliases, group, finish, orders
 
 
-def _finish(member, inputs) -> tuple | None:
+def _finish(member, refs) -> tuple | None:
     """What turns an output's rows into the node's value: a cross entropy's reduction of its rows'
-    losses, ("mean" | "sum" | "none", the target's input index, ignore_index); None: as it is."""
+    losses, ("mean" | "sum" | "none", its class indices' RowGroup input, ignore_index); None: as it is."""
     if member.op != "cross_entropy":
         return None
-    return member.params["reduction"], inputs.index(member.operands[1]), member.params["ignore_index"]
+    return member.params["reduction"], refs[(member.operands[1], ROW, 0)][1], member.params["ignore_index"]
+
+
+def _rotation(b: Builder, m, ref, slot, columns):
+    """A cat of column slices of one value (rotary's rotate_half): each piece is the value read
+    shifted, through its chain of elementwise ops; the column index picks the piece."""
+    x = m.operands[0]
+    pieces = []
+    for start, shift, chain in m.params["pieces"]:
+        value = ref(x) if shift == 0 else slot(x, FULL, shift)
+        for op, args, params in chain:
+            value = b(op, *(value if a is PIECE else a for a in args), **params)
+        pieces.append((start, value))
+    value = pieces[-1][1]
+    for (_, piece), (start, _) in zip(reversed(pieces[:-1]), reversed(pieces[1:])):
+        value = b("where", b("lt", columns(), float(start)), piece, value)
+    return value

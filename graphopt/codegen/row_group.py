@@ -7,6 +7,9 @@ has a class that says which elements it has for a row of C columns:
   COL:  C elements shared by every row (a [C] tensor: a norm's weight or bias);
   INDEX: the column index 0..C-1, which the kernel makes (no tensor: its input is None), a COL
         value for picking the target's logit out of a row (cross-entropy).
+A FULL input may be read shifted along the columns (RowInput.shift): column j reads its column
+j + shift, 0 past either end; with the column index, a rotation of halves (rotary embeddings'
+rotate_half) is two shifted reads and a where.
 An elementwise step's class is FULL when its refs mix FULL or COL with ROW, or read FULL; ROW
 when it reads only ROW values; COL when only COL values. A Reduce step reads a FULL value and
 is ROW: "sum" adds the row's elements, "max" takes the largest (the gradient is shared evenly
@@ -33,6 +36,7 @@ REDUCTIONS = ("sum", "max")
 @dataclass(frozen=True)
 class RowInput(Input):
     kind: str = FULL
+    shift: int = 0  # a FULL input read shifted along the columns: column j reads column j + shift (0 past the ends)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class RowGroup:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not all(isinstance(i, RowInput) and i.kind in (FULL, ROW, COL, INDEX) for i in self.inputs):
             raise ValueError("a row group's inputs are RowInputs of kind 'full', 'row', 'col' or 'index'")
+        if any(i.shift and i.kind != FULL for i in self.inputs):
+            raise ValueError("only a full input is read shifted along its columns")
         kinds, steps = [COL if i.kind == INDEX else i.kind for i in self.inputs], list(self.steps)
         for j, s in enumerate(steps):
             for a in s.args:
@@ -140,8 +146,8 @@ class Builder:
         self.inputs = [RowInput(name, kind) for name, kind in kinds]
         self.steps = []
 
-    def input(self, name: str, kind: str) -> tuple:
-        self.inputs.append(RowInput(name, kind))
+    def input(self, name: str, kind: str, shift: int = 0) -> tuple:
+        self.inputs.append(RowInput(name, kind, shift))
         return ("input", len(self.inputs) - 1)
 
     def __call__(self, op, *args, **params):

@@ -46,14 +46,28 @@ def _at(pointer: str, kind: str) -> str:
 NEUTRAL = {"sum": "0.0", "max": "float('-inf')"}
 
 
-def _load(line: Line) -> str:
+def _mask(pointer: str, shifts: dict) -> str:
+    return f"mask & (cols + {shifts[pointer]} >= 0) & (cols + {shifts[pointer]} < C)" if shifts.get(pointer) else "mask"
+
+
+def _load(line: Line, shifts: dict) -> str:
     kind = line.expr  # where it is read from
-    where = "" if kind == ROW else ", mask=mask, other=0.0"
+    where = "" if kind == ROW else f", mask={_mask(line.target, shifts)}, other=0.0"
     return f"{line.target} = tl.load({line.target}_ptr + {_at(line.target, kind)}{where}).to(tl.float32)"
 
 
-def _store(pointer: str, kind: str, value: str) -> str:
-    return f"tl.store({pointer}_ptr + {_at(pointer, kind)}, {value}{'' if kind == ROW else ', mask=mask'})"
+def _store(pointer: str, kind: str, value: str, shifts: dict) -> str:
+    where = "" if kind == ROW else f", mask={_mask(pointer, shifts)}"
+    return f"tl.store({pointer}_ptr + {_at(pointer, kind)}, {value}{where})"
+
+
+def pointer_shifts(group: RowGroup, program: RowProgram) -> dict[str, int]:
+    """The column shift of each pointer that reads a shifted input, or stores its gradient."""
+    shifts = {}
+    for k, i in enumerate(group.inputs):
+        if i.shift:
+            shifts[f"x{k}"] = shifts[f"d{k}"] = i.shift
+    return {p: shifts[p] for p in program.pointers if p in shifts}
 
 
 def pointer_kinds(program: RowProgram) -> dict[str, str]:
@@ -76,17 +90,25 @@ def _unravel(index: str, sizes: str, n: int, name: str) -> list[str]:
     return lines + [f"{name}0 = {rest}"]
 
 
-def _offsets(kinds: dict, which: str, n: int) -> list[str]:
-    """Each pointer's row (which="row") or col offset from the unravelled coordinates."""
+def _offsets(kinds: dict, which: str, n: int, shifts: dict) -> list[str]:
+    """Each pointer's row (which="row") or col offset from the unravelled coordinates; a shifted
+    pointer's col offset is that of column j + shift (rows over one col dim only)."""
     index = "i" if which == "row" else "j"
     wanted = (FULL, ROW) if which == "row" else (FULL, COL)
-    return [f"{p}_{which} = " + " + ".join(f"{index}{d} * {p}_{which[0]}s{d}" for d in range(n))
-            for p, kind in kinds.items() if kind in wanted]
+    lines = []
+    for p, kind in kinds.items():
+        if kind not in wanted:
+            continue
+        if which == "col" and shifts.get(p):
+            lines.append(f"{p}_col = (j0 + {shifts[p]}) * {p}_cs0")
+        else:
+            lines.append(f"{p}_{which} = " + " + ".join(f"{index}{d} * {p}_{which[0]}s{d}" for d in range(n)))
+    return lines
 
 
-def _assign(line: Line, kinds: dict) -> str:
+def _assign(line: Line, kinds: dict, shifts: dict) -> str:
     if line.load:
-        return _load(line)
+        return _load(line, shifts)
     expr = line.expr
     if vector(line.kind) and not any(vector(kinds[r]) for r in line.reads):
         expr = f"tl.zeros([BLOCK], dtype=tl.float32) + ({expr})"  # a block, whatever it reads
@@ -98,16 +120,16 @@ def _reduced(line: Line) -> str:
     return f"{op}(tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]}), axis=0)"
 
 
-def _persistent(program: RowProgram, dims: tuple[int, int]) -> list[str]:
+def _persistent(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[str]:
     kinds, pointers = {line.target: line.kind for line in program.lines}, pointer_kinds(program)
     partial = [s for s in program.stores if s.kind == COL]
     head = ["cols = tl.arange(0, BLOCK)", "mask = cols < C"] + _unravel("cols", "CS", dims[1], "j")
-    head += _offsets(pointers, "col", dims[1])
+    head += _offsets(pointers, "col", dims[1], shifts)
     head += [f"{s.value}_acc = tl.zeros([BLOCK], dtype=tl.float32)" for s in partial]
-    body = _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0])
+    body = _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0], shifts)
     for line in program.lines:
-        body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds))
-    body += [_store(s.pointer, s.kind, s.value) for s in program.stores if s.kind != COL]
+        body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds, shifts))
+    body += [_store(s.pointer, s.kind, s.value, shifts) for s in program.stores if s.kind != COL]
     body += [f"{s.value}_acc = {s.value}_acc + {s.value}" for s in partial]
     loop = ["for row in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R)):"] + [INDENT + b for b in body]
     return head + loop + [f"tl.store({s.pointer}_ptr + {PARTIAL}, {s.value}_acc, mask=mask)" for s in partial]
@@ -135,38 +157,38 @@ def _closure(program: RowProgram, names) -> list[Line]:
     return [line for line in program.lines if line.target in wanted]
 
 
-def _chunks(body: list[str], dims: tuple[int, int], pointers: dict) -> list[str]:
+def _chunks(body: list[str], dims: tuple[int, int], pointers: dict, shifts: dict) -> list[str]:
     head = ["cols = start + tl.arange(0, BLOCK)", "mask = cols < C"] + _unravel("cols", "CS", dims[1], "j")
-    head += _offsets(pointers, "col", dims[1])
+    head += _offsets(pointers, "col", dims[1], shifts)
     return ["for start in range(0, C, BLOCK):"] + [INDENT + b for b in head + body]
 
 
-def _looped(program: RowProgram, dims: tuple[int, int]) -> list[str]:
+def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[str]:
     kinds, pointers = {line.target: line.kind for line in program.lines}, pointer_kinds(program)
     after = _known_after(program)
     scalars = [line for line in program.lines if line.kind == ROW and not line.reduce]
-    body = [_assign(line, kinds) for line in scalars if after[line.target] == 0]
+    body = [_assign(line, kinds, shifts) for line in scalars if after[line.target] == 0]
     for p in range(1, max((after[line.target] for line in program.lines if line.reduce), default=0) + 1):
         reduces = [line for line in program.lines if line.reduce and after[line.target] == p]
         body.append(f"# pass {p}: {', '.join(line.target for line in reduces)}")
         body += [f"{line.target}_acc = tl.full([BLOCK], {NEUTRAL[line.reduce]}, tl.float32)" for line in reduces]
-        inner = [_assign(line, kinds) for line in _closure(program, [r for line in reduces for r in line.reads])]
+        inner = [_assign(line, kinds, shifts) for line in _closure(program, [r for line in reduces for r in line.reads])]
         for line in reduces:
             value = f"tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]})"
             inner.append(f"{line.target}_acc = {line.target}_acc + {value}" if line.reduce == "sum"
                          else f"{line.target}_acc = tl.maximum({line.target}_acc, {value})")
-        body += _chunks(inner, dims, pointers)
+        body += _chunks(inner, dims, pointers, shifts)
         body += [f"{line.target} = {'tl.sum' if line.reduce == 'sum' else 'tl.max'}({line.target}_acc, axis=0)"
                  f"  # {line.comment}" for line in reduces]
-        body += [_assign(line, kinds) for line in scalars if after[line.target] == p]
+        body += [_assign(line, kinds, shifts) for line in scalars if after[line.target] == p]
     full = [s for s in program.stores if s.kind != ROW]
     if full:
-        inner = [_assign(line, kinds) for line in _closure(program, [s.value for s in full])]
-        inner += [f"tl.store({s.pointer}_ptr + {PARTIAL if s.kind == COL else _at(s.pointer, FULL)}, {s.value}, "
-                  "mask=mask)" for s in full]
-        body += ["# the stores"] + _chunks(inner, dims, pointers)
-    row = ["row = pid"] + _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0])
-    return row + body + [_store(s.pointer, ROW, s.value) for s in program.stores if s.kind == ROW]
+        inner = [_assign(line, kinds, shifts) for line in _closure(program, [s.value for s in full])]
+        inner += [f"tl.store({s.pointer}_ptr + {PARTIAL}, {s.value}, mask=mask)" if s.kind == COL
+                  else _store(s.pointer, FULL, s.value, shifts) for s in full]
+        body += ["# the stores"] + _chunks(inner, dims, pointers, shifts)
+    row = ["row = pid"] + _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0], shifts)
+    return row + body + [_store(s.pointer, ROW, s.value, shifts) for s in program.stores if s.kind == ROW]
 
 
 def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: tuple[int, int] = (1, 1)) -> str:
@@ -183,7 +205,10 @@ def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: 
             params += [f"{p}_cs{d}" for d in range(dims[1])]
     signature = ["@triton.jit", f"def {name}({', '.join(params)}, BLOCK: tl.constexpr):",
                  INDENT + "pid = tl.program_id(0).to(tl.int64)"]
-    body = _looped(program, dims) if looped else _persistent(program, dims)
+    shifts = pointer_shifts(group, program)
+    if shifts and dims[1] != 1:
+        raise ValueError("a shifted input needs rows over one col dim")
+    body = _looped(program, dims, shifts) if looped else _persistent(program, dims, shifts)
     return module(head, signature + [INDENT + b for b in body])
 
 
@@ -289,7 +314,9 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
     looped, _ = layout(space.columns, block)
     p, rows = programs(space.rows, looped, any(s.kind == COL for s in program.stores), device)
     sizes = {FULL: space.shape, ROW: space.row_shape(), COL: (p, space.columns)}
-    buffers = {k: torch.empty(sizes[group.input_kind(k)], device=device, dtype=torch.float32) for k in program.grads}
+    # a shifted input's gradient is stored at the columns it was read from: the others stay 0
+    buffers = {k: (torch.zeros if group.inputs[k].shift else torch.empty)(sizes[group.input_kind(k)], device=device,
+                                                                           dtype=torch.float32) for k in program.grads}
     if launch and space.rows and space.columns and program.grads:
         tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
         tensors.update({f"g{i}": g for i, g in enumerate(grads) if g is not None})

@@ -33,6 +33,8 @@ def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor
             t = torch.arange(space.columns, dtype=torch.float32, device=next(x for x in inputs if x is not None).device)
         elif group.input_kind(k) == ROW and t.dim() < len(space.shape):
             t = t.reshape(space.row_shape())
+        elif group.inputs[k].shift:
+            t = _shifted(t, group.inputs[k].shift)
         scope[f"x{k}"] = t.to(torch.float32)
     for j, step in enumerate(group.steps):
         if isinstance(step, Step):
@@ -43,6 +45,13 @@ def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor
         scope[f"v{j}"] = torch.as_tensor(value)
     return [scope[f"v{j}"].broadcast_to(space.shape if group.step_kind(j) == FULL else space.row_shape())
             for j in group.outputs]
+
+
+def _shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """Column j holds t's column j + shift, 0 past either end."""
+    c = t.shape[-1]
+    pad = torch.zeros(t.shape[:-1] + (min(abs(shift), c),), dtype=t.dtype, device=t.device)
+    return torch.cat([t[..., shift:], pad], -1) if shift > 0 else torch.cat([pad, t[..., :c + shift]], -1)
 
 
 class _RowFunction(torch.autograd.Function):
