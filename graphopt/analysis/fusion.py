@@ -355,11 +355,19 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
 
 def memory_bound(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     """Whether the node runs an op bound by memory traffic (elementwise, casts, reductions, norms,
-    softmaxes, losses, dropout) outside any fused kernel."""
+    softmaxes, losses, dropout) outside any fused kernel. A cast to the dtype a tensor has moves
+    nothing (ATen's to() returns the tensor itself)."""
     if node.op not in CALLS or reads_attribute(node):
         return False
     op = ops.lookup(node, gm)
-    return op is not None and op.kind in MEMORY_BOUND and isinstance(tensor_info(node), (TensorInfo, tuple))
+    if op is None or op.kind not in MEMORY_BOUND or not isinstance(tensor_info(node), (TensorInfo, tuple)):
+        return False
+    if op.aliases:
+        bound = ops.bind(node, gm)
+        source = bound.operands[0] if bound is not None and bound.operands else None
+        if isinstance(source, torch.fx.Node) and tensor_info(source) == tensor_info(node):
+            return False
+    return True
 
 
 def traffic(node: torch.fx.Node) -> tuple[int, int]:
