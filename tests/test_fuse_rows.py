@@ -1,6 +1,7 @@
 """The fuse pass with reductions over the last dim: norms, softmaxes and row sums join the elementwise
 ops around them in row kernels (Triton's interpreter), equal to eager forward and backward; what
 stays out says why; the CPU path, FakeTensors and the memory a fused norm saves."""
+import copy
 import math
 
 import pytest
@@ -192,14 +193,38 @@ def test_random_rows_equal_eager(which, rows, columns, seed, residual):
     assert stats["kernels"] == 1 and math.prod(x.shape) > 0
 
 
-def test_a_batch_norm_says_why_it_stays_out():
-    model = module(lambda m, x: torch.relu(m.bn(x)) + 1, 1, bn=torch.nn.BatchNorm2d(3))
-    opt = graphopt.optimize(model, (torch.randn(2, 3, 4, 4),), passes="fuse")
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("spelling", ["module", "functional"])
+def test_batch_norm_the_residual_add_and_relu_are_one_kernel_and_running_statistics_update_as_in_eager(train, spelling):
+    """One row per channel, its columns over the batch and spatial dims. In training the kernel
+    normalizes by the batch's statistics and the call updates the running ones (and the module's
+    batch count) as eager does; in eval it normalizes by the running ones."""
+    def functional(m, x, y):
+        return torch.relu(F.batch_norm(x, m.bn.running_mean, m.bn.running_var, m.bn.weight, m.bn.bias,
+                                       m.training, 0.1, 1e-5) + y)
+
+    fn = (lambda m, x, y: torch.relu(m.bn(x) + y)) if spelling == "module" else functional
+    model = module(fn, 2, bn=torch.nn.BatchNorm2d(3))
+    torch.nn.init.normal_(model.bn.weight), torch.nn.init.normal_(model.bn.bias)
+    model.bn.running_var.uniform_(0.5, 2.0)
+    model.train(train)
+    x, y = torch.randn(2, 3, 5, 7, requires_grad=True), torch.randn(2, 3, 5, 7)
+    twin = copy.deepcopy(model)
+    opt = graphopt.optimize(model, (x, y), passes="fuse")
+    (group,) = opt.graphopt_report.passes[-1].stats["groups"]
+    assert group["nodes"][-2:] == ["add", "relu"] and ("row_sum" in group["ops"]) is train
+    assert_same_step(twin, opt, (x, y), {}, exact=False)  # one step each: twin and model stay alike
+    for name, buffer in model.bn.named_buffers():
+        assert torch.allclose(buffer.float(), getattr(twin.bn, name).float(), rtol=1e-6, atol=1e-7), name
+
+
+def test_a_group_norm_says_why_it_stays_out():
+    model = module(lambda m, x: torch.relu(m.gn(x)) + 1, 1, gn=torch.nn.GroupNorm(2, 4))
+    opt = graphopt.optimize(model, (torch.randn(2, 4, 3, 3),), passes="fuse")
     stats = opt.graphopt_report.passes[-1].stats
-    assert stats["alone"] == {} and group_nodes(stats) == [["relu", "add"]]
-    assert stats["groups"][0]["not_fused"]["bn"] == ("batch_norm_train normalizes each channel over the other dims "
-                                                     "and updates its running statistics; row kernels reduce the "
-                                                     "last dim only")
+    assert group_nodes(stats) == [["relu", "add"]]
+    assert stats["groups"][0]["not_fused"]["gn"] == ("group_norm normalizes channels in groups or per sample; row "
+                                                     "kernels take batch norm's channels only")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

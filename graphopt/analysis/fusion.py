@@ -40,7 +40,7 @@ from .. import codegen, ops
 from ..codegen.row_group import RowGroup
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
 from .meta import TensorInfo, dense, leaves, tensor_info
-from .row_fusion import NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
+from .row_fusion import BATCH_NORMS, NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
 # ops bound by memory traffic rather than arithmetic: what fusion is for
@@ -72,6 +72,8 @@ class FusionGroup:
     not_fused: dict[str, str] = field(default_factory=dict)  # neighbour node name -> reason
     finish: tuple = ()  # a row group's: per output, what makes the node's value of its rows (row_fusion)
     orders: tuple = ()  # a row group's: per output, eager's order of its dims in memory (None: contiguous)
+    updates: tuple = ()  # a row group's running statistics it updates (row_fusion.build_rows)
+    rows: object = None  # a row group's RowSpace
 
     def ops(self) -> list[str]:
         return [getattr(s, "op", None) or f"row_{s.kind}" for s in self.group.steps]
@@ -99,14 +101,15 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     """Step 1 for one call node: a Member, or the reason it cannot be one."""
     if reads_attribute(node):
         return "reads a tensor attribute"
-    channels = channel_norm(ops.lookup(node, gm))
+    op = ops.lookup(node, gm)
+    channels = channel_norm(op)
     if channels is not None:
         return channels
-    effect = state_effect(node, gm)
+    # a batch norm's running statistics: the fused call updates them as eager does
+    effect = None if op is not None and op.name in BATCH_NORMS else state_effect(node, gm)
     if effect is not None:
         return effect
     bound = ops.bind(node, gm)
-    op = ops.lookup(node, gm)
     row = row_member(node, gm, op, bound)
     if row is not None:
         if isinstance(row, str):
@@ -244,9 +247,9 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
         built = build_rows(nodes, members, full)
         if isinstance(built, str):
             return built
-        inputs, outputs, aliases, group, finish, orders = built
+        inputs, outputs, aliases, group, finish, orders, updates = built
         return FusionGroup(nodes, inputs, outputs, aliases, group, _saved_traffic(nodes, members, inputs, outputs),
-                           finish=finish, orders=orders)
+                           finish=finish, orders=orders, updates=updates, rows=full)
     inside = set(nodes)
     inputs: list[torch.fx.Node] = []
     refs: dict = {}  # member -> its value inside the group: ("input", k) or ("step", j)
@@ -334,7 +337,7 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
     groups, declined, single = [], [], []
     for nodes in node_groups:
         # a norm or softmax is a kernel alone (it saves less for backward); an elementwise op or a sum is not
-        alone_pays = any(members[n].op in NORMALIZING and members[n].row is not None for n in nodes)
+        alone_pays = any(members[n].op in NORMALIZING + BATCH_NORMS and members[n].row is not None for n in nodes)
         if sum(not members[n].identity for n in nodes) < 2 and not alone_pays:
             single += [n for n in nodes if not members[n].identity]
             continue

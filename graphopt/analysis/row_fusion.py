@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..codegen.row_space import dim_order
+from ..codegen.row_space import RowSpace, dim_order
 from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, RowGroup, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
 from .. import ops
@@ -36,13 +36,13 @@ from .meta import TensorInfo, dense, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
 NORMALIZING = ("softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy")
-ROW_OPS = REDUCING + NORMALIZING + ("cat",)
+BATCH_NORMS = ("batch_norm", "batch_norm_train")
+ROW_OPS = REDUCING + NORMALIZING + BATCH_NORMS + ("cat",)
 PIECE = object()  # in a rotation's chain of ops: where the piece's value goes
 INT64_MAX = 2**63 - 1  # aten.slice's end for "to the end"
 # aten's integer codes for a loss's reduction
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum", "none": "none", "mean": "mean", "sum": "sum"}
-CHANNEL_NORMS = ("batch_norm", "batch_norm_train", "native_batch_norm", "native_batch_norm_train", "group_norm",
-                 "native_group_norm", "instance_norm")
+CHANNEL_NORMS = ("native_batch_norm", "native_batch_norm_train", "group_norm", "native_group_norm", "instance_norm")
 DTYPE = torch.float32
 
 
@@ -67,11 +67,11 @@ def info_of(value) -> TensorInfo | None:
     return None
 
 
-def kind_of(shape, full: tuple) -> str | None:
-    """FULL, ROW or COL: the class of a value of this shape in rows of shape `full`, broadcast as
-    eager broadcasts it (a mask of [B, 1, S, S] against scores of [B, H, S, S] is FULL); None when
-    it does not broadcast to them."""
-    shape = tuple(shape)
+def kind_of(shape, rows: RowSpace) -> str | None:
+    """FULL, ROW or COL: the class of a value of this shape in these rows, broadcast as eager
+    broadcasts it (a mask of [B, 1, S, S] against scores of [B, H, S, S] is FULL); None when it
+    does not broadcast to them."""
+    shape, full = tuple(shape), rows.shape
     if shape == full:
         return FULL
     if len(shape) > len(full):
@@ -79,16 +79,16 @@ def kind_of(shape, full: tuple) -> str | None:
     aligned = (1,) * (len(full) - len(shape)) + shape
     if any(s not in (1, f) for s, f in zip(aligned, full)):
         return None
-    along_rows = any(s == f != 1 for s, f in zip(aligned[:-1], full[:-1]))
-    if aligned[-1] == full[-1] != 1:
+    along_rows = any(aligned[d] == full[d] != 1 for d in rows.row_dims)
+    if any(aligned[d] == full[d] != 1 for d in rows.col_dims):
         return FULL if along_rows else COL
     return ROW
 
 
-def exact_shape(kind: str, full: tuple) -> tuple | None:
+def exact_shape(kind: str, rows: RowSpace) -> tuple | None:
     """The shape a node's value of this class has when a kernel stores it; None for COL (stored
     by no kernel)."""
-    return {FULL: full, ROW: full[:-1] + (1,)}.get(kind)
+    return {FULL: rows.shape, ROW: rows.row_shape()}.get(kind)
 
 
 def combined(kinds) -> str:
@@ -142,11 +142,14 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
     if op.name == "cat":
         return _rotation_member(node, gm, bound, info)
     operands = [_state(v, gm) for v in bound.operands]
+    if op.name in BATCH_NORMS:
+        return _batch_norm_member(node, gm, operands, params, xinfo)
+    rows = RowSpace.last(full)
     if op.name == "cross_entropy":
         reason = _cross_entropy(operands, params, full)
         if reason is not None:
             return reason
-        return full, tuple(operands[:2]), {"reduction": REDUCTIONS[params["reduction"]],
+        return rows, tuple(operands[:2]), {"reduction": REDUCTIONS[params["reduction"]],
                                            "ignore_index": params["ignore_index"]}, ()
     if op.name in REDUCING:
         if not _dim_is_last(params.get("dim"), len(full)) or params.get("keepdim") is not True \
@@ -161,13 +164,13 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
         if not isinstance(shape, (list, tuple)) or tuple(shape) != full[-1:]:
             return f"{op.name} over {shape}: row kernels normalize the last dim alone"
         for v in operands[1:]:
-            if v is not None and (info_of(v) is None or info_of(v).dtype != DTYPE or kind_of(info_of(v).shape, full) != COL):
+            if v is not None and (info_of(v) is None or info_of(v).dtype != DTYPE or kind_of(info_of(v).shape, rows) != COL):
                 return f"{op.name}'s weight or bias is not a float32 vector of the last dim"
         if op.name == "rms_norm" and params.get("eps") is None:
             params["eps"] = torch.finfo(DTYPE).eps  # what F.rms_norm takes for None
         if not isinstance(params.get("eps"), float):
             return f"{op.name}'s eps is not a number known when tracing"
-    return full, tuple(operands), params, ()
+    return rows, tuple(operands), params, ()
 
 
 def column_slice(node: torch.fx.Node, gm: torch.fx.GraphModule):
@@ -239,7 +242,7 @@ def _rotation_member(node: torch.fx.Node, gm: torch.fx.GraphModule, bound, info)
     xinfo = info_of(source)
     if xinfo.shape != info.shape or xinfo.dtype != DTYPE:
         return "cat of column slices into a value of another shape or dtype"
-    return info.shape, (source,), {"pieces": tuple(pieces)}, tuple(absorbed)
+    return RowSpace.last(info.shape), (source,), {"pieces": tuple(pieces)}, tuple(absorbed)
 
 
 def _chain_step(node: torch.fx.Node, gm: torch.fx.GraphModule):
@@ -273,17 +276,58 @@ def _cross_entropy(operands, params, full) -> str | None:
 
 
 def channel_norm(op) -> str | None:
-    """Why a norm over channels stays out of fused kernels; None for other ops."""
+    """Why a norm over channels other than batch_norm stays out of fused kernels; None for other ops."""
     if op is None or op.name not in CHANNEL_NORMS:
         return None
-    state = " and updates its running statistics" if op.mutates else ""
-    return f"{op.name} normalizes each channel over the other dims{state}; row kernels reduce the last dim only"
+    return f"{op.name} normalizes channels in groups or per sample; row kernels take batch norm's channels only"
 
 
-def emit(b: Builder, op: str, refs: list, params: dict, full: tuple, index):
+def _batch_norm_member(node: torch.fx.Node, gm: torch.fx.GraphModule, operands, params, xinfo) -> tuple | str:
+    """Batch norm as rows: one row per channel (dim 1), its columns over the other dims. In
+    training it normalizes by the channel's batch statistics and, with running statistics, the
+    fused call updates them as eager does (an nn.BatchNorm module also counts the batch in
+    num_batches_tracked); in eval it normalizes by the running statistics."""
+    _, weight, bias, mean, var = operands
+    rank = len(xinfo.shape)
+    rows = RowSpace(xinfo.shape, tuple(d for d in range(rank) if d != 1))
+    for v in (weight, bias, mean, var):
+        if v is not None and (info_of(v) is None or info_of(v).dtype != DTYPE or info_of(v).shape != (xinfo.shape[1],)):
+            return "batch_norm's weight, bias or running statistics are not float32 vectors of the channels"
+    training, momentum, eps = params.get("training"), params.get("momentum"), params.get("eps")
+    if not isinstance(training, bool) or not isinstance(eps, float):
+        return "batch_norm's training flag or eps is not known when tracing"
+    if not training and (mean is None or var is None):
+        return "batch_norm in eval without running statistics"
+    if training and mean is not None and not isinstance(momentum, float):
+        return "batch_norm with a cumulative moving average (momentum=None)"
+    count = None
+    if training and mean is not None and node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if getattr(module, "num_batches_tracked", None) is not None:
+            count = _state(module.num_batches_tracked, gm)
+    return rows, (operands[0], weight, bias, mean, var), {"training": training, "momentum": momentum, "eps": eps,
+                                                          "count": count}, ()
+
+
+def emit_batch_norm(b: Builder, refs: list, params: dict, columns: int):
+    """(y, the batch mean, the batch variance, biased), the statistics None in eval."""
+    x, weight, bias, mean, var = refs
+    if params["training"]:
+        mean = emit_mean(b, x, columns)
+        centered = b("sub", x, mean)
+        var = emit_mean(b, b("mul", centered, centered), columns)
+    else:
+        centered = b("sub", x, mean)
+    y = b("mul", centered, b("rsqrt", b("add", var, params["eps"])))
+    y = y if weight is None else b("mul", y, weight)
+    y = y if bias is None else b("add", y, bias)
+    return (y, mean, var) if params["training"] else (y, None, None)
+
+
+def emit(b: Builder, op: str, refs: list, params: dict, rows: RowSpace, index):
     """The steps of a row member, its operands given as refs (index() gives the column index's);
     returns its value's ref (a cross entropy's: its rows' losses)."""
-    columns = full[-1]
+    columns = rows.columns
     if op == "cross_entropy":
         return emit_cross_entropy(b, refs[0], refs[1], index(), params["ignore_index"])
     if op == "sum":
@@ -301,12 +345,14 @@ def emit(b: Builder, op: str, refs: list, params: dict, full: tuple, index):
     return emit_rms_norm(b, refs[0], refs[1], columns, params["eps"])
 
 
-def fits_rows(members: list, full: tuple) -> str | None:
-    """Why these members cannot all be one row group with rows of shape `full`; None when they can."""
+def fits_rows(members: list, rows: RowSpace) -> str | None:
+    """Why these members cannot all be one row group in these rows; None when they can."""
+    where = f"rows of {list(rows.shape)}" + ("" if rows.col_dims == (len(rows.shape) - 1,) else
+                                              f" over dims {list(rows.col_dims)}")
     for m in members:
         if m.row is not None:
-            if m.row != full:
-                return f"{m.node.name} reduces rows of shape {list(m.row)}, the group's are {list(full)}"
+            if m.row != rows:
+                return f"{m.node.name} reduces rows of {list(m.row.shape)} over dims {list(m.row.col_dims)}, the group's are {where}"
             continue
         out = tensor_info(m.node)
         kinds = []
@@ -314,25 +360,29 @@ def fits_rows(members: list, full: tuple) -> str | None:
             info = info_of(v)
             if info is None:
                 continue
-            kind = kind_of(info.shape, full)
+            kind = kind_of(info.shape, rows)
             if kind is None or info.dtype != DTYPE:
-                return f"{v.name} ({info.short()}) is not a float32 row, per-row or per-column value of rows {list(full)}"
+                return f"{v.name} ({info.short()}) is not a float32 row, per-row or per-column value of {where}"
             kinds.append(kind)
         if m.identity:
             continue
         kind = combined(kinds)
-        if out.dtype != DTYPE or kind_of(out.shape, full) != kind or exact_shape(kind, full) not in (None, out.shape):
-            return f"{m.node.name} makes {out.short()}, not a float32 value of rows {list(full)}"
+        if out.dtype != DTYPE or kind_of(out.shape, rows) != kind or exact_shape(kind, rows) not in (None, out.shape):
+            return f"{m.node.name} makes {out.short()}, not a float32 value of {where}"
     return None
 
 
-def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
-    """A row group's (inputs, outputs, aliases, RowGroup, finish, orders) for these nodes (members
-    and the nodes they absorb), or the reason there is none. inputs are the graph values the fused
-    call takes: the RowGroup's inputs but its column index, in order (a value read shifted is
-    taken once more)."""
+def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
+    """A row group's (inputs, outputs, aliases, RowGroup, finish, orders, updates) for these nodes
+    (members and the nodes they absorb), or the reason there is none. inputs are the graph values
+    the fused call takes: the RowGroup's inputs but its column index, in order (a value read
+    shifted is taken once more), then the state it updates. updates, per batch norm in training
+    with running statistics: (its batch mean's and variance's RowGroup outputs, after the graph's;
+    running mean, running variance and batch count (or None) as places in that state; momentum)."""
     inside = set(nodes)
     b, slots, refs, aliases = Builder(), [], {}, {}  # slots: per RowGroup input, its value (None: the column index)
+    updates = []  # a batch norm's running statistics: (batch mean ref, variance ref, their places in state, momentum)
+    state = []  # what the fused call writes but its kernels do not read: running statistics, batch counts
 
     def slot(value, kind, shift=0):
         key = (value, kind, shift)
@@ -346,7 +396,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
             return value
         if value in inside:
             return refs[value]
-        return slot(value, kind_of(info_of(value).shape, full))
+        return slot(value, kind_of(info_of(value).shape, rows))
 
     def columns():
         return slot(None, INDEX)
@@ -358,11 +408,22 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
         if m.identity:
             refs[node] = ref(m.operands[0])
         elif m.op == "cross_entropy":  # its class indices are per row, whatever their shape says
-            refs[node] = emit(b, m.op, [ref(m.operands[0]), slot(m.operands[1], ROW)], m.params, full, columns)
+            refs[node] = emit(b, m.op, [ref(m.operands[0]), slot(m.operands[1], ROW)], m.params, rows, columns)
         elif m.op == "cat":
             refs[node] = _rotation(b, m, ref, slot, columns)
+        elif m.op in BATCH_NORMS:  # its per-channel vectors are per row, whatever their shape says
+            training = m.params["training"]
+            read = m.operands[1:3] if training else m.operands[1:]  # training reads no running statistics
+            per_channel = [None if v is None else slot(v, ROW) for v in read] + [None, None] * training
+            y, mean, var = emit_batch_norm(b, [ref(m.operands[0]), *per_channel], m.params, rows.columns)
+            refs[node] = y
+            if training and m.operands[3] is not None:
+                written = [m.operands[3], m.operands[4], m.params["count"]]
+                state += [v for v in written if v is not None]
+                at = [None if v is None else state.index(v) for v in written]
+                updates.append((mean, var, *at, m.params["momentum"]))
         elif m.row is not None:
-            refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, full, columns)
+            refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
         else:
             refs[node] = b(m.op, *(ref(v) for v in m.operands), **m.params)
     outputs, stored = [], []
@@ -379,13 +440,17 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, full: tuple):
             aliases[node] = outputs[stored.index(index)]
     if not stored:
         return "dead code: nothing outside the group uses its results"
+    # the batch statistics are outputs the fused call keeps to itself, after the graph's
+    side = [ref for mean, var, *_ in updates for ref in (mean, var)]
     try:
-        group = b.group(*(("step", j) for j in stored), origin=[n.name for n in nodes])
+        group = b.group(*(("step", j) for j in stored), *side, origin=[n.name for n in nodes])
     except ValueError as e:
         return f"declined by codegen: {e}"
     orders = tuple(dim_order(tensor_info(n).shape, tensor_info(n).stride) for n in outputs)
     finish = tuple(_finish(members[n], refs) for n in outputs)
-    return [v for v in slots if v is not None], outputs, aliases, group, finish, orders
+    updates = tuple((len(stored) + 2 * i, len(stored) + 2 * i + 1, *written)
+                    for i, (_, _, *written) in enumerate(updates))
+    return [v for v in slots if v is not None] + state, outputs, aliases, group, finish, orders, updates
 
 
 def _finish(member, refs) -> tuple | None:

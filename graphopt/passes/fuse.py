@@ -86,8 +86,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
         for node, v in zip(inputs, group.inputs):
             if isinstance(v, StateInput):
                 node.meta[KEY] = v.info
-        runs = FusedRowOp(group.group, group.finish, group.orders) if isinstance(group.group, RowGroup) \
-            else FusedOp(group.group)
+        runs = FusedRowOp(group.group, group.finish, group.orders, group.rows.col_dims, group.updates) \
+            if isinstance(group.group, RowGroup) else FusedOp(group.group)
         call = graph.call_function(runs, tuple(inputs))
         _copy_meta(call, group.outputs)
         note(call, "fuse", label)
@@ -116,8 +116,7 @@ def _kernel_files(name: str, group: FusionGroup) -> dict[str, str]:
     if isinstance(group.group, RowGroup):
         given = iter(infos)  # the graph's values; the column index is the kernel's own
         row_infos = [None if group.group.is_index(k) else next(given) for k in range(len(group.group.inputs))]
-        rows = next(i.shape for k, i in enumerate(row_infos) if group.group.input_kind(k) == "full")
-        looped = row_layout(rows[-1])[0]
+        looped = row_layout(group.rows.columns)[0]
         needs = [i is not None and i.dtype.is_floating_point for i in row_infos]
         program = backward_program(group.group, [True] * len(group.group.outputs), needs)
         forward = row_source(group.group, forward_program(group.group), "row_forward", looped)

@@ -60,55 +60,69 @@ class _RowFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
         ctx.op = op
         outputs = op.forward(inputs)
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:len(op.given)])  # not the state the call just updated
+        ctx.state = len(inputs) - len(op.given)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:]))
+        return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:len(ctx.op.given) + 1]),
+                *[None] * ctx.state)
 
 
 class FusedRowOp:
     """A fused row group as a callable: one tensor for a one-output group, else a tuple in
     group.outputs order. It has a __name__, so an FX call_function node can target it.
 
-    It takes the group's inputs but its column index (the kernel makes that one). finish, per
-    output, turns its rows into the node's value: None (as they are), or a cross entropy's
-    reduction of its rows' losses, ("mean" | "sum" | "none", the class indices' input, ignore_index)."""
+    It takes the group's inputs but its column index (the kernel makes that one), then the state
+    it updates. Its rows lie along col_dims (the last dim; a batch norm's: every dim but the
+    channels'). finish, per output, turns its rows into the node's value: None (as they are), or
+    a cross entropy's reduction of its rows' losses, ("mean" | "sum" | "none", the class indices'
+    input, ignore_index). updates, per batch norm in training: (the batch mean's and variance's
+    outputs, which the call keeps to itself; the running mean, running variance and batch count
+    (or None) as places in the state; momentum), applied as eager's batch norm applies them."""
 
-    def __init__(self, group: RowGroup, finish: tuple = (), orders: tuple = ()):
-        self.group, self.finish = group, tuple(finish) or (None,) * len(group.outputs)
-        self.orders = tuple(orders)
+    def __init__(self, group: RowGroup, finish: tuple = (), orders: tuple = (), col_dims: tuple | None = None,
+                 updates: tuple = ()):
+        self.group, self.updates = group, tuple(updates)
+        self.returned = len(group.outputs) - 2 * len(self.updates)
+        self.finish = tuple(finish) or (None,) * self.returned
+        self.orders, self.col_dims = tuple(orders), col_dims
         self.given = [k for k in range(len(group.inputs)) if not group.is_index(k)]
         self.__name__ = self.__qualname__ = "fused_row_" + group.describe().replace(" -> ", "_")[:80]
 
     def __getstate__(self):
-        return {"group": self.group, "finish": self.finish, "orders": self.orders}
+        return {"group": self.group, "finish": self.finish, "orders": self.orders, "col_dims": self.col_dims,
+                "updates": self.updates}
 
     def __setstate__(self, state):
-        self.__init__(state["group"], state["finish"], state["orders"])
+        self.__init__(**state)
 
     def space(self, inputs) -> RowSpace:
-        """The rows of this call: the shape every input broadcasts to (a class index per row given
-        without its col dim aside), columns along its last dim."""
+        """The rows of this call: the shape every input broadcasts to (a vector per row given
+        without the col dims aside), with the rows' col dims (the last by default)."""
         rank = max(t.dim() for k, t in enumerate(inputs) if t is not None and self.group.input_kind(k) == FULL)
         shapes = [t.shape for k, t in enumerate(inputs)
                   if t is not None and not (self.group.input_kind(k) == ROW and t.dim() < rank)]
-        return RowSpace.last(torch.broadcast_shapes(*shapes))
+        shape = tuple(torch.broadcast_shapes(*shapes))
+        return RowSpace(shape, self.col_dims) if self.col_dims is not None else RowSpace.last(shape)
 
     def __repr__(self) -> str:
         return f"FusedRowOp({self.group.describe()})"
 
     def __call__(self, *inputs):
-        if len(inputs) != len(self.given):
-            raise TypeError(f"{self.__name__} takes {len(self.given)} tensors, got {len(inputs)}")
+        if len(inputs) != len(self.given) + self._state_count():
+            raise TypeError(f"{self.__name__} takes {len(self.given) + self._state_count()} tensors, got {len(inputs)}")
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
             outputs = _RowFunction.apply(self, *inputs)
         else:
             outputs = tuple(self.forward(inputs))
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def _state_count(self) -> int:
+        return max((max(k for k in u[2:5] if k is not None) + 1 for u in self.updates), default=0)
 
     def _all(self, inputs) -> list:
         """The group's inputs: the given ones, None for the column index."""
@@ -118,30 +132,49 @@ class FusedRowOp:
         return full
 
     def forward(self, inputs) -> list[torch.Tensor]:
+        inputs, state = inputs[:len(self.given)], inputs[len(self.given):]
         fake, device = _shape_only(inputs), _device(inputs)
         everything = self._all(inputs)
+        space = self.space(everything)
         if not fake:
             self._check_classes(everything)
         with _inside():
             STATS["launches"] += not fake
             if fake or _runs_kernel(device):
-                rows = row_forward(self.group, everything, launch=not fake, space=self.space(everything),
-                                   orders=self.orders)
+                rows = row_forward(self.group, everything, launch=not fake, space=space, orders=self.orders)
                 release_interpreted_arguments()
             else:
-                space = self.space(everything)
                 with torch.no_grad():
                     values = row_reference(self.group, everything, space)
                 rows = [empty_like_order(v.shape, self.orders[i] if i < len(self.orders) else None, torch.float32,
                                          device).copy_(v) for i, v in enumerate(values)]
-            return [self._finished(o, f, everything) for o, f in zip(rows, self.finish)]
+            if not fake:
+                self._update(rows, state, space)
+            return [self._finished(o, f, everything) for o, f in zip(rows[:self.returned], self.finish)]
+
+    def _update(self, rows, state, space: RowSpace) -> None:
+        """A batch norm's running statistics, as eager's batch norm updates them (the variance
+        unbiased), and its batch count."""
+        n = space.columns
+        with torch.no_grad():
+            for mean_out, var_out, mean_at, var_at, count_at, momentum in self.updates:
+                mean, var = state[mean_at], state[var_at]
+                batch_mean = rows[mean_out].reshape(mean.shape)
+                batch_var = rows[var_out].reshape(var.shape) * (n / max(n - 1, 1))
+                mean.copy_(momentum * batch_mean + (1 - momentum) * mean)
+                var.copy_(momentum * batch_var + (1 - momentum) * var)
+                if count_at is not None:
+                    state[count_at].add_(1)
 
     def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
+        """The gradients of the group's inputs (the state gets none)."""
+        grads = list(grads[:self.returned]) + [None] * (len(self.group.outputs) - self.returned)
         if all(g is None for g in grads):
             return [None] * len(inputs)
         fake, device = _shape_only(list(inputs) + [g for g in grads if g is not None]), _device(inputs)
         everything = self._all(inputs)
-        grads = [None if g is None else self._rows_of(g, f, everything) for g, f in zip(grads, self.finish)]
+        grads = [None if g is None else self._rows_of(g, f, everything)
+                 for g, f in zip(grads, self.finish + (None,) * (len(grads) - len(self.finish)))]
         wants = self._all(needs)
         with _inside():
             STATS["launches"] += not fake
