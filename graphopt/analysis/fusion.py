@@ -358,12 +358,14 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
 
 def memory_bound(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     """Whether the node runs an op bound by memory traffic (elementwise, casts, reductions, norms,
-    softmaxes, losses, dropout) outside any fused kernel. A cast to the dtype a tensor has moves
-    nothing (ATen's to() returns the tensor itself)."""
+    softmaxes, losses, dropout) on floating-point values outside any fused kernel. Integer and
+    boolean bookkeeping (positions, a batch norm's batch count, masks built from indices) is
+    left out, and so is a cast to the dtype a tensor has, which moves nothing (ATen's to()
+    returns the tensor itself)."""
     if node.op not in CALLS or reads_attribute(node):
         return False
     op = ops.lookup(node, gm)
-    if op is None or op.kind not in MEMORY_BOUND or not isinstance(tensor_info(node), (TensorInfo, tuple)):
+    if op is None or op.kind not in MEMORY_BOUND or not any(i.dtype.is_floating_point for i in leaves(tensor_info(node))):
         return False
     if op.aliases:
         bound = ops.bind(node, gm)

@@ -27,10 +27,11 @@ Algorithm:
      repeated keys and values, saves them for backward and sums their gradients back. Only
      where the kernel takes it: on CPU, and on CUDA without a mask (CUDA's kernels that take a
      mask do not take enable_gqa, and SDPA would fall back to its slow math path).
-  8. Identity dropouts: a dropout with p=0, or in eval mode, returns its input tensor itself
-     and draws nothing (ATen's dropout; the FakeTensor run shows the result sharing the input's
-     storage, offset, shape and strides): its uses read the input, and the node goes. Later
-     passes then see the ops around it as neighbours (fuse, recompute).
+  8. Identities: a dropout with p=0, or in eval mode, returns its input tensor itself and draws
+     nothing (ATen's dropout), and an nn.Identity returns its input (timm's empty drop-block and
+     anti-aliasing slots); where the FakeTensor run shows the result sharing the input's storage,
+     offset, shape and strides, its uses read the input, and the node goes. Later passes then
+     see the ops around it as neighbours (fuse, recompute).
 
 Modules with parameters or buffers, and random ops, keep their spelling: their state and
 train/eval behaviour live in the module.
@@ -201,14 +202,14 @@ class Normalize(Pass):
 
 
 def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
-    """Step 8; the number of dropouts removed."""
+    """Step 8; the number of dropouts and identities removed."""
     removed = 0
     for node in list(gm.graph.nodes):
         op = ops.lookup(node, gm) if node.op.startswith("call") else None
-        if op is None or not op.random:
+        if op is None or not (op.random or op.name == "alias"):
             continue
         bound = ops.bind(node, gm)
-        if bound is None or not is_identity_dropout(op, bound.params):
+        if bound is None or (op.random and not is_identity_dropout(op, bound.params)):
             continue
         x = bound.operands[0]
         if isinstance(x, torch.fx.Node) and _same_tensor(node.meta.get("val"), x.meta.get("val")):
