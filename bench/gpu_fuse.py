@@ -12,8 +12,9 @@ backward: read x and dy, write dx; the bias is small). First call: with fresh on
 Triton and Inductor, and each tool warmed up once on another function (imports, worker pools), the
 time from graphopt's optimize() to its first finished training step against torch.compile's.
 
-Without CUDA it runs a reduced CPU mode (small sizes, no torch.compile; graphopt runs its torch
-reference) so the script itself can be checked anywhere. Writes fuse-<device>-<date>.json and .md.
+Without CUDA it runs a reduced CPU mode (small sizes, no torch.compile; graphopt's kernels run in
+Triton's interpreter, where fuse leaves groups alone otherwise) so the script itself can be checked
+anywhere. Writes fuse-<device>-<date>.json and .md.
 """
 from __future__ import annotations
 
@@ -246,6 +247,7 @@ def main(argv=None) -> int:
     sizes = tuple(2 ** int(e) for e in args.sizes.split(",")) if args.sizes else None
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # a shared CPU's idle worker threads stall small parallel ops by milliseconds
+        os.environ["TRITON_INTERPRET"] = "1"
     result = run(sizes=sizes, with_compile=False if args.no_compile else None)
     for path in write_results("fuse", result, markdown(result), args.out):
         print(f"wrote {path}")

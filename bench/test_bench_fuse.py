@@ -4,8 +4,9 @@ holds the chains and the measurements; `python bench/gpu_fuse.py` runs the whole
 - On CUDA: chains of 2, 4 and 8 ops on 2^20 .. 2^26 elements, float32 and bfloat16, forward and
   forward+backward: eager, graphopt and torch.compile, bandwidth as a fraction of a device copy;
   first training step of graphopt (optimize() included) against torch.compile's.
-- Without CUDA (skip mode): small sizes, graphopt against eager for correctness and timing, and
-  graphopt's first step; torch.compile is skipped (its CPU code says nothing about the GPU goal).
+- Without CUDA (skip mode): small sizes, graphopt (its kernels in Triton's interpreter) against
+  eager for correctness, and graphopt's first step; torch.compile is skipped (its CPU code says
+  nothing about the GPU goal).
 Figures are printed at the end of the run (bench/conftest.py).
 """
 import gpu_fuse
@@ -15,6 +16,13 @@ from conftest import rounds
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    """Without CUDA the fused kernels run in Triton's interpreter (off it, fuse leaves groups alone)."""
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def sizes(quick: bool) -> tuple:
