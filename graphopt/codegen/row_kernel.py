@@ -1,12 +1,14 @@
-"""Triton kernels of a row group (row_group.py): each program takes a run of rows, its program
-(row_program.py) laid out in one of two forms.
+"""Triton kernels of a row group (row_group.py): each program takes tiles of RB rows by BLOCK
+columns, its program (row_program.py) laid out in one of two forms. A FULL value is an
+[RB, BLOCK] tile, a ROW value [RB, 1], a COL value [1, BLOCK]; a reduce line reduces along the
+columns. RB is as many rows as fill a tile (TILE elements: narrow rows go many to a program).
 
-Persistent (the row fits one block, C <= MAX_PERSISTENT): a program loops over its ROWS rows, every
-line once per row, straight down, the row's columns loaded once and kept in registers; a reduce
-line reduces the block. A COL store (a weight's gradient) adds into a block-wide accumulator over
-the program's rows, stored once at the end as the program's partial sum: the launcher sums P
-partial rows, not R (Liger-Kernel's and Inductor's split of a norm's weight gradient).
-Looped (wider rows): one row per program, in passes over chunks of BLOCK columns.
+Persistent (the row fits one block, C <= MAX_PERSISTENT): a program loops over its ROWS rows a
+tile at a time, every line once per tile, straight down, the rows' columns loaded once and kept
+in registers. A COL store (a weight's gradient) adds its tile's column sums into an accumulator
+over the program's rows, stored once at the end as the program's partial sum: the launcher sums
+P partial rows, not R (Liger-Kernel's and Inductor's split of a norm's weight gradient).
+Looped (wider rows): one tile of rows per program, in passes over chunks of BLOCK columns.
 1. Each ROW name is known after some pass: a load or a line on known scalars after pass 0, a
    reduce line one pass after every ROW value its FULL expression depends on.
 2. Pass p (1, 2, ...) walks the chunks, recomputing in each the FULL lines the reduce lines of
@@ -17,7 +19,7 @@ Looped (wider rows): one row per program, in passes over chunks of BLOCK columns
    store's partial sum is the row's own); ROW stores follow. A value is recomputed in each pass
    that needs it rather than kept: a row wider than a block does not fit in registers.
 Either way a FULL or COL value is a block of columns (masked lanes hold whatever the templates
-make of the 0 loaded there, kept out of every reduction and store), a ROW value a scalar. A
+make of the 0 loaded there, kept out of every reduction and store), as are rows past R. A
 tensor's element (row, col) is at its row offset plus its col offset (row_space.py): the row
 index is unravelled over the row dims once per row, the col index over the col dims once per
 block, and each is dotted with the tensor's strides, so tensors are read and written where
@@ -39,26 +41,31 @@ from .row_space import RowSpace, addressing, empty_like_order
 MAX_PERSISTENT = 1 << 14  # columns held in one block
 LOOP_BLOCK = 1024  # columns per chunk in the looped form
 PARTIAL = "pid * C + cols"  # where a program stores its partial sum of a COL store
+NEUTRAL = {"sum": "0.0", "max": "float('-inf')"}
+# a tile is RB rows by BLOCK columns; how many elements one holds: a GPU program's registers,
+# the interpreter's numpy arrays (its cost is per line, not per element)
+TILE = {"cuda": 1 << 12, "interpreter": 1 << 16}
 
 
 def _at(pointer: str, kind: str) -> str:
     return {FULL: f"{pointer}_row + {pointer}_col", ROW: f"{pointer}_row", COL: f"{pointer}_col"}[kind]
-NEUTRAL = {"sum": "0.0", "max": "float('-inf')"}
 
 
-def _mask(pointer: str, shifts: dict) -> str:
-    return f"mask & (cols + {shifts[pointer]} >= 0) & (cols + {shifts[pointer]} < C)" if shifts.get(pointer) else "mask"
+def _mask(pointer: str, kind: str, shifts: dict) -> str:
+    mask = {FULL: "mask", ROW: "rmask", COL: "cmask"}[kind]
+    if shifts.get(pointer):
+        mask += f" & (cols + {shifts[pointer]} >= 0) & (cols + {shifts[pointer]} < C)"
+    return mask
 
 
 def _load(line: Line, shifts: dict) -> str:
     kind = line.expr  # where it is read from
-    where = "" if kind == ROW else f", mask={_mask(line.target, shifts)}, other=0.0"
-    return f"{line.target} = tl.load({line.target}_ptr + {_at(line.target, kind)}{where}).to(tl.float32)"
+    return (f"{line.target} = tl.load({line.target}_ptr + {_at(line.target, kind)}, "
+            f"mask={_mask(line.target, kind, shifts)}, other=0.0).to(tl.float32)")
 
 
 def _store(pointer: str, kind: str, value: str, shifts: dict) -> str:
-    where = "" if kind == ROW else f", mask={_mask(pointer, shifts)}"
-    return f"tl.store({pointer}_ptr + {_at(pointer, kind)}, {value}{where})"
+    return f"tl.store({pointer}_ptr + {_at(pointer, kind)}, {value}, mask={_mask(pointer, kind, shifts)})"
 
 
 def pointer_shifts(group: RowGroup, program: RowProgram) -> dict[str, int]:
@@ -106,33 +113,51 @@ def _offsets(kinds: dict, which: str, n: int, shifts: dict) -> list[str]:
     return lines
 
 
+SHAPE = {FULL: "[RB, BLOCK]", ROW: "[RB, 1]", COL: "[1, BLOCK]"}
+
+
 def _assign(line: Line, kinds: dict, shifts: dict) -> str:
     if line.load:
         return _load(line, shifts)
     expr = line.expr
-    if vector(line.kind) and not any(vector(kinds[r]) for r in line.reads):
-        expr = f"tl.zeros([BLOCK], dtype=tl.float32) + ({expr})"  # a block, whatever it reads
+    if not any(kinds[r] in (FULL, line.kind) for r in line.reads):
+        expr = f"tl.zeros({SHAPE[line.kind]}, dtype=tl.float32) + ({expr})"  # its tile, whatever it reads
     return f"{line.target} = {expr}" + (f"  # {line.comment}" if line.comment else "")
 
 
 def _reduced(line: Line) -> str:
     op = "tl.sum" if line.reduce == "sum" else "tl.max"
-    return f"{op}(tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]}), axis=0)"
+    return f"{op}(tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]}), axis=1)[:, None]"
+
+
+def _columns(start: str, dims: tuple[int, int], pointers: dict, shifts: dict) -> list[str]:
+    head = [f"cols = {start}tl.arange(0, BLOCK)[None, :]", "cmask = cols < C", "mask = rmask & cmask"]
+    return head + _unravel("cols", "CS", dims[1], "j") + _offsets(pointers, "col", dims[1], shifts)
+
+
+def _tile_rows(dims: tuple[int, int], pointers: dict, shifts: dict) -> list[str]:
+    """The tile's rows (first .. first + RB), their mask, coordinates and offsets."""
+    head = ["row = first + tl.arange(0, RB)[:, None]", "rmask = row < R"]
+    return head + _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0], shifts)
+
+
+def _partial_sum(s) -> str:
+    return f"tl.sum(tl.where(mask, {s.value}, 0.0), axis=0)[None, :]"
 
 
 def _persistent(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[str]:
     kinds, pointers = {line.target: line.kind for line in program.lines}, pointer_kinds(program)
     partial = [s for s in program.stores if s.kind == COL]
-    head = ["cols = tl.arange(0, BLOCK)", "mask = cols < C"] + _unravel("cols", "CS", dims[1], "j")
-    head += _offsets(pointers, "col", dims[1], shifts)
-    head += [f"{s.value}_acc = tl.zeros([BLOCK], dtype=tl.float32)" for s in partial]
-    body = _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0], shifts)
+    head = [f"{s.value}_acc = tl.zeros([1, BLOCK], dtype=tl.float32)" for s in partial]
+    body = _tile_rows(dims, pointers, shifts) + _columns("", dims, pointers, shifts)
     for line in program.lines:
         body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds, shifts))
     body += [_store(s.pointer, s.kind, s.value, shifts) for s in program.stores if s.kind != COL]
-    body += [f"{s.value}_acc = {s.value}_acc + {s.value}" for s in partial]
-    loop = ["for row in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R)):"] + [INDENT + b for b in body]
-    return head + loop + [f"tl.store({s.pointer}_ptr + {PARTIAL}, {s.value}_acc, mask=mask)" for s in partial]
+    body += [f"{s.value}_acc = {s.value}_acc + {_partial_sum(s)}" for s in partial]
+    loop = ["for first in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R), RB):"] + [INDENT + b for b in body]
+    tail = [f"cols = tl.arange(0, BLOCK)[None, :]"] if partial else []
+    tail += [f"tl.store({s.pointer}_ptr + {PARTIAL}, {s.value}_acc, mask=cols < C)" for s in partial]
+    return head + loop + tail
 
 
 def _known_after(program: RowProgram) -> dict[str, int]:
@@ -158,9 +183,7 @@ def _closure(program: RowProgram, names) -> list[Line]:
 
 
 def _chunks(body: list[str], dims: tuple[int, int], pointers: dict, shifts: dict) -> list[str]:
-    head = ["cols = start + tl.arange(0, BLOCK)", "mask = cols < C"] + _unravel("cols", "CS", dims[1], "j")
-    head += _offsets(pointers, "col", dims[1], shifts)
-    return ["for start in range(0, C, BLOCK):"] + [INDENT + b for b in head + body]
+    return ["for start in range(0, C, BLOCK):"] + [INDENT + b for b in _columns("start + ", dims, pointers, shifts) + body]
 
 
 def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[str]:
@@ -171,24 +194,24 @@ def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[st
     for p in range(1, max((after[line.target] for line in program.lines if line.reduce), default=0) + 1):
         reduces = [line for line in program.lines if line.reduce and after[line.target] == p]
         body.append(f"# pass {p}: {', '.join(line.target for line in reduces)}")
-        body += [f"{line.target}_acc = tl.full([BLOCK], {NEUTRAL[line.reduce]}, tl.float32)" for line in reduces]
+        body += [f"{line.target}_acc = tl.full([RB, BLOCK], {NEUTRAL[line.reduce]}, tl.float32)" for line in reduces]
         inner = [_assign(line, kinds, shifts) for line in _closure(program, [r for line in reduces for r in line.reads])]
         for line in reduces:
             value = f"tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]})"
             inner.append(f"{line.target}_acc = {line.target}_acc + {value}" if line.reduce == "sum"
                          else f"{line.target}_acc = tl.maximum({line.target}_acc, {value})")
         body += _chunks(inner, dims, pointers, shifts)
-        body += [f"{line.target} = {'tl.sum' if line.reduce == 'sum' else 'tl.max'}({line.target}_acc, axis=0)"
+        body += [f"{line.target} = {'tl.sum' if line.reduce == 'sum' else 'tl.max'}({line.target}_acc, axis=1)[:, None]"
                  f"  # {line.comment}" for line in reduces]
         body += [_assign(line, kinds, shifts) for line in scalars if after[line.target] == p]
     full = [s for s in program.stores if s.kind != ROW]
     if full:
         inner = [_assign(line, kinds, shifts) for line in _closure(program, [s.value for s in full])]
-        inner += [f"tl.store({s.pointer}_ptr + {PARTIAL}, {s.value}, mask=mask)" if s.kind == COL
+        inner += [f"tl.store({s.pointer}_ptr + {PARTIAL}, {_partial_sum(s)}, mask=cmask)" if s.kind == COL
                   else _store(s.pointer, FULL, s.value, shifts) for s in full]
         body += ["# the stores"] + _chunks(inner, dims, pointers, shifts)
-    row = ["row = pid"] + _unravel("row", "RS", dims[0], "i") + _offsets(pointers, "row", dims[0], shifts)
-    return row + body + [_store(s.pointer, ROW, s.value, shifts) for s in program.stores if s.kind == ROW]
+    rows = ["first = pid * RB"] + _tile_rows(dims, pointers, shifts)
+    return rows + body + [_store(s.pointer, ROW, s.value, shifts) for s in program.stores if s.kind == ROW]
 
 
 def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: tuple[int, int] = (1, 1)) -> str:
@@ -203,7 +226,7 @@ def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: 
             params += [f"{p}_rs{d}" for d in range(dims[0])]
         if kind in (FULL, COL):
             params += [f"{p}_cs{d}" for d in range(dims[1])]
-    signature = ["@triton.jit", f"def {name}({', '.join(params)}, BLOCK: tl.constexpr):",
+    signature = ["@triton.jit", f"def {name}({', '.join(params)}, BLOCK: tl.constexpr, RB: tl.constexpr):",
                  INDENT + "pid = tl.program_id(0).to(tl.int64)"]
     shifts = pointer_shifts(group, program)
     if shifts and dims[1] != 1:
@@ -260,31 +283,35 @@ def _kernel(text: str, name: str):
     return _KERNELS[text]
 
 
-def programs(r: int, looped: bool, partial: bool, device: torch.device) -> tuple[int, int]:
-    """(P programs, ROWS rows each) for r rows: a row per program, unless the program stores COL
-    partial sums, which each program adds over a run of rows (a few programs per multiprocessor
-    on CUDA: P x C partial sums to add up rather than R x C)."""
+def programs(r: int, size: int, looped: bool, partial: bool, device: torch.device) -> tuple[int, int, int]:
+    """(P programs, ROWS rows each, RB rows a tile) for r rows of tiles BLOCK=size wide: a tile per
+    program, unless the program stores COL partial sums, which each program adds over a run of
+    tiles (a few programs per multiprocessor on CUDA: P x C partial sums to add up, not R x C)."""
+    tile = TILE["cuda" if device.type == "cuda" else "interpreter"]
+    rb = min(1 << max((tile // size).bit_length() - 1, 0), 1 << max(r - 1, 0).bit_length())
+    tiles = -(-r // rb)
     if looped or not partial or r == 0:
-        return r, 1
+        return tiles, rb, rb
     slots = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    rows = -(-r // min(r, slots))
-    return -(-r // rows), rows
+    per = -(-tiles // min(tiles, slots))
+    return -(-tiles // per), per * rb, rb
 
 
-def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, tensors: dict, grid: int, rows: int,
+def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, tensors: dict, grid: tuple,
             block: int | None) -> None:
-    """tensors: pointer name -> tensor (a partial-sum buffer is [P, C], without strides)."""
+    """tensors: pointer name -> tensor (a partial-sum buffer is [P, C], without strides); grid:
+    (P, ROWS, RB) from programs()."""
     looped, size = layout(space.columns, block)
     kinds = pointer_kinds(program)
     strided = [p for p in program.pointers if kinds[p] != "partial"]
     where = addressing(space, [tensors[p] for p in strided])
     kernel = _kernel(source(group, program, name, looped, where.dims), name)
-    args = [tensors[p] for p in program.pointers] + [space.rows, space.columns, rows]
+    args = [tensors[p] for p in program.pointers] + [space.rows, space.columns, grid[1]]
     args += list(where.row_sizes) + list(where.col_sizes)
     for p, row_strides, col_strides in zip(strided, where.row_strides, where.col_strides):
         args += list(row_strides) if kinds[p] in (FULL, ROW) else []
         args += list(col_strides) if kinds[p] in (FULL, COL) else []
-    kernel[(grid,)](*args, BLOCK=size)
+    kernel[(grid[0],)](*args, BLOCK=size, RB=grid[2])
 
 
 def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool = True,
@@ -301,7 +328,8 @@ def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool 
         program = forward_program(group)
         tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
         tensors.update({f"out{i}": o for i, o in enumerate(outs)})
-        _launch(group, program, "row_forward", space, tensors, space.rows, 1, block)
+        looped, size = layout(space.columns, block)
+        _launch(group, program, "row_forward", space, tensors, programs(space.rows, size, looped, False, device), block)
     return outs
 
 
@@ -311,9 +339,9 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
     space, given = _space(group, inputs, space, launch)
     program = backward_program(group, [g is not None for g in grads], needs)
     device = next(t.device for t in given if t is not None)
-    looped, _ = layout(space.columns, block)
-    p, rows = programs(space.rows, looped, any(s.kind == COL for s in program.stores), device)
-    sizes = {FULL: space.shape, ROW: space.row_shape(), COL: (p, space.columns)}
+    looped, size = layout(space.columns, block)
+    grid = programs(space.rows, size, looped, any(s.kind == COL for s in program.stores), device)
+    sizes = {FULL: space.shape, ROW: space.row_shape(), COL: (grid[0], space.columns)}
     # a shifted input's gradient is stored at the columns it was read from: the others stay 0
     buffers = {k: (torch.zeros if group.inputs[k].shift else torch.empty)(sizes[group.input_kind(k)], device=device,
                                                                            dtype=torch.float32) for k in program.grads}
@@ -321,7 +349,7 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
         tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
         tensors.update({f"g{i}": g for i, g in enumerate(grads) if g is not None})
         tensors.update({f"d{k}": b for k, b in buffers.items()})
-        _launch(group, program, "row_backward", space, tensors, p, rows, block)
+        _launch(group, program, "row_backward", space, tensors, grid, block)
     out: list[torch.Tensor | None] = [None] * len(inputs)
     for k, buffer in buffers.items():
         if group.input_kind(k) == COL:  # the programs' partial sums added up
