@@ -39,6 +39,7 @@ import torch.fx
 from .. import codegen, ops
 from ..codegen.row_group import RowGroup
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
+from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import BATCH_NORMS, NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
 
@@ -254,7 +255,6 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
     inputs: list[torch.fx.Node] = []
     refs: dict = {}  # member -> its value inside the group: ("input", k) or ("step", j)
     steps = []
-    aliases = {}
 
     def ref(value):
         if not isinstance(value, torch.fx.Node):
@@ -272,18 +272,7 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
             continue
         steps.append(codegen.Step(m.op, tuple(ref(v) for v in m.operands), m.params))
         refs[node] = ("step", len(steps) - 1)
-    outputs, stored = [], []
-    for node in nodes:
-        if not any(user not in inside for user in node.users):
-            continue
-        kind, index = refs[node]
-        if kind == "input":
-            aliases[node] = inputs[index]
-        elif index not in stored:
-            stored.append(index)
-            outputs.append(node)
-        else:  # an identity of a value already stored: the same tensor, as in eager
-            aliases[node] = outputs[stored.index(index)]
+    outputs, stored, aliases = group_outputs(nodes, refs, inputs)
     if not stored:
         return "dead code: nothing outside the group uses its results"
     group = codegen.Group([n.name for n in inputs], steps, stored, origin=[n.name for n in nodes])

@@ -29,9 +29,10 @@ import torch
 import torch.fx
 
 from ..codegen.row_space import RowSpace, dim_order
-from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, RowGroup, emit_cross_entropy, emit_layer_norm, \
+from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, combined, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
 from .. import ops
+from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
@@ -89,16 +90,6 @@ def exact_shape(kind: str, rows: RowSpace) -> tuple | None:
     """The shape a node's value of this class has when a kernel stores it; None for COL (stored
     by no kernel)."""
     return {FULL: rows.shape, ROW: rows.row_shape()}.get(kind)
-
-
-def combined(kinds) -> str:
-    """The class of an elementwise result of values of these classes."""
-    kinds = set(kinds)
-    if kinds == {ROW}:
-        return ROW
-    if kinds == {COL}:
-        return COL
-    return FULL
 
 
 def _dim_is_last(dim, rank: int) -> bool:
@@ -380,7 +371,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
     with running statistics: (its batch mean's and variance's RowGroup outputs, after the graph's;
     running mean, running variance and batch count (or None) as places in that state; momentum)."""
     inside = set(nodes)
-    b, slots, refs, aliases = Builder(), [], {}, {}  # slots: per RowGroup input, its value (None: the column index)
+    b, slots, refs = Builder(), [], {}  # slots: per RowGroup input, its value (None: the column index)
     updates = []  # a batch norm's running statistics: (batch mean ref, variance ref, their places in state, momentum)
     state = []  # what the fused call writes but its kernels do not read: running statistics, batch counts
 
@@ -426,18 +417,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
             refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
         else:
             refs[node] = b(m.op, *(ref(v) for v in m.operands), **m.params)
-    outputs, stored = [], []
-    for node in nodes:
-        if node not in members or not any(user not in inside for user in node.users):
-            continue
-        kind, index = refs[node]
-        if kind == "input":
-            aliases[node] = slots[index]
-        elif index not in stored:
-            stored.append(index)
-            outputs.append(node)
-        else:
-            aliases[node] = outputs[stored.index(index)]
+    outputs, stored, aliases = group_outputs(nodes, refs, slots, lambda node: node in members)
     if not stored:
         return "dead code: nothing outside the group uses its results"
     # the batch statistics are outputs the fused call keeps to itself, after the graph's

@@ -49,6 +49,13 @@ class Reduce:
         return (self.arg,)
 
 
+def combined(kinds) -> str:
+    """The class of an elementwise result of values of these classes: ROW or COL when all are,
+    FULL otherwise (ROW with COL is FULL, as broadcasting makes it)."""
+    kinds = set(kinds)
+    return kinds.pop() if len(kinds) == 1 and kinds <= {ROW, COL} else FULL
+
+
 @dataclass(frozen=True)
 class RowGroup:
     inputs: tuple  # RowInput per input
@@ -88,12 +95,7 @@ class RowGroup:
         if isinstance(step, Reduce):
             return ROW
         n = len(self.inputs)
-        found = {kinds[a[1]] if a[0] == "input" else kinds[n + a[1]] for a in step.args if is_ref(a)}
-        if found == {ROW}:
-            return ROW
-        if found == {COL}:
-            return COL
-        return FULL
+        return combined(kinds[a[1]] if a[0] == "input" else kinds[n + a[1]] for a in step.args if is_ref(a))
 
     def input_kind(self, k: int) -> str:
         """FULL, ROW or COL (an INDEX input is a COL value)."""

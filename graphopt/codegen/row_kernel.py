@@ -28,8 +28,6 @@ sum is at pid * C + col.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .compile import load

@@ -31,7 +31,7 @@ import operator
 import torch.fx
 
 from ..analysis.fusion import FusionGroup, find_groups, memory_bound, traffic
-from ..analysis.meta import ANNOTATED, KEY, graph_device, tensor_info
+from ..analysis.meta import ANNOTATED, KEY, graph_device
 from ..analysis.row_fusion import StateInput, info_of
 from ..codegen.row_group import RowGroup
 from ..codegen.row_kernel import layout as row_layout
