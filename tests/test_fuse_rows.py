@@ -86,9 +86,18 @@ def test_a_transposed_value_joins_a_row_group_and_is_written_as_eager_lays_it_ou
     assert [t.stride() for t in got] == [t.stride() for t in want]
 
 
-def test_a_transposed_elementwise_chain_alone_says_why_it_stays_out():
+def test_a_transposed_elementwise_chain_runs_over_its_layout_and_is_written_where_eager_keeps_it():
+    """No elementwise kernel writes eager's layout; a row group over it does (columns along the
+    innermost dim in memory, here dim 0 of the transposed value)."""
+    x = torch.randn(4, 6, requires_grad=True)
+    opt, stats = fuse(lambda m, x: (x.transpose(0, 1) * 2).exp(), x)
+    assert group_nodes(stats) == [["mul", "exp"]] and isinstance(fused_nodes(opt)[0].target, FusedRowOp)
+    assert opt(x).stride() == (x.transpose(0, 1) * 2).exp().stride() == (1, 6)
+
+
+def test_a_transposed_half_precision_chain_says_why_it_stays_out():
     model = module(lambda m, x: (x.transpose(0, 1) * 2).exp(), 1)
-    opt = graphopt.optimize(model, (torch.randn(4, 6),), passes="fuse")
+    opt = graphopt.optimize(model, (torch.randn(4, 6, dtype=torch.float16),), passes="fuse")
     stats = opt.graphopt_report.passes[-1].stats
     assert stats["kernels"] == 0
     assert "an elementwise kernel writes contiguous tensors" in stats["alone"]["mul"]["exp"]

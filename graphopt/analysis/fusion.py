@@ -3,8 +3,8 @@
 Algorithm:
   1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a Triton
      template in the registry (or a dropout that is the identity: train=False or p=0), bound to
-     tensor nodes and Python scalars, dense in eager (contiguous, or else only in a row group,
-     whose kernels write eager's layout), and accepted by codegen as a one-step group at its operands' dtypes with eager's result
+     tensor nodes and Python scalars, dense in eager (a float32 one eager lays out strided is a
+     row group's over its layout, whose kernels write it where eager does), and accepted by codegen as a one-step group at its operands' dtypes with eager's result
      dtype and shape; or a row member (analysis/row_fusion.py: a sum, mean or amax over the last
      dim, a softmax, log_softmax, layer_norm or rms_norm over it, in float32). Every other node
      gets the reason it stays out.
@@ -38,10 +38,11 @@ import torch.fx
 
 from .. import codegen, ops
 from ..codegen.row_group import RowGroup
+from ..codegen.row_space import RowSpace
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
 from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
-from .row_fusion import BATCH_NORMS, NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
+from .row_fusion import BATCH_NORMS, DTYPE, NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
 # ops bound by memory traffic rather than arithmetic: what fusion is for
@@ -57,7 +58,7 @@ class Member:
     operands: tuple  # fx Nodes (tensors) and Python scalars
     params: dict
     identity: bool = False  # a dropout that returns its input
-    row: tuple | None = None  # a row member (analysis/row_fusion.py): the shape of the rows it reduces
+    row: RowSpace | None = None  # its rows: a row member's (analysis/row_fusion.py), or a strided elementwise node's layout
     strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
     absorbed: tuple = ()  # nodes only it reads, computed inside its steps (a rotation's slices)
 
@@ -157,6 +158,10 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     shape = tuple(codegen.step_shapes(group, [t.shape for t in examples])[0])
     if (dtype, shape) != (info.dtype, info.shape):
         return f"codegen would make {dtype}{list(shape)} where eager makes {info.dtype}{list(info.shape)}"
+    if strided is not None and all(i.dtype == DTYPE for i in [info, *map(tensor_info, tensors)]):
+        # a row group writes it where eager does: rows over its layout, columns along its innermost dim
+        inner = min((d for d, size in enumerate(info.shape) if size != 1), key=lambda d: info.stride[d])
+        return Member(node, op.name, tuple(bound.operands), dict(bound.params), row=RowSpace(info.shape, (inner,)))
     return Member(node, op.name, tuple(bound.operands), dict(bound.params), strided=strided)
 
 

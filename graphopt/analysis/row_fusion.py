@@ -413,7 +413,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
                 state += [v for v in written if v is not None]
                 at = [None if v is None else state.index(v) for v in written]
                 updates.append((mean, var, *at, m.params["momentum"]))
-        elif m.row is not None:
+        elif m.op in ROW_OPS:
             refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
         else:
             refs[node] = b(m.op, *(ref(v) for v in m.operands), **m.params)
