@@ -308,3 +308,25 @@ def test_a_cat_of_other_values_says_why_it_stays_out():
     opt = graphopt.optimize(model, (torch.randn(2, 4), torch.randn(2, 4)), passes="fuse")
     assert opt.graphopt_report.passes[-1].stats["alone"]["mul_1"]["cat"] == \
         "cat of values other than column slices of one value"
+
+
+def test_a_residual_add_before_a_norm_keeps_the_sum_for_backward_not_both_addends():
+    """The add's backward reads neither addend: the fused call keeps the sum (the norm's input,
+    which eager's norm keeps too) and not the addends, so the fused step holds less than eager's."""
+    model = module(lambda m, x: m.ln(m.a(x) + m.b(x)).sum(), 1, a=torch.nn.Linear(256, 256),
+                   b=torch.nn.Linear(256, 256), ln=torch.nn.LayerNorm(256))
+    args = (torch.randn(64, 256),)
+    plain = graphopt.optimize(model, args, passes="normalize")
+    opt = graphopt.optimize(model, args, passes="fuse")
+    (call,) = fused_nodes(opt)
+    assert call.target.loaded  # the sum, read back instead of recomputed
+    peaks = {label: _measured_step(gm, args) for label, gm in (("plain", plain), ("fused", opt))}
+    for label, gm in (("plain", plain), ("fused", opt)):
+        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
+    assert peaks["fused"] <= peaks["plain"]  # eager's norm keeps the sum too (and its statistics)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        saved = []
+        loss = opt(*args)
+    assert [tuple(t.shape) for t in saved if t.shape == (64, 256)] == [(64, 256)] * 3  # x for two linears, the sum
+    loss.backward()
+    assert_same_step(model, opt, args, {}, exact=False)

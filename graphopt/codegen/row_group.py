@@ -117,13 +117,16 @@ class RowGroup:
 INTEGERS = (torch.int32, torch.int64)
 
 
-def check_inputs(group: RowGroup, inputs, values: bool = True) -> None:
-    """ValueError unless an index input is given as None and only it; Unsupported unless every
-    other input is float32 or a per-row integer below 2**24 (a class index: exact in fp32; its
-    values are looked at only with values=True, not on tensors without data)."""
+def check_inputs(group: RowGroup, inputs, values: bool = True, missing: bool = False) -> None:
+    """ValueError unless an index input is given as None and only it (or, with missing=True, an
+    input a backward does not read); Unsupported unless every other input is float32 or a
+    per-row integer below 2**24 (a class index: exact in fp32; its values are looked at only with
+    values=True, not on tensors without data)."""
     if len(inputs) != len(group.inputs):
         raise ValueError(f"the group has {len(group.inputs)} inputs, got {len(inputs)}")
     for k, t in enumerate(inputs):
+        if t is None and missing:
+            continue
         if group.is_index(k) != (t is None):
             why = "the column index is made by the kernel: pass None" if t is not None else \
                 "None is for the column index only"

@@ -236,11 +236,11 @@ def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: 
 # -- launching -------------------------------------------------------------------------------------
 
 
-def _space(group: RowGroup, inputs, space: RowSpace | None, values: bool) -> tuple[RowSpace, list]:
+def _space(group: RowGroup, inputs, space: RowSpace | None, values: bool, missing: bool = False):
     """The rows (by default over the leading dims of the first FULL input) and the inputs as the
     kernel reads them: a ROW input of one value per row but no col dims (a class index per row)
     viewed with them. ValueError when an input does not fit the rows."""
-    check_inputs(group, inputs, values)
+    check_inputs(group, inputs, values, missing)
     if space is None:
         full = [t for k, t in enumerate(inputs) if group.input_kind(k) == FULL]
         if not full or full[0].dim() == 0:
@@ -252,15 +252,21 @@ def _space(group: RowGroup, inputs, space: RowSpace | None, values: bool) -> tup
             given.append(None)
             continue
         kind = group.input_kind(k)
-        if kind == ROW and t.dim() < len(space.shape) and t.numel() == space.rows and tuple(t.shape) == tuple(
-                s for d, s in enumerate(space.shape) if d not in space.col_dims):
-            t = t.reshape(space.row_shape())
+        t = t.reshape(_view_shape(kind, tuple(t.shape), space))
         strides = space.strides(t)
         if (kind == ROW and any(strides[d] for d in space.col_dims if space.shape[d] > 1)) or \
                 (kind == COL and any(strides[d] for d in space.row_dims if space.shape[d] > 1)):
             raise ValueError(f"input {k} ({kind}) has shape {tuple(t.shape)} for rows of {list(space.shape)}")
         given.append(t)
     return space, given
+
+
+def _view_shape(kind: str, shape: tuple, space: RowSpace) -> tuple:
+    """How the kernel views an input of this shape: a ROW value given without the col dims (a
+    class index per row, a batch norm's per-channel vector) with them; others as they are."""
+    if kind == ROW and len(shape) < len(space.shape) and shape == tuple(space.shape[d] for d in space.row_dims):
+        return space.row_shape()
+    return shape
 
 
 def layout(c: int, block: int | None = None) -> tuple[bool, int]:
@@ -332,11 +338,17 @@ def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool 
 
 
 def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None, launch: bool = True,
-                 space: RowSpace | None = None) -> list[torch.Tensor | None]:
-    """grads: per output, its incoming gradient or None; needs: per input, whether it wants one."""
-    space, given = _space(group, inputs, space, launch)
-    program = backward_program(group, [g is not None for g in grads], needs)
-    device = next(t.device for t in given if t is not None)
+                 space: RowSpace | None = None, loaded: dict | None = None,
+                 shapes: list | None = None) -> list[torch.Tensor | None]:
+    """grads: per output, its incoming gradient or None; needs: per input, whether it wants one;
+    loaded: {step: its stored output}, read instead of recomputed where the caller kept it; an
+    input the program does not read may then be None, its shape given in shapes."""
+    loaded = loaded or {}
+    space, given = _space(group, inputs, space, launch, missing=True)
+    program = backward_program(group, [g is not None for g in grads], needs, frozenset(loaded))
+    device = next(t.device for t in [*given, *grads, *loaded.values()] if t is not None)
+    shapes = [None if group.is_index(k) else tuple(t.shape) if t is not None else tuple(shapes[k])
+              for k, t in enumerate(inputs)]
     looped, size = layout(space.columns, block)
     grid = programs(space.rows, size, looped, any(s.kind == COL for s in program.stores), device)
     sizes = {FULL: space.shape, ROW: space.row_shape(), COL: (grid[0], space.columns)}
@@ -345,6 +357,7 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
                                                                            dtype=torch.float32) for k in program.grads}
     if launch and space.rows and space.columns and program.grads:
         tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
+        tensors.update({f"v{j}": t for j, t in loaded.items()})
         tensors.update({f"g{i}": g for i, g in enumerate(grads) if g is not None})
         tensors.update({f"d{k}": b for k, b in buffers.items()})
         _launch(group, program, "row_backward", space, tensors, grid, block)
@@ -352,10 +365,10 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
     for k, buffer in buffers.items():
         if group.input_kind(k) == COL:  # the programs' partial sums added up
             buffer = buffer.sum(0).reshape(space.col_shape())
-        out[k] = buffer.sum_to_size(given[k].shape).reshape(inputs[k].shape)
-    for k, t in enumerate(inputs):
-        if needs[k] and out[k] is None and t is not None:  # no path from it to an output with a gradient
-            out[k] = torch.zeros_like(t)
+        out[k] = buffer.sum_to_size(_view_shape(group.input_kind(k), shapes[k], space)).reshape(shapes[k])
+    for k, shape in enumerate(shapes):
+        if needs[k] and out[k] is None and shape is not None:  # no path from it to an output with a gradient
+            out[k] = torch.zeros(shape, device=device, dtype=inputs[k].dtype if inputs[k] is not None else torch.float32)
     return out
 
 

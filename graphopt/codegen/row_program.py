@@ -8,7 +8,8 @@ layout alone decides where they go.
 
 Forward: a load per input, a line per step (an elementwise op's registry template, program.py;
 a reduction), a store per output.
-Backward (reverse mode, the forward recomputed in place of saved intermediates):
+Backward (reverse mode, the forward recomputed in place of saved intermediates, or read from a
+stored output where the caller keeps it):
 1. The forward's lines; each output's incoming gradient loaded as its step's first term.
 2. Steps in reverse: once every term of a step's adjoint is known (its users come after it), the
    adjoint is their sum; then each derivative template is a term for its arg, kind-shaped: a
@@ -17,6 +18,9 @@ Backward (reverse mode, the forward recomputed in place of saved intermediates):
    as torch.amax's backward: the count of ties is a reduce line too).
 3. Each input that wants a gradient: the sum of its terms, stored; a COL input's summed over the
    rows of the program (the launcher adds the programs' partial sums up).
+4. Only the lines the stores need are kept: an input whose value no derivative reads is not
+   loaded (an add's operands), and a step read from its stored output needs nothing before it
+   (a residual add before a norm: the norm's backward reads the sum, not the addends).
 """
 from __future__ import annotations
 
@@ -83,14 +87,17 @@ class _Lines:
         return self.add(f"t{self._count}", kind, expr, reduce, comment=comment)
 
 
-def _forward(group: RowGroup, lines: _Lines) -> None:
+def _forward(group: RowGroup, lines: _Lines, loaded=frozenset()) -> None:
+    """The forward's lines; a step in `loaded` is read from its stored output (pointer v{j})."""
     for k in range(len(group.inputs)):
         if group.is_index(k):
             lines.add(f"x{k}", COL, "cols.to(tl.float32)", comment="the column index")
         else:
             lines.add(f"x{k}", group.input_kind(k), group.input_kind(k), load=True)
     for j, s in enumerate(group.steps):
-        if isinstance(s, Reduce):
+        if j in loaded:
+            lines.add(f"v{j}", group.step_kind(j), group.step_kind(j), load=True)
+        elif isinstance(s, Reduce):
             lines.add(f"v{j}", ROW, _name(s.arg), reduce=s.kind, comment=f"row_{s.kind}")
         else:
             lines.add(f"v{j}", group.step_kind(j), forward_expr(s, torch.float32), comment=s.op)
@@ -131,10 +138,11 @@ def _sum(names: list[str]) -> str:
     return " + ".join(names)
 
 
-def backward_program(group: RowGroup, has_grad, needs) -> RowProgram:
-    """has_grad[i]: output i has an incoming gradient; needs[k]: input k wants one."""
+def backward_program(group: RowGroup, has_grad, needs, loaded=frozenset()) -> RowProgram:
+    """has_grad[i]: output i has an incoming gradient; needs[k]: input k wants one; loaded: steps
+    whose stored outputs the backward reads instead of recomputing them (Step 4)."""
     lines = _Lines()
-    _forward(group, lines)
+    _forward(group, lines, loaded)
     terms: dict[tuple, list[str]] = {}
     seeded = [i for i, g in enumerate(has_grad) if g]
     for i in seeded:
@@ -152,8 +160,28 @@ def backward_program(group: RowGroup, has_grad, needs) -> RowProgram:
         kind = group.input_kind(k)
         lines.add(f"d{k}", kind, _sum(terms[("input", k)]), comment=f"gradient of input {k}")
         stores.append(Store(f"d{k}", kind, f"d{k}"))
-    pointers = _read(group) + tuple(f"g{i}" for i in seeded) + tuple(s.pointer for s in stores)
-    return RowProgram(pointers, tuple(lines.lines), tuple(stores), grads)
+    live = _live(lines.lines, stores)
+    loads = {line.target for line in live if line.load}
+    pointers = tuple(p for p in _read(group) + tuple(f"v{j}" for j in sorted(loaded)) + tuple(f"g{i}" for i in seeded)
+                     if p in loads) + tuple(s.pointer for s in stores)
+    return RowProgram(pointers, tuple(live), tuple(stores), grads)
+
+
+def _live(lines: list[Line], stores) -> list[Line]:
+    """The lines the stores need, in order (what a backward never reads it neither loads nor computes)."""
+    needed, kept = {s.value for s in stores}, []
+    for line in reversed(lines):
+        if line.target in needed:
+            kept.append(line)
+            needed.update(line.reads)
+    return kept[::-1]
+
+
+def backward_reads(group: RowGroup, has_grad, needs, loaded=frozenset()) -> tuple[set[int], set[int]]:
+    """(inputs, loaded steps) the backward program reads: what a fused op must keep for it."""
+    pointers = backward_program(group, has_grad, needs, loaded).pointers
+    return ({k for k in range(len(group.inputs)) if f"x{k}" in pointers},
+            {j for j in loaded if f"v{j}" in pointers})
 
 
 def vector(kind: str) -> bool:

@@ -2,9 +2,12 @@
 with the elementwise ops around it, as one autograd op.
 
 1. FusedRowOp(group)(*inputs) applies an autograd.Function whose forward runs the group and saves
-   only its inputs (eager's norm saves its input and per-row statistics, its softmax its output,
-   the elementwise ops around them what they read); its backward recomputes the row in the
-   backward kernel, which also forms the column reductions a weight's gradient needs.
+   only what its backward kernel reads: the inputs a derivative needs (not an add's operands),
+   or, where that keeps fewer full-size tensors, an output in their place (a residual add before
+   a norm keeps the sum, as the norm's eager backward does, not both addends). Eager's norm saves
+   its input and per-row statistics, its softmax its output, the elementwise ops around them
+   what they read. The backward kernel recomputes the row from what was kept, and also forms the
+   column reductions a weight's gradient needs.
 2. Where it runs, as fused.py's groups: CUDA tensors and, under TRITON_INTERPRET=1, CPU tensors run
    the row kernels (row_kernel.py); other CPU tensors run the group's steps as torch ops on the
    rows (row_reference), the backward recomputing them under autograd. FakeTensors allocate what a
@@ -19,6 +22,7 @@ from ..codegen.group import Step
 from ..codegen.program import forward_expr, name
 from ..codegen.row_group import FULL, ROW, RowGroup
 from ..codegen.row_kernel import row_backward, row_forward
+from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
 from ..ops.shim import tl
 from .fused import STATS, _device, _inside, _runs_kernel, _shape_only, release_interpreted_arguments
@@ -59,8 +63,14 @@ class _RowFunction(torch.autograd.Function):
     def forward(ctx, op, *inputs):
         ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
         ctx.op = op
-        outputs = op.forward(inputs)
-        ctx.save_for_backward(*inputs[:len(op.given)])  # not the state the call just updated
+        given = inputs[:len(op.given)]  # not the state the call just updated
+        keep, loaded = op.kept_for_backward(given)
+        outputs = op.forward(inputs, loaded)
+        stored = dict(zip([j for j in loaded if j not in op.group.outputs], outputs[op.returned:]))
+        outputs = outputs[:op.returned]
+        ctx.save_for_backward(*[t if k in keep else None for k, t in enumerate(given)],
+                              *[stored[j] if j in stored else outputs[op.group.outputs.index(j)] for j in loaded])
+        ctx.loaded, ctx.shapes, ctx.space = loaded, [tuple(t.shape) for t in given], op.space(op._all(given))
         ctx.state = len(inputs) - len(op.given)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return tuple(outputs)
@@ -68,8 +78,10 @@ class _RowFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:len(ctx.op.given) + 1]),
-                *[None] * ctx.state)
+        saved = ctx.saved_tensors
+        inputs, loaded = saved[:len(ctx.shapes)], dict(zip(ctx.loaded, saved[len(ctx.shapes):]))
+        needs = ctx.needs_input_grad[1:len(ctx.op.given) + 1]
+        return (None, *ctx.op.backward(inputs, grads, needs, loaded, ctx.shapes, ctx.space), *[None] * ctx.state)
 
 
 class FusedRowOp:
@@ -91,6 +103,7 @@ class FusedRowOp:
         self.finish = tuple(finish) or (None,) * self.returned
         self.orders, self.col_dims = tuple(orders), col_dims
         self.given = [k for k in range(len(group.inputs)) if not group.is_index(k)]
+        self.loaded = self._choose_loaded()
         self.__name__ = self.__qualname__ = "fused_row_" + group.describe().replace(" -> ", "_")[:80]
 
     def __getstate__(self):
@@ -131,17 +144,22 @@ class FusedRowOp:
             full[k] = t
         return full
 
-    def forward(self, inputs) -> list[torch.Tensor]:
+    def forward(self, inputs, kept: tuple = ()) -> list[torch.Tensor]:
+        """The outputs the graph takes; then, for each step in kept that is no output, its value
+        (the kernel stores it for the backward)."""
         inputs, state = inputs[:len(self.given)], inputs[len(self.given):]
         fake, device = _shape_only(inputs), _device(inputs)
         everything = self._all(inputs)
         space = self.space(everything)
+        extra = tuple(j for j in kept if j not in self.group.outputs)
+        group = RowGroup(self.group.inputs, self.group.steps, self.group.outputs + extra, self.group.origin) \
+            if extra else self.group
         if not fake:
             self._check_classes(everything)
         with _inside():
             STATS["launches"] += not fake
             if fake or _runs_kernel(device):
-                rows = row_forward(self.group, everything, launch=not fake, space=space, orders=self.orders)
+                rows = row_forward(group, everything, launch=not fake, space=space, orders=self.orders)
                 release_interpreted_arguments()
             else:
                 with torch.no_grad():
@@ -150,7 +168,8 @@ class FusedRowOp:
                                          device).copy_(v) for i, v in enumerate(values)]
             if not fake:
                 self._update(rows, state, space)
-            return [self._finished(o, f, everything) for o, f in zip(rows[:self.returned], self.finish)]
+            finished = [self._finished(o, f, everything) for o, f in zip(rows[:self.returned], self.finish)]
+            return finished + rows[len(self.group.outputs):]
 
     def _update(self, rows, state, space: RowSpace) -> None:
         """A batch norm's running statistics, as eager's batch norm updates them (the variance
@@ -166,21 +185,51 @@ class FusedRowOp:
                 if count_at is not None:
                     state[count_at].add_(1)
 
-    def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
-        """The gradients of the group's inputs (the state gets none)."""
+    def kept_for_backward(self, inputs) -> tuple[set[int], tuple]:
+        """(the given inputs the backward reads, the steps whose outputs it reads instead of
+        recomputing them): with the kernels, what backward_reads says for self.loaded; the torch
+        path recomputes everything from every input."""
+        device = _device(inputs)
+        if not (_shape_only(inputs) or _runs_kernel(device)):
+            return set(range(len(inputs))), ()
+        has = [True] * self.returned + [False] * (len(self.group.outputs) - self.returned)
+        needs = [not self.group.is_index(k) for k in range(len(self.group.inputs))]
+        read, loaded = backward_reads(self.group, has, needs, self.loaded)
+        return {i for i, k in enumerate(self.given) if k in read}, tuple(sorted(loaded))
+
+    def _choose_loaded(self) -> frozenset:
+        """The FULL steps the backward reads, stored by the forward, instead of recomputing them,
+        where that keeps fewer full-size tensors for it: a residual add before a norm keeps the
+        sum, which the norm's eager backward keeps too, rather than both addends. Tried: none, each
+        FULL step alone, every FULL output; the fewest kept wins, ties to the fewest stored."""
+        group = self.group
+        has = [True] * self.returned + [False] * (len(group.outputs) - self.returned)
+        needs = [not group.is_index(k) for k in range(len(group.inputs))]
+        full = [j for j in range(len(group.steps)) if group.step_kind(j) == FULL]
+        outputs = frozenset(j for j in group.outputs[:self.returned] if group.step_kind(j) == FULL)
+
+        def kept(loaded) -> tuple[int, int]:
+            read, steps = backward_reads(group, has, needs, loaded)
+            return sum(group.input_kind(k) == FULL for k in read) + len(steps), len(loaded - set(group.outputs))
+        return min([frozenset(), outputs, *(frozenset({j}) for j in full)], key=kept)
+
+    def backward(self, inputs, grads, needs, loaded: dict, shapes: list, space: RowSpace) -> list[torch.Tensor | None]:
+        """The gradients of the given inputs (the state gets none); inputs the backward does not
+        read are None, loaded holds the outputs it reads instead of recomputing them."""
         grads = list(grads[:self.returned]) + [None] * (len(self.group.outputs) - self.returned)
         if all(g is None for g in grads):
             return [None] * len(inputs)
-        fake, device = _shape_only(list(inputs) + [g for g in grads if g is not None]), _device(inputs)
+        present = [t for t in [*inputs, *loaded.values()] if t is not None]
+        fake, device = _shape_only(present + [g for g in grads if g is not None]), _device(present)
         everything = self._all(inputs)
         grads = [None if g is None else self._rows_of(g, f, everything)
                  for g, f in zip(grads, self.finish + (None,) * (len(grads) - len(self.finish)))]
-        wants = self._all(needs)
+        wants, all_shapes = self._all(needs), self._all(shapes)
         with _inside():
             STATS["launches"] += not fake
             if fake or _runs_kernel(device):
                 result = row_backward(self.group, everything, grads, [bool(w) for w in wants], launch=not fake,
-                                      space=self.space(everything))
+                                      space=space, loaded=loaded, shapes=all_shapes)
                 release_interpreted_arguments()
             else:
                 result = self._reference_backward(everything, grads, [bool(w) for w in wants])
