@@ -330,3 +330,14 @@ def test_a_residual_add_before_a_norm_keeps_the_sum_for_backward_not_both_addend
     assert [tuple(t.shape) for t in saved if t.shape == (64, 256)] == [(64, 256)] * 3  # x for two linears, the sum
     loss.backward()
     assert_same_step(model, opt, args, {}, exact=False)
+
+
+def test_a_fused_graph_runs_at_another_batch_size():
+    """Row kernels take their rows from the call's tensors: a graph built on 4 sequences runs on 2
+    and on 8 (norms, rotary-free attention softmax, the loss), equal to eager."""
+    model, args, kwargs = zoo.llama(batch=4, seq=8)
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, passes="fuse")
+    assert any(isinstance(n.target, FusedRowOp) for n in opt.graph.nodes)
+    for batch in (2, 8):
+        other = zoo.llama(batch=batch, seq=8)
+        assert_same_step(model, opt, other[1], other[2], exact=False)
