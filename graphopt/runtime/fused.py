@@ -1,8 +1,10 @@
 """Running a fused elementwise group: autograd-aware, each kernel compiled once per structural key.
 
 1. FusedOp(group)(*inputs) (or fused_call(group, *inputs)) applies an autograd.Function: its forward
-   runs the group and saves only the group's inputs; its backward computes every input gradient in
-   one pass, recomputing the intermediates.
+   runs the group and keeps only the inputs its backward kernel reads (for the inputs that need a
+   gradient: drop-path's x * mask + residual keeps the mask), the others as meta tensors of their
+   shapes, strides and dtypes (no memory); its backward computes every input gradient in one
+   pass, recomputing the intermediates.
 2. Where it runs: CUDA tensors run the generated Triton kernels; CPU (and other) tensors run the
    torch reference (codegen/reference.py), except under TRITON_INTERPRET=1, where CPU tensors run the
    Triton kernels in Triton's interpreter: that is how CI tests the codegen. FakeTensors take the
@@ -156,14 +158,18 @@ class _Function(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
         ctx.op = op
         outputs, dtypes = op.forward(inputs)
-        ctx.save_for_backward(*inputs)
+        # only what the backward kernel reads: an input it does not read is kept as a meta tensor
+        # of its shape, strides and dtype, which is all the backward's plan asks of it
+        keep = op.kept_for_backward(inputs, ctx.needs_input_grad[1:])
+        ctx.save_for_backward(*[t if keep is None or k in keep else _stand_in(t) for k, t in enumerate(inputs)])
+        ctx.device = _device(inputs)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, dtypes) if not differentiable(d)])
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:]))
+        return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:], ctx.device))
 
 
 @dataclass
@@ -245,9 +251,26 @@ class FusedOp:
         with _inside():
             return self._forward(inputs)
 
-    def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
+    def backward(self, inputs, grads, needs, device: torch.device | None = None) -> list[torch.Tensor | None]:
+        """The inputs' gradients; an input the kernel does not read may be a meta tensor of its
+        shape (kept_for_backward), the group's device then given."""
         with _inside():
-            return self._backward(inputs, grads, needs)
+            return self._backward(inputs, grads, needs, device or _device(inputs))
+
+    def kept_for_backward(self, inputs, needs) -> frozenset | None:
+        """The inputs the backward kernel reads with a gradient for every output, for the inputs
+        that need one (any backward reads no more); None where the torch reference runs the
+        backward, which reads them all."""
+        if not (_runs_kernel(_device(inputs)) or _shape_only(inputs)):
+            return None
+        needs = tuple(bool(n) for n in needs)
+        return self._remembered(("kept", _signature(inputs), needs), lambda: self._prepare_kept(inputs, needs))
+
+    def _prepare_kept(self, inputs, needs) -> frozenset:
+        forward = self._remembered(("forward", _signature(inputs)), lambda: self._prepare_forward(inputs))
+        grads = [_meta(shape, dtype) if differentiable(dtype) else None for shape, dtype in forward.outputs]
+        _, program = plan_backward(self.group, inputs, grads, needs)
+        return frozenset(program.inputs)
 
     def _forward(self, inputs):
         entry = self._remembered(("forward", _signature(inputs)), lambda: self._prepare_forward(inputs))
@@ -271,15 +294,18 @@ class FusedOp:
         _launch(kernel, plan, loaded + outputs, device, entry.scalars)
         return outputs, dtypes
 
-    def _backward(self, inputs, grads, needs):
+    def _backward(self, inputs, grads, needs, device: torch.device):
         key = ("backward", _signature(inputs), _signature(grads), tuple(needs))
         entry = self._remembered(key, lambda: self._prepare_backward(inputs, grads, needs))
         plan, program = entry.plan, entry.program
-        device = _device(inputs)
         result: list[torch.Tensor | None] = [None] * len(inputs)
         if not program.grads:
             return result
-        fake = _shape_only(list(inputs) + [g for g in grads if g is not None])
+        kept = [t for t in inputs if t.device.type != "meta" or device.type == "meta"]
+        fake = device.type == "meta" or _shape_only(kept + [g for g in grads if g is not None])
+        if device.type != "meta" and any(inputs[k].device.type == "meta" for k in program.inputs):
+            raise RuntimeError(f"{self.__name__}: the backward reads an input the forward did not keep; "
+                               "this is a graphopt bug, please report it")
         if plan.layout.numel == 0 or (fake and device.type == "meta"):
             for k in program.grads:
                 result[k] = torch.zeros(inputs[k].shape, dtype=inputs[k].dtype, device=device)
@@ -317,6 +343,13 @@ class FusedOp:
 def fused_call(group: Group, *inputs):
     """Run `group` on `inputs` (see FusedOp)."""
     return FusedOp(group)(*inputs)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A real meta tensor of t's shape, strides and dtype (no memory, even while FakeTensors run:
+    a fake one would stand for memory to the estimate)."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return _meta(t.shape, t.dtype, t.stride())
 
 
 def _meta(shape, dtype, strides=None) -> torch.Tensor:

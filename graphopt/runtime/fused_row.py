@@ -64,7 +64,7 @@ class _RowFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
         ctx.op = op
         given = inputs[:len(op.given)]  # not the state the call just updated
-        keep, loaded = op.kept_for_backward(given)
+        keep, loaded = op.kept_for_backward(given, ctx.needs_input_grad[1:len(op.given) + 1])
         outputs = op.forward(inputs, loaded)
         stored = dict(zip([j for j in loaded if j not in op.group.outputs], outputs[op.returned:]))
         outputs = outputs[:op.returned]
@@ -185,16 +185,15 @@ class FusedRowOp:
                 if count_at is not None:
                     state[count_at].add_(1)
 
-    def kept_for_backward(self, inputs) -> tuple[set[int], tuple]:
+    def kept_for_backward(self, inputs, needs) -> tuple[set[int], tuple]:
         """(the given inputs the backward reads, the steps whose outputs it reads instead of
-        recomputing them): with the kernels, what backward_reads says for self.loaded; the torch
-        path recomputes everything from every input."""
+        recomputing them), for the given inputs that need a gradient: with the kernels, what
+        backward_reads says for self.loaded; the torch path recomputes everything from every input."""
         device = _device(inputs)
         if not (_shape_only(inputs) or _runs_kernel(device)):
             return set(range(len(inputs))), ()
         has = [True] * self.returned + [False] * (len(self.group.outputs) - self.returned)
-        needs = [not self.group.is_index(k) for k in range(len(self.group.inputs))]
-        read, loaded = backward_reads(self.group, has, needs, self.loaded)
+        read, loaded = backward_reads(self.group, has, [bool(n) for n in self._all(needs)], self.loaded)
         return {i for i, k in enumerate(self.given) if k in read}, tuple(sorted(loaded))
 
     def _choose_loaded(self) -> frozenset:
