@@ -5,7 +5,7 @@ Algorithm:
      template in the registry (or a dropout that is the identity: train=False or p=0), bound to
      tensor nodes and Python scalars, dense in eager (a float32 one eager lays out strided is a
      row group's over its layout, whose kernels write it where eager does), and accepted by codegen as a one-step group at its operands' dtypes with eager's result
-     dtype and shape; or a row member (analysis/row_fusion.py: a sum, mean or amax over the last
+     dtype and shape; or a row member (analysis/row_members.py: a sum, mean or amax over the last
      dim, a softmax, log_softmax, layer_norm or rms_norm over it, in float32). Every other node
      gets the reason it stays out.
      An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
@@ -42,7 +42,8 @@ from ..codegen.row_space import RowSpace
 from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
 from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
-from .row_fusion import BATCH_NORMS, DTYPE, NORMALIZING, build_rows, channel_norm, fits_rows, info_of, row_member
+from .row_fusion import build_rows, fits_rows
+from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, channel_norm, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
 # ops bound by memory traffic rather than arithmetic: what fusion is for
@@ -58,7 +59,7 @@ class Member:
     operands: tuple  # fx Nodes (tensors) and Python scalars
     params: dict
     identity: bool = False  # a dropout that returns its input
-    row: RowSpace | None = None  # its rows: a row member's (analysis/row_fusion.py), or a strided elementwise node's layout
+    row: RowSpace | None = None  # its rows: a row member's (analysis/row_members.py), or a strided elementwise node's layout
     strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
     absorbed: tuple = ()  # nodes only it reads, computed inside its steps (a rotation's slices)
 

@@ -32,7 +32,7 @@ import torch.fx
 
 from ..analysis.fusion import FusionGroup, find_groups, memory_bound, traffic
 from ..analysis.meta import ANNOTATED, KEY, graph_device
-from ..analysis.row_fusion import StateInput, info_of
+from ..analysis.row_members import StateInput, info_of
 from ..codegen.row_group import RowGroup
 from ..codegen.row_kernel import layout as row_layout
 from ..codegen.row_kernel import source as row_source
