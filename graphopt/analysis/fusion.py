@@ -1,13 +1,14 @@
 """Which nodes can run as one fused kernel (an analysis: it reads the graph, never mutates).
 
 Algorithm:
-  1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a Triton
-     template in the registry (or a dropout that is the identity: train=False or p=0), bound to
-     tensor nodes and Python scalars, dense in eager (a float32 one eager lays out strided is a
-     row group's over its layout, whose kernels write it where eager does), and accepted by codegen as a one-step group at its operands' dtypes with eager's result
-     dtype and shape; or a row member (analysis/row_members.py: a sum, mean or amax over the last
-     dim, a softmax, log_softmax, layer_norm or rms_norm over it, in float32). Every other node
-     gets the reason it stays out.
+  1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a
+     Triton template in the registry (or a dropout that is the identity: train=False or p=0),
+     bound to tensor nodes and Python scalars, dense in eager (a float32 one eager lays out
+     strided takes rows over its layout: a row group's kernels write it where eager does), and
+     accepted by codegen as a one-step group at its operands' dtypes with eager's result dtype
+     and shape; or a row member (analysis/row_members.py: a reduction, norm, softmax,
+     cross-entropy, batch norm or rotary rotation over rows, in float32). Every other node gets
+     the reason it stays out.
      An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
      node that may write memory gets that tensor: the fused result is a copy.
   2. Walk the graph in order and merge each candidate's group with the groups of its candidate
