@@ -38,9 +38,12 @@ import torch
 import torch.fx
 
 from .. import codegen, ops
+from ..codegen.group import FLOATS
 from ..codegen.row_group import RowGroup
 from ..codegen.row_space import RowSpace
-from .effects import CALLS, is_identity_dropout, reads_attribute, may_write, state_effect, written_values
+from .dropout_members import DrawnMask, emit_dropout, training_dropout
+from .effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
+    written_values
 from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import build_rows, fits_rows
@@ -63,6 +66,7 @@ class Member:
     row: RowSpace | None = None  # its rows: a row member's (analysis/row_members.py), or a strided elementwise node's layout
     strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
     absorbed: tuple = ()  # nodes only it reads, computed inside its steps (a rotation's slices)
+    draws: float | None = None  # a dropout in training: its p (dropout_members.py)
 
 
 @dataclass
@@ -120,10 +124,11 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
             return row
         full, operands, params, absorbed = row
         return Member(node, op.name, operands, params, row=full, absorbed=absorbed)
+    drawing = op.random and bound is not None and training_dropout(op, bound.params)
     if op.random:
-        if bound is None or not is_identity_dropout(op, bound.params):
-            return "random in training (it draws a mask)" if bound and "train" in bound.params else \
-                f"random ({op.name} draws from the RNG)"
+        if not drawing and (bound is None or not is_identity_dropout(op, bound.params)):
+            return f"random in training ({op.name} draws a mask that no fused kernel draws)" \
+                if bound and "train" in bound.params else f"random ({op.name} draws from the RNG)"
     elif op.kind != "elementwise":
         return f"not elementwise ({op.kind})"
     elif op.triton is None:
@@ -133,7 +138,7 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     info = tensor_info(node)
     if not isinstance(info, TensorInfo):
         return "no tensor metadata (annotate the graph first)"
-    if op.aliases or op.random:  # here: a no-op cast or an identity dropout can return its input itself
+    if op.aliases or (op.random and not drawing):  # here: a no-op cast or an identity dropout can return its input itself
         for value in node.all_input_nodes + [node]:
             if value in written:
                 return f"it may return its input itself, and {written[value]} may write {value.name}"
@@ -150,7 +155,11 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
         source = tensor_info(tensors[0])
         if (source.shape, source.dtype) != (info.shape, info.dtype):
             return "dropout that changes shape or dtype"
-        return Member(node, op.name, tuple(bound.operands), {}, identity=True)
+        if not drawing:
+            return Member(node, op.name, tuple(bound.operands), {}, identity=True)
+        if strided is not None or info.dtype not in FLOATS:
+            return f"a dropout in training of {info.short()}: a fused one draws contiguous float masks"
+        return Member(node, op.name, tuple(bound.operands), {}, draws=float(bound.params["p"]))
     group, inputs = _one_step(op.name, bound.operands, bound.params)
     examples = [example(tensor_info(v)) for v in inputs]
     reason = codegen.supports(group, examples)
@@ -184,6 +193,7 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
         for user in node.users:
             q.add_edge(node, user)
     writers = [i for i, n in enumerate(order) if may_write(n, gm)]
+    drawers = [i for i, n in enumerate(order) if may_draw(n, gm) and not (n in members and members[n].identity)]
     span = {n: (i, i) for i, n in enumerate(order) if n in members}  # a root's first and last position
     parent = {n: n for n in members}  # union-find: a group's root is its vertex in q
     rows = {n: m.row for n, m in members.items()}  # a root's row shape, once it holds a row member
@@ -222,6 +232,11 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
             if k < len(writers) and writers[k] < hi:
                 refused[(producer, node)] = f"{order[writers[k]].name} may write memory between them"
                 continue
+            drawn = _drawn_between(held[a] + held[b], drawers, order, lo, hi)
+            if drawn is not None:
+                refused[(producer, node)] = (f"{drawn.name} draws from the RNG between them: the group's dropout "
+                                             "masks would be drawn in another order than eager's")
+                continue
             path = _path(q, a, b, names)
             if path is not None:
                 refused[(producer, node)] = CYCLE.format(path=" -> ".join([producer.name, *path, node.name]))
@@ -237,6 +252,18 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
         if node in members:
             groups.setdefault(root(node), []).append(node)
     return list(groups.values()), refused
+
+
+def _drawn_between(held: list, drawers: list, order: list, lo: int, hi: int):
+    """A node outside these members that draws from the RNG within [lo, hi], when they hold a
+    dropout in training (its mask is drawn when the fused call runs); else None."""
+    if not any(m.draws is not None for m in held):
+        return None
+    inside = {m.node for m in held}
+    for i in drawers[bisect.bisect_left(drawers, lo):bisect.bisect_right(drawers, hi)]:
+        if order[i] not in inside:
+            return order[i]
+    return None
 
 
 def _traffic(member: Member) -> int:
@@ -264,7 +291,7 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
     steps = []
 
     def ref(value):
-        if not isinstance(value, torch.fx.Node):
+        if not isinstance(value, (torch.fx.Node, DrawnMask)):
             return value
         if value in inside:
             return refs[value]
@@ -272,18 +299,30 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
             inputs.append(value)
         return ("input", inputs.index(value))
 
+    def step(op, *args, **params):
+        steps.append(codegen.Step(op, tuple(args), params))
+        return ("step", len(steps) - 1)
+
     for node in nodes:
         m = members[node]
         if m.identity:
             refs[node] = ref(m.operands[0])
-            continue
-        steps.append(codegen.Step(m.op, tuple(ref(v) for v in m.operands), m.params))
-        refs[node] = ("step", len(steps) - 1)
+        elif m.draws is not None:
+            dtype = tensor_info(node).dtype
+            refs[node] = emit_dropout(step, ref(m.operands[0]), ref(DrawnMask(node, m.draws, dtype)), m.draws, dtype)
+        else:
+            refs[node] = step(m.op, *(ref(v) for v in m.operands), **m.params)
     outputs, stored, aliases = group_outputs(nodes, refs, inputs)
     if not stored:
         return "dead code: nothing outside the group uses its results"
-    group = codegen.Group([n.name for n in inputs], steps, stored, origin=[n.name for n in nodes])
-    reason = codegen.supports(group, [example(tensor_info(v)) for v in inputs])
+    masks = [v for v in inputs if isinstance(v, DrawnMask)]
+    if masks:  # the call draws each at the shape its other inputs broadcast to
+        shape = tuple(torch.broadcast_shapes(*(info_of(v).shape for v in inputs if v not in masks)))
+        smaller = next((m for m in masks if m.info.shape != shape), None)
+        if smaller is not None:
+            return f"{smaller.node.name} drops out a {list(smaller.info.shape)} value of a group of {list(shape)}"
+    group = codegen.Group([v.name for v in inputs], steps, stored, origin=[n.name for n in nodes])
+    reason = codegen.supports(group, [example(info_of(v)) for v in inputs])
     if reason is not None:
         return f"declined by codegen: {reason}"
     return FusionGroup(nodes, inputs, outputs, aliases, group, _saved_traffic(nodes, members, inputs, outputs))

@@ -17,6 +17,7 @@ import torch.fx
 from ..codegen.row_group import FULL, INDEX, ROW, Builder, combined, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
 from ..codegen.row_space import RowSpace, dim_order
+from .dropout_members import DrawnMask, emit_dropout
 from .group_outputs import group_outputs
 from .meta import tensor_info
 from .row_members import BATCH_NORMS, DTYPE, PIECE, ROW_OPS, StateInput, exact_shape, info_of, kind_of
@@ -80,6 +81,8 @@ def fits_rows(members: list, rows: RowSpace) -> str | None:
         if m.identity:
             continue
         kind = combined(kinds)
+        if m.draws is not None and kind != FULL:
+            return f"{m.node.name} drops out a {kind.lower()} value of {where}: a mask has the rows' shape"
         if out.dtype != DTYPE or kind_of(out.shape, rows) != kind or exact_shape(kind, rows) not in (None, out.shape):
             return f"{m.node.name} makes {out.short()}, not a float32 value of {where}"
     return None
@@ -135,6 +138,9 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
                 state += [v for v in written if v is not None]
                 at = [None if v is None else state.index(v) for v in written]
                 updates.append((mean, var, *at, m.params["momentum"]))
+        elif m.draws is not None:
+            dtype = tensor_info(node).dtype
+            refs[node] = emit_dropout(b, ref(m.operands[0]), slot(DrawnMask(node, m.draws, dtype), FULL), m.draws, dtype)
         elif m.op in ROW_OPS:
             refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
         else:
@@ -142,6 +148,10 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
     outputs, stored, aliases = group_outputs(nodes, refs, slots, lambda node: node in members)
     if not stored:
         return "dead code: nothing outside the group uses its results"
+    masks = [isinstance(v, DrawnMask) for v in slots]
+    if any(masks) and not any(v is not None and not mask and b.inputs[k].kind == FULL
+                              for k, (v, mask) in enumerate(zip(slots, masks))):
+        return "its dropout masks would be its only full-size inputs: the call takes their shape from the others"
     # the batch statistics are outputs the fused call keeps to itself, after the graph's
     side = [ref for mean, var, *_ in updates for ref in (mean, var)]
     try:

@@ -26,6 +26,7 @@ import torch.fx
 from .. import ops
 from ..codegen.row_group import COL, FULL, ROW
 from ..codegen.row_space import RowSpace
+from .dropout_members import DrawnMask
 from .meta import TensorInfo, dense, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
@@ -53,7 +54,7 @@ class StateInput:
 
 
 def info_of(value) -> TensorInfo | None:
-    if isinstance(value, StateInput):
+    if isinstance(value, (StateInput, DrawnMask)):
         return value.info
     if isinstance(value, torch.fx.Node):
         info = tensor_info(value)

@@ -131,7 +131,7 @@ def check_inputs(group: RowGroup, inputs, values: bool = True, missing: bool = F
             why = "the column index is made by the kernel: pass None" if t is not None else \
                 "None is for the column index only"
             raise ValueError(f"input {k}: {why}")
-        if t is None or t.dtype == torch.float32:
+        if t is None or t.dtype == torch.float32 or t.dtype == torch.bool:  # bool: a dropout's mask, 0 or 1
             continue
         if not (t.dtype in INTEGERS and group.input_kind(k) == ROW):
             raise Unsupported(f"input {k} is {t.dtype}: row kernels take float32 inputs, and int32/int64 per-row ones")

@@ -30,6 +30,7 @@ import operator
 
 import torch.fx
 
+from ..analysis.dropout_members import DrawnMask
 from ..analysis.fusion import FusionGroup, find_groups, memory_bound, traffic
 from ..analysis.meta import ANNOTATED, KEY, graph_device
 from ..analysis.row_members import StateInput, info_of
@@ -77,17 +78,20 @@ def _copy_meta(dst: torch.fx.Node, srcs: list[torch.fx.Node]) -> None:
 def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node, label: str, replaced: dict):
     """Step 3 for one group: returns the fused call node; records what replaced each member in `replaced`."""
     graph = gm.graph
+    # a dropout's mask is no graph value: the call draws it (runtime/dropout_masks.py)
+    draws = tuple((k, v.p, v.dtype) for k, v in enumerate(group.inputs) if isinstance(v, DrawnMask))
+    taken = [v for v in group.inputs if not isinstance(v, DrawnMask)]
     with graph.inserting_before(anchor):
-        inputs = [graph.get_attr(v.target) if isinstance(v, StateInput) else v for v in group.inputs]
+        inputs = [graph.get_attr(v.target) if isinstance(v, StateInput) else v for v in taken]
         position = {n: i for i, n in enumerate(graph.nodes)}
         for v in inputs:
             if v.op == "get_attr" and position[v] > position[anchor]:
                 anchor.prepend(v)
-        for node, v in zip(inputs, group.inputs):
+        for node, v in zip(inputs, taken):
             if isinstance(v, StateInput):
                 node.meta[KEY] = v.info
-        runs = FusedRowOp(group.group, group.finish, group.orders, group.rows.col_dims, group.updates) \
-            if isinstance(group.group, RowGroup) else FusedOp(group.group)
+        runs = FusedRowOp(group.group, group.finish, group.orders, group.rows.col_dims, group.updates, draws) \
+            if isinstance(group.group, RowGroup) else FusedOp(group.group, draws)
         call = graph.call_function(runs, tuple(inputs))
         _copy_meta(call, group.outputs)
         note(call, "fuse", label)

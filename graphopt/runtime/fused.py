@@ -44,6 +44,7 @@ from ..codegen.layout import MAX_BLOCK, contiguous_strides
 from ..codegen.program import Backward
 from ..codegen.reference import reference_source
 from ..codegen.spec import LaunchPlan, plan_backward, plan_forward
+from .dropout_masks import with_masks
 
 GPU_BLOCK = 1024
 MAX_PLANS = 64  # input signatures each FusedOp remembers (then it starts over)
@@ -190,18 +191,19 @@ class FusedOp:
     """A fused group as a callable: one tensor for a one-output group, else a tuple in group.outputs order.
     It has a __name__, so an FX call_function node can target it."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, draws: tuple = ()):
         self.group = group if isinstance(group, Group) else Group(*group)
+        self.draws = tuple(draws)  # (input place, p, dtype) of each dropout mask the call draws (dropout_masks.py)
         self.__name__ = "fused_" + "_".join(s.op for s in self.group.steps)[:80]
         self.__qualname__ = self.__name__
         self._memo: dict = {}  # (kind, input signature) -> _Prepared
         self._generation = _GENERATION[0]
 
     def __getstate__(self):
-        return {"group": self.group}  # kernels do not pickle (deepcopy of a GraphModule): plan again
+        return {"group": self.group, "draws": self.draws}  # kernels do not pickle (deepcopy of a GraphModule)
 
     def __setstate__(self, state):
-        self.__init__(state["group"])
+        self.__init__(state["group"], state.get("draws", ()))
 
     def _remembered(self, key, make) -> _Prepared:
         if self._generation != _GENERATION[0] or len(self._memo) >= MAX_PLANS:
@@ -233,12 +235,14 @@ class FusedOp:
         return f"FusedOp({self.group.describe()})"
 
     def __call__(self, *inputs):
-        if len(inputs) != len(self.group.inputs):
-            raise TypeError(f"{self.__name__} takes {len(self.group.inputs)} tensors, got {len(inputs)}")
+        if len(inputs) != len(self.group.inputs) - len(self.draws):
+            raise TypeError(f"{self.__name__} takes {len(self.group.inputs) - len(self.draws)} tensors, got {len(inputs)}")
         for k, t in enumerate(inputs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{self.__name__}: input {k} is {type(t).__name__}; group inputs are tensors "
                                 "(put Python numbers into the steps as scalar args)")
+        if self.draws:  # a mask has the group's shape: the others broadcast to it
+            inputs = with_masks(inputs, self.draws, torch.broadcast_shapes(*(t.shape for t in inputs)), _device(inputs))
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
             outputs = _Function.apply(self, *inputs)
         else:  # nothing to differentiate: skip the autograd.Function (its Python costs a small tensor time)

@@ -1,0 +1,109 @@
+"""Dropout in training inside fused groups: the call draws each mask as eager's dropout draws its
+noise (same generator, same order), so the fused step equals eager's bit for bit where the ops
+around it are exact; it keeps a bool mask, not eager's float noise; a group never spans another
+node that draws, which would change the order of the draws."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_same_step
+from test_fuse import fuse, fused_nodes, group_nodes, leaves, module
+
+import graphopt
+from graphopt.analysis.live_storage import LiveStorage
+from graphopt.analysis.memory import estimate_peak
+from graphopt.trace import placeholder_values
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def scaled_dropout(m, x, y):
+    return m.drop(x * 2.0) + y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_a_dropout_joins_its_group_and_draws_eagers_mask(dtype, p):
+    x, y = (torch.randn(5, 37, dtype=dtype, requires_grad=True) for _ in range(2))
+    model, opt, stats = fuse(scaled_dropout, x, y, drop=nn.Dropout(p))
+    assert group_nodes(stats) == [["mul", "drop", "add"]]
+    assert stats["groups"][0]["ops"][:3] == ["mul", "where", "to_dtype" if dtype != torch.float32 else "mul"]
+    assert_same_step(model, opt, (x, y), {})  # bit for bit: the same draws, eager's scale, eager's product
+
+
+def test_the_group_draws_a_new_mask_each_call():
+    x, y = leaves((64, 32), (64, 32))
+    _, opt, _ = fuse(scaled_dropout, x, y, drop=nn.Dropout(0.5))
+    torch.manual_seed(0)
+    first, second = opt(x, y), opt(x, y)
+    assert not torch.equal(first, second)
+
+
+def test_a_dropout_joins_a_norm_and_a_softmax():
+    """BERT's residual: dropout(dense) + input -> layer norm; GPT-2's attention: dropout(softmax)."""
+    def fn(m, x, s):
+        h = m.ln(m.drop(x) + x)
+        return h, m.drop(F.softmax(s, -1))
+    x, s = leaves((6, 40), (2, 3, 8, 8))
+    model, opt, stats = fuse(fn, x, s, drop=nn.Dropout(0.1), ln=nn.LayerNorm(40))
+    assert [sum(op == "where" for op in g["ops"]) for g in stats["groups"]] == [1, 1]
+    assert all(any(op.startswith("row_") for op in g["ops"]) for g in stats["groups"])
+    assert_same_step(model, opt, (x, s), {}, exact=False)  # a mask not eager's would be off by O(1)
+
+
+def test_a_group_does_not_span_another_draw():
+    """d2 draws between d1 and the add: fusing the add with d1's group would draw d1's mask after d2's."""
+    def fn(m, x, y, w):
+        a = m.d1(x * 2.0)
+        b = m.d2(x @ w) @ w
+        return (a + y) * b
+    x, y, w = leaves((4, 8), (4, 8), (8, 8))
+    model, opt, stats = fuse(fn, x, y, w, d1=nn.Dropout(0.3), d2=nn.Dropout(0.3))
+    assert group_nodes(stats) == [["mul", "d1"], ["add", "mul_1"]]
+    assert stats["groups"][0]["not_fused"]["add"].startswith("d2 draws from the RNG between them")
+    assert_same_step(model, opt, (x, y, w), {})
+
+
+def test_a_mask_smaller_than_its_group_stays_out():
+    x, b = leaves((4, 8), (8,))
+    model, opt, stats = fuse(lambda m, x, b: (x * 2.0) * m.drop(b + 1.0), x, b, drop=nn.Dropout(0.5))
+    assert all("drop" not in g["nodes"] or "mul" not in g["nodes"] for g in stats["groups"])
+    assert_same_step(model, opt, (x, b), {})
+
+
+def _measured_step(gm, args) -> int:
+    with LiveStorage([*gm.parameters(), *args]) as live:
+        gm(*args).backward()
+    return live.peak
+
+
+def test_the_fused_step_keeps_a_bool_mask_and_the_estimate_sees_it():
+    model = module(lambda m, x, y: (m.drop(torch.tanh(x)) * y).sum(), 2, drop=nn.Dropout(0.25))
+    args = [torch.randn(256, 256, requires_grad=True) for _ in range(2)]
+    plain = graphopt.optimize(model, args, passes="normalize")
+    opt = graphopt.optimize(model, args, passes="fuse")
+    assert len(fused_nodes(opt)) == 1
+    peaks = {}
+    for label, gm in (("plain", plain), ("fused", opt)):
+        torch.manual_seed(0)
+        peaks[label] = _measured_step(gm, args)
+        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
+    # eager keeps tanh's output and the float noise; the group keeps a bool mask (and its inputs)
+    assert peaks["fused"] <= peaks["plain"] - 2 * 256 * 256 * 4
+
+
+def test_cleanups_after_fuse_keep_each_draw():
+    """Two fused groups alike, on the same inputs, draw two masks: cse must not merge them."""
+    def fn(m, x, y):
+        return m.drop(x * 2.0) + y, m.drop(x * 2.0) + y
+    x, y = leaves((16, 16), (16, 16))
+    model = module(fn, 2, drop=nn.Dropout(0.5))
+    opt = graphopt.optimize(model, (x, y), passes="fuse,cse,dce", verify=True)
+    assert len(fused_nodes(opt)) == 2
+    assert_same_step(model, opt, (x, y), {})
