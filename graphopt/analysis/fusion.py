@@ -2,7 +2,9 @@
 
 Algorithm:
   1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a
-     Triton template in the registry (or a dropout that is the identity: train=False or p=0),
+     Triton template in the registry (or a dropout that is the identity: train=False or p=0; or
+     a dropout in training of a contiguous float tensor, whose mask the call draws:
+     dropout_members.py),
      bound to tensor nodes and Python scalars, dense in eager (a float32 one eager lays out
      strided takes rows over its layout: a row group's kernels write it where eager does), and
      accepted by codegen as a one-step group at its operands' dtypes with eager's result dtype
@@ -14,7 +16,9 @@ Algorithm:
   2. Walk the graph in order and merge each candidate's group with the groups of its candidate
      producers, unless the contracted graph (networkx) would get a cycle (a path from one group to
      the other through a node outside both), or a node that may write memory would lie between
-     the group's first and last node (the fused kernel reads all its inputs at one point), or the
+     the group's first and last node (the fused kernel reads all its inputs at one point), or,
+     when it holds a dropout in training, another node that draws from the RNG would (the masks
+     are drawn when the call runs: eager's order must hold), or the
      merged group would hold a row member and a value that is not a row, per-row or per-column
      value of its rows (row_fusion.fits_rows).
   3. Groups with fewer than two ops that compute are dropped (an identity dropout computes
