@@ -2,6 +2,8 @@
 noise (same generator, same order), so the fused step equals eager's bit for bit where the ops
 around it are exact; it keeps a bool mask, not eager's float noise; a group never spans another
 node that draws, which would change the order of the draws."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -37,12 +39,14 @@ def test_a_dropout_joins_its_group_and_draws_eagers_mask(dtype, p):
     assert_same_step(model, opt, (x, y), {})  # bit for bit: the same draws, eager's scale, eager's product
 
 
-def test_the_group_draws_a_new_mask_each_call():
+def test_the_group_draws_a_new_mask_each_call_and_a_copy_draws_the_same():
     x, y = leaves((64, 32), (64, 32))
     _, opt, _ = fuse(scaled_dropout, x, y, drop=nn.Dropout(0.5))
     torch.manual_seed(0)
     first, second = opt(x, y), opt(x, y)
     assert not torch.equal(first, second)
+    torch.manual_seed(0)
+    assert torch.equal(copy.deepcopy(opt)(x, y), first)
 
 
 def test_a_dropout_joins_a_norm_and_a_softmax():

@@ -4,7 +4,9 @@
    runs the group and keeps only the inputs its backward kernel reads (for the inputs that need a
    gradient: drop-path's x * mask + residual keeps the mask), the others as meta tensors of their
    shapes, strides and dtypes (no memory); its backward computes every input gradient in one
-   pass, recomputing the intermediates.
+   pass, recomputing the intermediates. A group holding a dropout in training is called
+   without its mask: the call draws it (dropout_masks.py) and passes it on as one more input,
+   which the backward reads.
 2. Where it runs: CUDA tensors run the generated Triton kernels; CPU (and other) tensors run the
    torch reference (codegen/reference.py), except under TRITON_INTERPRET=1, where CPU tensors run the
    Triton kernels in Triton's interpreter: that is how CI tests the codegen. FakeTensors take the
