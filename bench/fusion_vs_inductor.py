@@ -3,7 +3,7 @@ kernels, bytes they access, and the time to a first optimized training step.
 
     TRITON_INTERPRET=1 python bench/fusion_vs_inductor.py [--models a,b] [--out FILE]
 
-Per model (tests/corpus, its own batch), in one run:
+Per model (tests/corpus, its own batch), each in a process of its own with fresh compiler caches:
   - graphopt: passes="normalize,cse,dce,fuse"; forward kernels for memory-bound work = its fused
     kernels plus the memory-bound ops left outside them (each one eager kernel); bytes = the
     report's memory-bound traffic after fusion; setup = optimize()'s wall time (tracing,
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
-
-if __name__ == "__main__":  # fresh compiler caches: Inductor's first step compiles for real
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="graphopt-inductor-"))
 
 import torch
 
@@ -93,17 +92,34 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def measure(name: str) -> dict:
     from corpus import CORPUS
 
+    case = CORPUS[name].build()
+    return {"model": name, **graphopt_side(case), **inductor_side(case)}
+
+
+def measured_apart(name: str) -> dict:
+    """One model in a fresh process with fresh compiler caches: Inductor compiles it for real,
+    not from the caches an earlier model of the same shape filled."""
+    with tempfile.TemporaryDirectory(prefix="graphopt-inductor-") as cache:
+        done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, check=True,
+                              env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="hf_llama,hf_gpt2,hf_bert,timm_resnet18,timm_efficientnet_b0")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # measure one model, print its row as JSON
     args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(args.one)))
+        return 0
     rows = []
     for name in args.models.split(","):
-        case = CORPUS[name].build()
-        row = {"model": name, **graphopt_side(case), **inductor_side(case)}
+        row = measured_apart(name)
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
     if args.out:
