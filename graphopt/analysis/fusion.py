@@ -48,10 +48,11 @@ from ..codegen.row_space import RowSpace
 from .dropout_members import DrawnMask, emit_dropout, training_dropout
 from .effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
     written_values
+from .epilogue_members import BiasFree, epilogue_member
 from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import build_rows, fits_rows
-from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, channel_norm, info_of, row_member
+from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, as_state, channel_norm, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
 # ops bound by memory traffic rather than arithmetic: what fusion is for
@@ -71,6 +72,7 @@ class Member:
     strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
     absorbed: tuple = ()  # nodes only it reads, computed inside its steps (a rotation's slices)
     draws: float | None = None  # a dropout in training: its p (dropout_members.py)
+    epilogue: str | None = None  # a linear's or convolution's bias add: the bias's class, COL or ROW (epilogue_members.py)
 
 
 @dataclass
@@ -128,6 +130,10 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
             return row
         full, operands, params, absorbed = row
         return Member(node, op.name, operands, params, row=full, absorbed=absorbed)
+    epilogue = epilogue_member(node, op, bound)
+    if epilogue is not None:
+        rows, bias, kind = epilogue
+        return Member(node, "add", (BiasFree(node, op.name), as_state(bias, gm)), {}, row=rows, epilogue=kind)
     drawing = op.random and bound is not None and training_dropout(op, bound.params)
     if op.random:
         if not drawing and (bound is None or not is_identity_dropout(op, bound.params)):
@@ -192,10 +198,16 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
     """Step 2: groups of member nodes, and why neighbouring members were not merged."""
     q = nx.DiGraph()
     order = list(gm.graph.nodes)
+    names = {n: n.name for n in gm.graph.nodes}
     for node in order:
         q.add_node(node)
         for user in node.users:
-            q.add_edge(node, user)
+            if user in members and members[user].epilogue:  # the matmul runs outside the group, before it
+                names[("matmul", user)] = f"{user.name}'s matmul"
+                q.add_edge(node, ("matmul", user))
+                q.add_edge(("matmul", user), user)
+            else:
+                q.add_edge(node, user)
     writers = [i for i, n in enumerate(order) if may_write(n, gm)]
     drawers = [i for i, n in enumerate(order) if may_draw(n, gm) and not (n in members and members[n].identity)]
     span = {n: (i, i) for i, n in enumerate(order) if n in members}  # a root's first and last position
@@ -210,13 +222,19 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
             n = parent[n]
         return n
 
-    names = {n: n.name for n in gm.graph.nodes}
     refused = {}
     for node in gm.graph.nodes:
         if node not in members:
             continue
+        # a bias add's group starts after its matmul: it reads the matmul's inputs through it
+        producers = node.all_input_nodes
+        if members[node].epilogue:
+            producers = [v for v in members[node].operands if isinstance(v, torch.fx.Node)]
+            for p in node.all_input_nodes:
+                if p not in producers:
+                    refused[(p, node)] = f"{node.name}'s matmul reads it, and runs before the kernel that adds its bias"
         # row groups first: a node eager lays out strided may join one, and then its other producers
-        for producer in sorted(node.all_input_nodes, key=lambda p: p in members and rows[root(p)] is None):
+        for producer in sorted(producers, key=lambda p: p in members and rows[root(p)] is None):
             if producer not in members:
                 continue
             a, b = root(producer), root(node)
@@ -271,8 +289,9 @@ def _drawn_between(held: list, drawers: list, order: list, lo: int, hi: int):
 
 
 def _traffic(member: Member) -> int:
-    """Bytes eager reads and writes for one node; an identity dropout returns its input untouched."""
-    if member.identity:
+    """Bytes eager reads and writes for one node; an identity dropout returns its input untouched,
+    a matmul adds its bias as it writes its result."""
+    if member.identity or member.epilogue:
         return 0
     reads = sum(info_of(v).nbytes for v in dict.fromkeys(member.operands) if info_of(v) is not None)
     return reads + tensor_info(member.node).nbytes
@@ -367,6 +386,12 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
         else:
             reasons[node] = found
     for node, m in list(members.items()):
+        # an add passes its gradient through where eager copies nothing: a bias add pays only
+        # beside an op whose backward computes (a GELU, a norm, a dropout)
+        if m.epilogue and not any(u in members and members[u].op not in ("add", "sub") and not members[u].epilogue
+                                  for u in node.users):
+            members.pop(node)
+            reasons[node] = f"not elementwise ({ops.lookup(node, gm).kind})"
         for a in m.absorbed:
             members.pop(a, None)
             reasons[a] = f"computed inside {node.name}'s kernel, which reads {m.operands[0].name} shifted"
@@ -378,7 +403,7 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
         # a norm or softmax is a kernel alone (it saves less for backward); an elementwise op or a sum is not
         alone_pays = any(members[n].op in NORMALIZING + BATCH_NORMS and members[n].row is not None for n in nodes)
         if sum(not members[n].identity for n in nodes) < 2 and not alone_pays:
-            single += [n for n in nodes if not members[n].identity]
+            single += [n for n in nodes if not members[n].identity and not members[n].epilogue]
             continue
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         nodes = sorted(nodes + [a for n in nodes for a in members[n].absorbed], key=position.__getitem__)

@@ -18,6 +18,7 @@ from ..codegen.row_group import FULL, INDEX, ROW, Builder, combined, emit_cross_
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
 from ..codegen.row_space import RowSpace, dim_order
 from .dropout_members import DrawnMask, emit_dropout
+from .epilogue_members import BiasFree
 from .group_outputs import group_outputs
 from .meta import tensor_info
 from .row_members import BATCH_NORMS, DTYPE, PIECE, ROW_OPS, StateInput, exact_shape, info_of, kind_of
@@ -108,7 +109,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
         return refs[key]
 
     def ref(value):
-        if value is None or not isinstance(value, (torch.fx.Node, StateInput)):
+        if value is None or not isinstance(value, (torch.fx.Node, StateInput, BiasFree)):
             return value
         if value in inside:
             return refs[value]
@@ -138,6 +139,9 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
                 state += [v for v in written if v is not None]
                 at = [None if v is None else state.index(v) for v in written]
                 updates.append((mean, var, *at, m.params["momentum"]))
+        elif m.epilogue:  # a convolution's bias is per channel, a row of its rows, whatever its shape says
+            bias = m.operands[1]
+            refs[node] = b("add", ref(m.operands[0]), slot(bias, ROW) if m.epilogue == ROW else ref(bias))
         elif m.draws is not None:
             dtype = tensor_info(node).dtype
             refs[node] = emit_dropout(b, ref(m.operands[0]), slot(DrawnMask(node, m.draws, dtype), FULL), m.draws, dtype)

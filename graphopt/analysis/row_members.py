@@ -27,6 +27,7 @@ from .. import ops
 from ..codegen.row_group import COL, FULL, ROW
 from ..codegen.row_space import RowSpace
 from .dropout_members import DrawnMask
+from .epilogue_members import BiasFree
 from .meta import TensorInfo, dense, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
@@ -54,7 +55,7 @@ class StateInput:
 
 
 def info_of(value) -> TensorInfo | None:
-    if isinstance(value, (StateInput, DrawnMask)):
+    if isinstance(value, (StateInput, DrawnMask, BiasFree)):
         return value.info
     if isinstance(value, torch.fx.Node):
         info = tensor_info(value)
@@ -94,7 +95,7 @@ def _dim_is_last(dim, rank: int) -> bool:
     return isinstance(dim, int) and not isinstance(dim, bool) and dim in (-1, rank - 1)
 
 
-def _state(value, gm: torch.fx.GraphModule):
+def as_state(value, gm: torch.fx.GraphModule):
     """A leaf module's Parameter as a StateInput; graph nodes and None as they are."""
     if not isinstance(value, torch.Tensor):
         return value
@@ -126,7 +127,7 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
         return f"eager makes it with strides {info.stride}, overlapping or with gaps; a fused kernel writes dense tensors"
     if op.name == "cat":
         return _rotation_member(node, gm, bound, info)
-    operands = [_state(v, gm) for v in bound.operands]
+    operands = [as_state(v, gm) for v in bound.operands]
     if op.name in BATCH_NORMS:
         return _batch_norm_member(node, gm, operands, params, xinfo)
     rows = RowSpace.last(full)
@@ -273,8 +274,7 @@ def _batch_norm_member(node: torch.fx.Node, gm: torch.fx.GraphModule, operands, 
     fused call updates them as eager does (an nn.BatchNorm module also counts the batch in
     num_batches_tracked); in eval it normalizes by the running statistics."""
     _, weight, bias, mean, var = operands
-    rank = len(xinfo.shape)
-    rows = RowSpace(xinfo.shape, tuple(d for d in range(rank) if d != 1))
+    rows = RowSpace.channels(xinfo.shape)
     for v in (weight, bias, mean, var):
         if v is not None and (info_of(v) is None or info_of(v).dtype != DTYPE or info_of(v).shape != (xinfo.shape[1],)):
             return "batch_norm's weight, bias or running statistics are not float32 vectors of the channels"
@@ -289,6 +289,6 @@ def _batch_norm_member(node: torch.fx.Node, gm: torch.fx.GraphModule, operands, 
     if training and mean is not None and node.op == "call_module":
         module = gm.get_submodule(node.target)
         if getattr(module, "num_batches_tracked", None) is not None:
-            count = _state(module.num_batches_tracked, gm)
+            count = as_state(module.num_batches_tracked, gm)
     return rows, (operands[0], weight, bias, mean, var), {"training": training, "momentum": momentum, "eps": eps,
                                                           "count": count}, ()

@@ -36,6 +36,12 @@ class RowSpace:
         shape = tuple(int(s) for s in shape)
         return cls(shape, (len(shape) - 1,))
 
+    @classmethod
+    def channels(cls, shape) -> "RowSpace":
+        """A row per channel (dim 1), columns over the other dims: a batch norm's rows."""
+        shape = tuple(int(s) for s in shape)
+        return cls(shape, tuple(d for d in range(len(shape)) if d != 1))
+
     @property
     def row_dims(self) -> tuple:
         return tuple(d for d in range(len(self.shape)) if d not in self.col_dims)

@@ -30,10 +30,12 @@ import operator
 
 import torch.fx
 
+from .. import ops
 from ..analysis.dropout_members import DrawnMask
+from ..analysis.epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
 from ..analysis.fusion import FusionGroup, find_groups, memory_bound, traffic
 from ..analysis.meta import ANNOTATED, KEY, graph_device
-from ..analysis.row_members import StateInput, info_of
+from ..analysis.row_members import StateInput, as_state, info_of
 from ..codegen.row_group import RowGroup
 from ..codegen.row_kernel import layout as row_layout
 from ..codegen.row_kernel import source as row_source
@@ -80,7 +82,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
     graph = gm.graph
     # a dropout's mask is no graph value: the call draws it (runtime/dropout_masks.py)
     draws = tuple((k, v.p, v.dtype) for k, v in enumerate(group.inputs) if isinstance(v, DrawnMask))
-    taken = [v for v in group.inputs if not isinstance(v, DrawnMask)]
+    taken = [_without_bias(gm, v) if isinstance(v, BiasFree) else v
+             for v in group.inputs if not isinstance(v, DrawnMask)]
     with graph.inserting_before(anchor):
         inputs = [graph.get_attr(v.target) if isinstance(v, StateInput) else v for v in taken]
         position = {n: i for i, n in enumerate(graph.nodes)}
@@ -110,6 +113,22 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
     for node in reversed(group.nodes):
         graph.erase_node(node)
     return call
+
+
+def _without_bias(gm: torch.fx.GraphModule, value: BiasFree) -> torch.fx.Node:
+    """A node computing the linear or convolution without its bias, where it was: its group adds
+    the bias (analysis/epilogue_members.py)."""
+    bound = ops.bind(value.node, gm)
+    weight = as_state(bound.operands[1], gm)
+    extra = () if value.op == "linear" else tuple(bound.params[p] for p in CONV_PARAMS)
+    with gm.graph.inserting_before(value.node):
+        if isinstance(weight, StateInput):
+            state, weight = weight, gm.graph.get_attr(weight.target)
+            weight.meta[KEY] = state.info
+        node = gm.graph.call_function(WITHOUT_BIAS[value.op], (bound.operands[0], weight, None, *extra))
+    _copy_meta(node, [value.node])
+    note(node, "fuse", "its bias is added by the group after it")
+    return node
 
 
 def _kernel_files(name: str, group: FusionGroup) -> dict[str, str]:

@@ -226,7 +226,9 @@ class FusedRowOp:
         if all(g is None for g in grads):
             return [None] * len(inputs)
         present = [t for t in [*inputs, *loaded.values()] if t is not None]
-        fake, device = _shape_only(present + [g for g in grads if g is not None]), _device(present)
+        given = [g for g in grads if g is not None]
+        # a group of adds reads nothing back: the gradients tell the device
+        fake, device = _shape_only(present + given), _device(present or given)
         everything = self._all(inputs)
         grads = [None if g is None else self._rows_of(g, f, everything)
                  for g, f in zip(grads, self.finish + (None,) * (len(grads) - len(self.finish)))]

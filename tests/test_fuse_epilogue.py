@@ -1,0 +1,94 @@
+"""A linear's or convolution's bias add taken over by the fused group after it: the activation
+between two matmuls becomes a group of two, the matmul runs without its bias, the group's
+backward forms the bias's gradient; never where it would only join adds (which pass their
+gradient through), never closing a cycle through the matmul."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_same_step
+from test_fuse import fuse, fused_nodes, group_nodes, module
+
+import graphopt
+from graphopt.analysis.live_storage import LiveStorage
+from graphopt.analysis.memory import estimate_peak
+from graphopt.dump import notes
+from graphopt.trace import placeholder_values
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def mlp(m, x):
+    return m.l2(F.gelu(m.l1(x)))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_the_gelu_between_two_linears_takes_over_the_first_ones_bias(frontend):
+    model = module(mlp, 1, l1=nn.Linear(24, 40), l2=nn.Linear(40, 24))
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    opt = graphopt.optimize(model, (x,), passes="fuse", frontend=frontend, verify=True)
+    stats = opt.graphopt_report.passes[-1].stats
+    assert [g["ops"] for g in stats["groups"]] == [["add", "gelu"]]
+    (call,) = fused_nodes(opt)
+    matmul = call.args[0]
+    assert matmul.args[2] is None and notes(matmul)["fuse"] == "its bias is added by the group after it"
+    assert_same_step(model, opt, (x,), {}, exact=False)
+
+
+def test_a_convolution_hands_its_per_channel_bias_to_the_activation_after_it():
+    def fn(m, x):
+        return m.c2(F.silu(m.c1(x)) * 1.5)
+    x = torch.randn(2, 3, 9, 9, requires_grad=True)
+    model, opt, stats = fuse(fn, x, c1=nn.Conv2d(3, 8, 3, padding=1), c2=nn.Conv2d(8, 4, 3, stride=2))
+    assert group_nodes(stats) == [["c1", "silu", "mul"]]
+    (call,) = fused_nodes(opt)
+    assert call.args[0].args[2:] == (None, (1, 1), (1, 1), (1, 1), 1)
+    assert_same_step(model, opt, (x,), {}, exact=False)
+
+
+def test_a_bias_add_that_would_join_only_adds_stays_in_its_matmul():
+    model, opt, stats = fuse(lambda m, x: (m.l(x) + x).relu().sum(), torch.randn(4, 16, requires_grad=True),
+                             l=nn.Linear(16, 16))
+    assert group_nodes(stats) == [["add", "relu"]]
+    assert stats["groups"][0]["not_fused"]["l"] == "not elementwise (matmul)"
+
+
+def test_a_group_never_takes_a_bias_whose_matmul_reads_it():
+    """y = gelu(l1(x)); tanh(l2(y)) * y: l2's group may not hold gelu, which l2's matmul reads."""
+    def fn(m, x):
+        y = F.gelu(m.l1(x))
+        return torch.tanh(m.l2(y)) * y
+    x = torch.randn(6, 16, requires_grad=True)
+    model, opt, stats = fuse(fn, x, l1=nn.Linear(16, 16), l2=nn.Linear(16, 16))
+    assert group_nodes(stats) == [["l1", "gelu"], ["l2", "tanh", "mul"]]
+    assert stats["groups"][1]["not_fused"]["gelu"] == "l2's matmul reads it, and runs before the kernel that adds its bias"
+    assert_same_step(model, opt, (x,), {}, exact=False)
+
+
+def _measured_step(gm, args) -> int:
+    with LiveStorage([*gm.parameters(), *args]) as live:
+        gm(*args).backward()
+    for p in gm.parameters():
+        p.grad = None
+    return live.peak
+
+
+def test_the_fused_step_keeps_no_more_than_eager_and_the_estimate_sees_it():
+    model = module(lambda m, x: mlp(m, x).sum(), 1, l1=nn.Linear(64, 256), l2=nn.Linear(256, 64))
+    args = (torch.randn(128, 64, requires_grad=True),)
+    plain = graphopt.optimize(model, args, passes="normalize")
+    opt = graphopt.optimize(model, args, passes="fuse")
+    assert len(fused_nodes(opt)) == 1
+    peaks = {}
+    for label, gm in (("plain", plain), ("fused", opt)):
+        peaks[label] = _measured_step(gm, args)
+        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
+    # the same full-size tensors; the bias's gradient passes through per-program column sums: a few
+    # vectors of its size more at the backward's peak
+    assert peaks["fused"] <= peaks["plain"] + 4 * 256 * 4
