@@ -92,3 +92,13 @@ def test_the_fused_step_keeps_no_more_than_eager_and_the_estimate_sees_it():
     # the same full-size tensors; the bias's gradient passes through per-program column sums: a few
     # vectors of its size more at the backward's peak
     assert peaks["fused"] <= peaks["plain"] + 4 * 256 * 4
+
+
+def test_a_squeeze_excite_convolution_keeps_its_bias():
+    """On a 1x1 map a convolution is a linear over channels on a few kB: its bias stays in it."""
+    def fn(m, x):
+        return x * torch.sigmoid(m.fc(x.mean((2, 3), keepdim=True)) * 2.0)
+    x = torch.randn(2, 8, 5, 5, requires_grad=True)
+    model, opt, stats = fuse(fn, x, fc=nn.Conv2d(8, 8, 1))
+    assert all("fc" not in g["nodes"] for g in stats["groups"])
+    assert_same_step(model, opt, (x,), {}, exact=False)

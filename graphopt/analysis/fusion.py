@@ -4,7 +4,8 @@ Algorithm:
   1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a
      Triton template in the registry (or a dropout that is the identity: train=False or p=0; or
      a dropout in training of a contiguous float tensor, whose mask the call draws:
-     dropout_members.py),
+     dropout_members.py; or a linear's or convolution's bias add, when a candidate after it
+     computes more than an add: epilogue_members.py),
      bound to tensor nodes and Python scalars, dense in eager (a float32 one eager lays out
      strided takes rows over its layout: a row group's kernels write it where eager does), and
      accepted by codegen as a one-step group at its operands' dtypes with eager's result dtype
@@ -14,7 +15,8 @@ Algorithm:
      An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
      node that may write memory gets that tensor: the fused result is a copy.
   2. Walk the graph in order and merge each candidate's group with the groups of its candidate
-     producers, unless the contracted graph (networkx) would get a cycle (a path from one group to
+     producers (a bias add: its bias alone; its matmul, a vertex of its own before it, reads the
+     others), unless the contracted graph (networkx) would get a cycle (a path from one group to
      the other through a node outside both), or a node that may write memory would lie between
      the group's first and last node (the fused kernel reads all its inputs at one point), or,
      when it holds a dropout in training, another node that draws from the RNG would (the masks

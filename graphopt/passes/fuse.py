@@ -14,7 +14,8 @@ Algorithm:
      up to the call. No node that may write memory lies between a group's members (analysis/fusion.py
      step 2), so no read moves past a write.
   3. Insert one call_function node targeting a FusedOp (runtime/fused.py) or a FusedRowOp
-     (runtime/fused_row.py), reading a leaf module's parameters through get_attr nodes, plus an
+     (runtime/fused_row.py), reading a leaf module's parameters through get_attr nodes (a
+     matmul whose bias the group adds is inserted where it was, without its bias), plus an
      operator.getitem node per output when there are several; copy the members' metadata onto
      them; point every outside use at them (an identity dropout's uses at what it returns) and
      erase the members.
