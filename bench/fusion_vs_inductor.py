@@ -1,7 +1,8 @@
 """graphopt's fuse pass against torch.compile (Inductor) on real-model corpus models: forward
 kernels, bytes they access, and the time to a first optimized training step.
 
-    TRITON_INTERPRET=1 python bench/fusion_vs_inductor.py [--models a,b] [--out FILE]
+    TRITON_INTERPRET=1 python bench/fusion_vs_inductor.py [--models a,b] [--out FILE.md]
+        [--inductor-from FILE.json]   # Inductor's side from an earlier run, graphopt's measured again
 
 Per model (tests/corpus, its own batch), each in a process of its own with fresh compiler caches:
   - graphopt: passes="normalize,cse,dce,fuse"; forward kernels for memory-bound work = its fused
@@ -92,19 +93,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure(name: str) -> dict:
+def measure(name: str, sides: str) -> dict:
     from corpus import CORPUS
 
     case = CORPUS[name].build()
-    return {"model": name, **graphopt_side(case), **inductor_side(case)}
+    row = {"model": name}
+    if "graphopt" in sides:
+        row.update(graphopt_side(case))
+    if "inductor" in sides:
+        row.update(inductor_side(case))
+    return row
 
 
-def measured_apart(name: str) -> dict:
+def measured_apart(name: str, sides: str) -> dict:
     """One model in a fresh process with fresh compiler caches: Inductor compiles it for real,
     not from the caches an earlier model of the same shape filled."""
     with tempfile.TemporaryDirectory(prefix="graphopt-inductor-") as cache:
-        done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, check=True,
-                              env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+        done = subprocess.run([sys.executable, __file__, "--one", name, "--sides", sides], capture_output=True,
+                              text=True, check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -112,19 +118,31 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="hf_llama,hf_gpt2,hf_bert,timm_resnet18,timm_efficientnet_b0")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--inductor-from", default=None,
+                        help="a JSON file an earlier run wrote: take Inductor's side from it, measure graphopt's again")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # measure one model, print its row as JSON
+    parser.add_argument("--sides", default="graphopt,inductor", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.one)))
+        print(json.dumps(measure(args.one, args.sides)))
         return 0
+    earlier = {}
+    if args.inductor_from:
+        with open(args.inductor_from) as f:
+            earlier = {r["model"]: r for r in json.load(f)}
     rows = []
     for name in args.models.split(","):
-        row = measured_apart(name)
+        if name in earlier:
+            row = {**earlier[name], **measured_apart(name, "graphopt")}
+        else:
+            row = measured_apart(name, "graphopt,inductor")
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table(rows))
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 
