@@ -59,6 +59,13 @@ def test_a_bias_add_that_would_join_only_adds_stays_in_its_matmul():
     assert stats["groups"][0]["not_fused"]["l"] == "not elementwise (matmul)"
 
 
+def test_a_bias_add_before_a_cast_alone_stays_in_its_matmul():
+    """HF's logits.float(): a no-op cast returns the logits themselves; a group would store a copy."""
+    model, opt, stats = fuse(lambda m, x: m.head(x).float() * 1.0, torch.randn(4, 16, requires_grad=True),
+                             head=nn.Linear(16, 32))
+    assert all("head" not in g["nodes"] for g in stats["groups"])
+
+
 def test_a_group_never_takes_a_bias_whose_matmul_reads_it():
     """y = gelu(l1(x)); tanh(l2(y)) * y: l2's group may not hold gelu, which l2's matmul reads."""
     def fn(m, x):

@@ -388,10 +388,11 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
         else:
             reasons[node] = found
     for node, m in list(members.items()):
-        # an add passes its gradient through where eager copies nothing: a bias add pays only
-        # beside an op whose backward computes (a GELU, a norm, a dropout)
-        if m.epilogue and not any(u in members and members[u].op not in ("add", "sub") and not members[u].epilogue
-                                  for u in node.users):
+        # an add passes its gradient through, and a cast (HF's logits.float()) may be no copy at
+        # all, where the group would store one: a bias add pays only beside an op that computes
+        # (a GELU, a norm, a dropout)
+        if m.epilogue and not any(u in members and members[u].op not in ("add", "sub", "to_dtype")
+                                  and not members[u].epilogue for u in node.users):
             members.pop(node)
             reasons[node] = f"not elementwise ({ops.lookup(node, gm).kind})"
         for a in m.absorbed:
