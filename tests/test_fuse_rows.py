@@ -341,3 +341,15 @@ def test_a_fused_graph_runs_at_another_batch_size():
     for batch in (2, 8):
         other = zoo.llama(batch=batch, seq=8)
         assert_same_step(model, opt, other[1], other[2], exact=False)
+
+
+def test_a_batch_norm_in_training_between_two_ops_does_not_keep_them_apart():
+    """A BatchNorm module writes its running statistics only, which no group reads: a group may
+    span it (LeViT's and torchvision EfficientNet's residual adds span one)."""
+    def fn(m, x, y):
+        h = torch.tanh(x) * 2.0
+        z = m.bn(m.c1(y))
+        return (h + 1.0) * 3.0, z
+    x, y = torch.randn(2, 4, 6, 6, requires_grad=True), torch.randn(2, 4, 6, 6, requires_grad=True)
+    opt, stats = fuse(fn, x, y, c1=torch.nn.Conv2d(4, 4, 3, padding=1, bias=False), bn=torch.nn.BatchNorm2d(4))
+    assert group_nodes(stats) == [["tanh", "mul", "add", "mul_1"], ["bn"]]

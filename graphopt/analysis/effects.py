@@ -89,14 +89,32 @@ def may_write(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     return any(tensor_info(v) is not None for v in node.all_input_nodes)  # Python arithmetic on sizes: no
 
 
+# a batch norm in training writes its running statistics (operands 3 and 4), not what it normalizes
+RUNNING_STATISTICS = {"batch_norm_train": (3, 4), "native_batch_norm_train": (3, 4)}
+
+
+def written_inputs(node: torch.fx.Node, gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph values a node that may write memory may write: a batch norm in training its
+    running statistics (an nn.BatchNorm module's are its own buffers, no graph value); any other,
+    every value it is given."""
+    op = ops.lookup(node, gm)
+    if op is not None and op.name in RUNNING_STATISTICS:
+        bound = ops.bind(node, gm)
+        if bound is not None:
+            return [v for k in RUNNING_STATISTICS[op.name] if k < len(bound.operands)
+                    for v in [bound.operands[k]] if isinstance(v, torch.fx.Node)]
+    return list(node.all_input_nodes)
+
+
 def written_values(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """Values whose storage a node that may write memory gets, with that node's name: the values it
-    is given, and every value sharing their storage (a view of them, what they are a view of)."""
+    may write (written_inputs), and every value sharing their storage (a view of them, what they
+    are a view of)."""
     aliases = Aliases(gm)
     written = {}
     for node in gm.graph.nodes:
         if may_write(node, gm):
-            for value in node.all_input_nodes:
+            for value in written_inputs(node, gm):
                 for m in [value, *aliases.sharing(value)]:
                     written.setdefault(m, node.name)
     return written

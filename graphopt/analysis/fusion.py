@@ -48,8 +48,9 @@ from ..codegen.group import FLOATS
 from ..codegen.row_group import RowGroup
 from ..codegen.row_space import RowSpace
 from .dropout_members import DrawnMask, emit_dropout, training_dropout
+from .aliases import Aliases
 from .effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
-    written_values
+    written_inputs, written_values
 from .epilogue_members import BiasFree, epilogue_member
 from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
@@ -210,7 +211,10 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
                 q.add_edge(("matmul", user), user)
             else:
                 q.add_edge(node, user)
+    aliases = Aliases(gm)
     writers = [i for i, n in enumerate(order) if may_write(n, gm)]
+    # what each may write, views included: a batch norm's running statistics are nothing a group reads
+    writes = {i: {m for v in written_inputs(order[i], gm) for m in [v, *aliases.sharing(v)]} for i in writers}
     drawers = [i for i, n in enumerate(order) if may_draw(n, gm) and not (n in members and members[n].identity)]
     span = {n: (i, i) for i, n in enumerate(order) if n in members}  # a root's first and last position
     parent = {n: n for n in members}  # union-find: a group's root is its vertex in q
@@ -252,9 +256,9 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
                 refused[(producer, node)] = strided[a] or strided[b]
                 continue
             lo, hi = min(span[a][0], span[b][0]), max(span[a][1], span[b][1])
-            k = bisect.bisect_right(writers, lo)
-            if k < len(writers) and writers[k] < hi:
-                refused[(producer, node)] = f"{order[writers[k]].name} may write memory between them"
+            writer = _written_between(held[a] + held[b], writers, writes, order, lo, hi)
+            if writer is not None:
+                refused[(producer, node)] = f"{writer.name} may write memory between them"
                 continue
             drawn = _drawn_between(held[a] + held[b], drawers, order, lo, hi)
             if drawn is not None:
@@ -276,6 +280,16 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
         if node in members:
             groups.setdefault(root(node), []).append(node)
     return list(groups.values()), refused
+
+
+def _written_between(held: list, writers: list, writes: dict, order: list, lo: int, hi: int):
+    """A node strictly between lo and hi that may write a value these members read or make (the
+    fused kernel reads all its inputs at one point, before it); else None."""
+    touched = {m.node for m in held} | {v for m in held for v in m.operands if isinstance(v, torch.fx.Node)}
+    for i in writers[bisect.bisect_right(writers, lo):bisect.bisect_left(writers, hi)]:
+        if writes[i] & touched:
+            return order[i]
+    return None
 
 
 def _drawn_between(held: list, drawers: list, order: list, lo: int, hi: int):
