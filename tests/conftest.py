@@ -34,6 +34,36 @@ def step(module, args, kwargs, seed=0):
     return [t.detach() for t in leaves], grads
 
 
+def measured_step_peak(gm, args) -> int:
+    """Peak bytes of live tensor storages through forward and backward of a module returning a
+    scalar, beyond its parameters and the arguments; gradients None before and after."""
+    from graphopt.analysis.live_storage import LiveStorage
+
+    with LiveStorage([*gm.parameters(), *args]) as live:
+        gm(*args).backward()
+    for p in gm.parameters():
+        p.grad = None
+    return live.peak
+
+
+def plain_and_fused_peaks(model, args) -> tuple:
+    """The model through passes="fuse", and the measured step peaks of it and of the same graph
+    unfused (passes="normalize"), each asserted equal to the memory estimate (FakeTensors take
+    the kernels' allocations); same RNG seed for both."""
+    import graphopt
+    from graphopt.analysis.memory import estimate_peak
+    from graphopt.trace import placeholder_values
+
+    graphs = {"plain": graphopt.optimize(model, args, passes="normalize"),
+              "fused": graphopt.optimize(model, args, passes="fuse")}
+    peaks = {}
+    for label, gm in graphs.items():
+        torch.manual_seed(0)
+        peaks[label] = measured_step_peak(gm, args)
+        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label], label
+    return graphs["fused"], peaks
+
+
 def assert_same_step(model, opt, args, kwargs, exact=True, tol=1e-5):
     """Bitwise, or (exact=False) within tol relative to each entry's largest element, or no further
     from a float64 step than ten times float32 eager is (graphopt.verify.compare, as the corpus)."""

@@ -6,14 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_same_step
+from conftest import assert_same_step, plain_and_fused_peaks
 from test_fuse import fuse, fused_nodes, group_nodes, module
 
 import graphopt
-from graphopt.analysis.live_storage import LiveStorage
-from graphopt.analysis.memory import estimate_peak
 from graphopt.dump import notes
-from graphopt.trace import placeholder_values
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -78,24 +75,12 @@ def test_a_group_never_takes_a_bias_whose_matmul_reads_it():
     assert_same_step(model, opt, (x,), {}, exact=False)
 
 
-def _measured_step(gm, args) -> int:
-    with LiveStorage([*gm.parameters(), *args]) as live:
-        gm(*args).backward()
-    for p in gm.parameters():
-        p.grad = None
-    return live.peak
-
 
 def test_the_fused_step_keeps_no_more_than_eager_and_the_estimate_sees_it():
     model = module(lambda m, x: mlp(m, x).sum(), 1, l1=nn.Linear(64, 256), l2=nn.Linear(256, 64))
     args = (torch.randn(128, 64, requires_grad=True),)
-    plain = graphopt.optimize(model, args, passes="normalize")
-    opt = graphopt.optimize(model, args, passes="fuse")
+    opt, peaks = plain_and_fused_peaks(model, args)
     assert len(fused_nodes(opt)) == 1
-    peaks = {}
-    for label, gm in (("plain", plain), ("fused", opt)):
-        peaks[label] = _measured_step(gm, args)
-        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
     # the same full-size tensors; the bias's gradient passes through per-program column sums: a few
     # vectors of its size more at the backward's peak
     assert peaks["fused"] <= peaks["plain"] + 4 * 256 * 4

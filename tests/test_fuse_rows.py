@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_step
+from conftest import assert_same_step, measured_step_peak, plain_and_fused_peaks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fuse import fused_nodes, group_nodes, module
 
 import graphopt
-from graphopt.analysis.live_storage import LiveStorage
 from graphopt.analysis.memory import estimate_peak
 from graphopt.runtime.fused_row import FusedRowOp
 from graphopt.testing import zoo
@@ -150,27 +149,14 @@ def test_the_torch_path_equals_the_kernels(monkeypatch):
     assert_same_step(model, opt, (x,), {}, exact=False)
 
 
-def _measured_step(gm, args) -> int:
-    """Peak bytes of forward and backward."""
-    with LiveStorage([*gm.parameters(), *args]) as live:
-        gm(*args).backward()
-    for p in gm.parameters():
-        p.grad = None
-    return live.peak
-
 
 def test_the_estimate_counts_what_a_fused_step_allocates_and_the_norm_saves_less():
     """FakeTensors take the kernels' allocations, so the estimate equals the measured step; a fused
     layer norm keeps its input only, not eager's input, mean and rstd, nor the add's output."""
     model = module(lambda m, x, y: m.ln(x + y).sum(), 2, ln=torch.nn.LayerNorm(256))
     args = (torch.randn(64, 256), torch.randn(64, 256))
-    plain = graphopt.optimize(model, args, passes="normalize")
-    opt = graphopt.optimize(model, args, passes="fuse")
+    opt, peaks = plain_and_fused_peaks(model, args)
     assert len(fused_nodes(opt)) == 1
-    peaks = {}
-    for label, gm in (("plain", plain), ("fused", opt)):
-        peaks[label] = _measured_step(gm, args)
-        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
     assert peaks["fused"] < peaks["plain"]
 
 
@@ -271,7 +257,7 @@ def test_a_fused_cross_entropy_over_a_32k_vocabulary_keeps_no_log_probabilities(
     opt = graphopt.optimize(model, args, passes="fuse")
     assert len(fused_nodes(opt)) == 1
     assert_same_step(model, opt, args, {}, exact=False)
-    peaks = {label: _measured_step(gm, args) for label, gm in (("plain", plain), ("fused", opt))}
+    peaks = {label: measured_step_peak(gm, args) for label, gm in (("plain", plain), ("fused", opt))}
     for label, gm in (("plain", plain), ("fused", opt)):
         assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
     logits = tokens * vocab * 4
@@ -320,7 +306,7 @@ def test_a_residual_add_before_a_norm_keeps_the_sum_for_backward_not_both_addend
     opt = graphopt.optimize(model, args, passes="fuse")
     (call,) = fused_nodes(opt)
     assert call.target.loaded  # the sum, read back instead of recomputed
-    peaks = {label: _measured_step(gm, args) for label, gm in (("plain", plain), ("fused", opt))}
+    peaks = {label: measured_step_peak(gm, args) for label, gm in (("plain", plain), ("fused", opt))}
     for label, gm in (("plain", plain), ("fused", opt)):
         assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
     assert peaks["fused"] <= peaks["plain"]  # eager's norm keeps the sum too (and its statistics)
