@@ -331,7 +331,7 @@ def test_a_fused_graph_runs_at_another_batch_size():
 
 def test_a_batch_norm_in_training_between_two_ops_does_not_keep_them_apart():
     """A BatchNorm module writes its running statistics only, which no group reads: a group may
-    span it (LeViT's and torchvision EfficientNet's residual adds span one)."""
+    span it."""
     def fn(m, x, y):
         h = torch.tanh(x) * 2.0
         z = m.bn(m.c1(y))
