@@ -17,8 +17,10 @@ Algorithm:
   2. Walk the graph in order and merge each candidate's group with the groups of its candidate
      producers (a bias add: its bias alone; its matmul, a vertex of its own before it, reads the
      others), unless the contracted graph (networkx) would get a cycle (a path from one group to
-     the other through a node outside both), or a node that may write memory would lie between
-     the group's first and last node (the fused kernel reads all its inputs at one point), or,
+     the other through a node outside both), or a node that may write what the group reads or
+     makes would lie between the group's first and last node (the fused kernel reads all its
+     inputs at one point; effects.written_inputs: a batch norm writes its running statistics
+     only), or,
      when it holds a dropout in training, another node that draws from the RNG would (the masks
      are drawn when the call runs: eager's order must hold), or the
      merged group would hold a row member and a value that is not a row, per-row or per-column

@@ -11,8 +11,8 @@ Algorithm:
      output. Members are removed, so that is the spot after the last member, or else just before
      the first outside use; when an input is only computed after that use, the group is left
      alone with that reason (fusing it would need the graph reordered); an attribute read moves
-     up to the call. No node that may write memory lies between a group's members (analysis/fusion.py
-     step 2), so no read moves past a write.
+     up to the call. No node that may write what a group reads or makes lies between its members
+     (analysis/fusion.py step 2), so no read moves past a write to it.
   3. Insert one call_function node targeting a FusedOp (runtime/fused.py) or a FusedRowOp
      (runtime/fused_row.py), reading a leaf module's parameters through get_attr nodes (a
      matmul whose bias the group adds is inserted where it was, without its bias), plus an
