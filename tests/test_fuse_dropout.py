@@ -71,10 +71,12 @@ def test_a_group_does_not_span_another_draw():
     assert_same_step(model, opt, (x, y, w), {})
 
 
-def test_a_mask_smaller_than_its_group_stays_out():
+def test_a_group_whose_mask_would_be_smaller_than_it_is_declined_with_the_reason():
+    """The call draws a mask at the group's shape; a dropout of a broadcast value would need another."""
     x, b = leaves((4, 8), (8,))
     model, opt, stats = fuse(lambda m, x, b: (x * 2.0) * m.drop(b + 1.0), x, b, drop=nn.Dropout(0.5))
-    assert all("drop" not in g["nodes"] or "mul" not in g["nodes"] for g in stats["groups"])
+    assert not stats["groups"]
+    assert stats["declined"][0]["reason"] == "drop drops out a [8] value of a group of [4, 8]"
     assert_same_step(model, opt, (x, b), {})
 
 

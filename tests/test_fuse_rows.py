@@ -139,10 +139,16 @@ def test_on_cpu_without_the_interpreter_groups_stay_and_the_report_says_so(monke
     assert "fused kernels run on CUDA" in stats["declined"][0]["reason"]
 
 
-def test_the_torch_path_equals_the_kernels(monkeypatch):
-    """A fused graph called on CPU without the interpreter runs the group's steps as torch ops."""
-    model = module(lambda m, x: F.softmax(m.ln(x) * 2, -1), 1, ln=torch.nn.LayerNorm(24))
-    x = torch.randn(3, 24, requires_grad=True)
+@pytest.mark.parametrize("case", ["last dim", "channels"])
+def test_the_torch_path_equals_the_kernels(monkeypatch, case):
+    """A fused graph called on CPU without the interpreter runs the group's steps as torch ops,
+    reducing each row over its columns: the last dim, or a batch norm's every dim but the channels."""
+    if case == "last dim":
+        model = module(lambda m, x: F.softmax(m.ln(x) * 2, -1), 1, ln=torch.nn.LayerNorm(24))
+        x = torch.randn(3, 24, requires_grad=True)
+    else:
+        model = module(lambda m, x: F.relu(m.bn(x)) * 2, 1, bn=torch.nn.BatchNorm2d(4))
+        x = torch.randn(2, 4, 3, 5, requires_grad=True)
     opt = graphopt.optimize(model, (x,), passes="fuse")
     assert len(fused_nodes(opt)) == 1
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -43,7 +43,8 @@ class DrawnMask:
 
 
 def training_dropout(op, params: dict) -> bool:
-    """Whether the op is a plain dropout that draws a mask (train, 0 < p < 1)."""
+    """Whether the op is the plain dropout drawing a mask (train, 0 < p < 1): the draw
+    dropout_masks.py repeats is this op's; feature and alpha dropouts draw otherwise."""
     return op.name == "dropout" and params.get("train") is True and 0 < params.get("p", 0) < 1
 
 

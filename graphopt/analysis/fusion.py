@@ -49,8 +49,8 @@ from .. import codegen, ops
 from ..codegen.group import FLOATS
 from ..codegen.row_group import RowGroup
 from ..codegen.row_space import RowSpace
-from .dropout_members import DrawnMask, emit_dropout, training_dropout
 from .aliases import Aliases
+from .dropout_members import DrawnMask, emit_dropout, training_dropout
 from .effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
     written_inputs, written_values
 from .epilogue_members import BiasFree, epilogue_member
@@ -60,6 +60,7 @@ from .row_fusion import build_rows, fits_rows
 from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, as_state, channel_norm, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
+NOT_ELEMENTWISE = "not elementwise ({kind})"
 # ops bound by memory traffic rather than arithmetic: what fusion is for
 MEMORY_BOUND = ("elementwise", "reduction", "normalization", "loss", "random")
 
@@ -145,7 +146,7 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
             return f"random in training ({op.name} draws a mask that no fused kernel draws)" \
                 if bound and "train" in bound.params else f"random ({op.name} draws from the RNG)"
     elif op.kind != "elementwise":
-        return f"not elementwise ({op.kind})"
+        return NOT_ELEMENTWISE.format(kind=op.kind)
     elif op.triton is None:
         return f"no template ({op.name} has no Triton expression in the registry)"
     if bound is None:
@@ -284,26 +285,32 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
     return list(groups.values()), refused
 
 
-def _written_between(held: list, writers: list, writes: dict, order: list, lo: int, hi: int):
-    """A node strictly between lo and hi that may write a value these members read or make (the
-    fused kernel reads all its inputs at one point, before it); else None."""
-    touched = {m.node for m in held} | {v for m in held for v in m.operands if isinstance(v, torch.fx.Node)}
-    for i in writers[bisect.bisect_right(writers, lo):bisect.bisect_left(writers, hi)]:
-        if writes[i] & touched:
+def _between(positions: list, order: list, held: list, lo: int, hi: int, hit=lambda i: True):
+    """The first node at one of these positions strictly between lo and hi, not among the
+    members, for which hit(position) holds; else None."""
+    inside = {m.node for m in held}
+    for i in positions[bisect.bisect_right(positions, lo):bisect.bisect_left(positions, hi)]:
+        if order[i] not in inside and hit(i):
             return order[i]
     return None
+
+
+def _written_between(held: list, writers: list, writes: dict, order: list, lo: int, hi: int):
+    """A node between the members that may write a value they read or make (the fused kernel
+    reads all its inputs at one point, before it); else None."""
+    touched = {m.node for m in held} | {v for m in held for v in m.operands if isinstance(v, torch.fx.Node)}
+    return _between(writers, order, held, lo, hi, lambda i: bool(writes[i] & touched))
 
 
 def _drawn_between(held: list, drawers: list, order: list, lo: int, hi: int):
-    """A node outside these members that draws from the RNG within [lo, hi], when they hold a
-    dropout in training (its mask is drawn when the fused call runs); else None."""
-    if not any(m.draws is not None for m in held):
-        return None
-    inside = {m.node for m in held}
-    for i in drawers[bisect.bisect_left(drawers, lo):bisect.bisect_right(drawers, hi)]:
-        if order[i] not in inside:
-            return order[i]
-    return None
+    """A node between the members that draws from the RNG, when they hold a dropout in training
+    (its mask is drawn when the fused call runs: eager's order must hold); else None."""
+    return _between(drawers, order, held, lo, hi) if any(m.draws is not None for m in held) else None
+
+
+def _passes_gradient(op_name: str) -> bool:
+    op = ops.canonical_ops().get(op_name)
+    return op is not None and op.passes_gradient
 
 
 def _traffic(member: Member) -> int:
@@ -405,12 +412,12 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
             reasons[node] = found
     for node, m in list(members.items()):
         # an add passes its gradient through, and a cast (HF's logits.float()) may be no copy at
-        # all, where the group would store one: a bias add pays only beside an op that computes
-        # (a GELU, a norm, a dropout)
-        if m.epilogue and not any(u in members and members[u].op not in ("add", "sub", "to_dtype")
-                                  and not members[u].epilogue for u in node.users):
+        # all, where the group would store one: a bias add pays only beside an op whose backward
+        # computes (a GELU, a norm, a dropout)
+        if m.epilogue and not any(u in members and not members[u].epilogue and not _passes_gradient(members[u].op)
+                                  for u in node.users):
             members.pop(node)
-            reasons[node] = f"not elementwise ({ops.lookup(node, gm).kind})"
+            reasons[node] = NOT_ELEMENTWISE.format(kind=ops.lookup(node, gm).kind)
         for a in m.absorbed:
             members.pop(a, None)
             reasons[a] = f"computed inside {node.name}'s kernel, which reads {m.operands[0].name} shifted"

@@ -1,6 +1,7 @@
 """The records the op registry hands out: OpInfo (what an op is) and Bound (how a node calls it)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 KINDS = ("elementwise", "view", "reduction", "matmul", "normalization", "loss", "random", "creation", "other")
@@ -31,6 +32,14 @@ class OpInfo:
     def is_check(self) -> bool:
         """An assertion: it writes nothing and may run again, but must not be dropped."""
         return self.side_effect and self.output == "none"
+
+    @property
+    def passes_gradient(self) -> bool:
+        """Whether its backward reads no value, neither an operand nor its result: each gradient is
+        the incoming one, scaled by params at most (add, sub, neg, a cast)."""
+        known = {"g", *(name for name, _ in self.params)}
+        return self.derivatives is not None and all(
+            d is None or set(re.findall(r"\{(\w+)\}", d)) <= known for d in self.derivatives)
 
     def __post_init__(self):
         assert self.kind in KINDS, (self.name, self.kind)

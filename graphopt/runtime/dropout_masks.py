@@ -14,15 +14,16 @@ def draw(shape, p: float, dtype: torch.dtype, device: torch.device) -> torch.Ten
 def with_masks(inputs, draws: tuple, shape, device: torch.device) -> tuple:
     """The inputs with a mask of this shape drawn into each place draws names ((place, p, dtype),
     places ascending: the dropouts' graph order, the order eager draws in)."""
-    placed = list(inputs)
-    for place, p, dtype in draws:
-        placed.insert(place, draw(shape, p, dtype, device))
-    return tuple(placed)
+    return tuple(_placed(inputs, draws, lambda p, dtype: draw(shape, p, dtype, device)))
 
 
 def holes(inputs, draws: tuple) -> list:
     """The inputs with None where the masks go: what a shape rule that skips None reads."""
+    return _placed(inputs, draws, lambda p, dtype: None)
+
+
+def _placed(inputs, draws: tuple, make) -> list:
     placed = list(inputs)
-    for place, _, _ in draws:
-        placed.insert(place, None)
+    for place, p, dtype in draws:
+        placed.insert(place, make(p, dtype))
     return placed

@@ -46,7 +46,7 @@ def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor
             value = eval(forward_expr(step, torch.float32), scope)
         else:
             arg = scope[name(step.arg)]
-            value = arg.sum(-1, keepdim=True) if step.kind == "sum" else arg.amax(-1, keepdim=True)
+            value = arg.sum(space.col_dims, keepdim=True) if step.kind == "sum" else arg.amax(space.col_dims, keepdim=True)
         scope[f"v{j}"] = torch.as_tensor(value)
     return [scope[f"v{j}"].broadcast_to(space.shape if group.step_kind(j) == FULL else space.row_shape())
             for j in group.outputs]
