@@ -78,9 +78,11 @@ def table(rows: list[dict]) -> str:
     from graphopt.analysis.memory import size_text
 
     lines = ["# graphopt's fuse pass against torch.compile (Inductor) on the real-model corpus", "",
-             f"Generated {datetime.date.today()} by `python bench/fusion_vs_inductor.py` on {platform.machine()} with "
+             f"Generated {datetime.date.today()} by `{'TRITON_INTERPRET=1 ' if os.environ.get('TRITON_INTERPRET') == '1' else ''}"
+             f"python bench/fusion_vs_inductor.py` on {platform.machine()} with "
              f"torch {torch.__version__} ({'CUDA' if torch.cuda.is_available() else 'CPU: Inductor writes C++'}). "
-             "Forward kernels doing memory-bound work and the bytes they access; setup: graphopt's optimize() "
+             "Forward kernels: graphopt's fused kernels plus the memory-bound ops left outside them, against "
+             "every kernel Inductor generates for the forward; bytes those access; setup: graphopt's optimize() "
              "against Inductor's first training step less an eager step.", "",
              "| model | forward kernels: graphopt / Inductor | Inductor's whole step | bytes: graphopt / Inductor | "
              "setup s: graphopt / Inductor | setup ratio |", "|---|---|---|---|---|---|"]
