@@ -99,3 +99,65 @@ def test_cleanups_after_fuse_keep_each_draw():
     opt = graphopt.optimize(model, (x, y), passes="fuse,cse,dce", verify=True)
     assert len(fused_nodes(opt)) == 2
     assert_same_step(model, opt, (x, y), {})
+
+
+def drop_path(x, p):
+    """timm's drop_path in training, as timm writes it."""
+    keep = 1 - p
+    noise = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    noise.div_(keep)
+    return x * noise
+
+
+def normalized_and_fused(fn, *args, **modules):
+    model = module(fn, len(args), **modules)
+    opt = graphopt.optimize(model, args, passes="normalize,fuse", verify=True)
+    return model, opt, opt.graphopt_report.passes[-1].stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stochastic_depth_draws_its_noise_in_the_group_at_any_batch_size(dtype):
+    """The call draws torch.bernoulli's mask at the shape of the bernoulli's input, which it is
+    given: the same draws as eager, also for a batch the graph was not traced with."""
+    x, y, w = (torch.randn(*shape, dtype=dtype, requires_grad=True) for shape in [(4, 6, 8), (4, 6, 8), (8, 8)])
+    model, opt, stats = normalized_and_fused(lambda m, x, y, w: drop_path(x @ w, 0.2) + y, x, y, w)
+    assert group_nodes(stats) == [["bernoulli_", "div_", "mul_1", "add_1"]]
+    (call,) = fused_nodes(opt)
+    assert [a.name for a in call.args][0] == "new_empty"  # for its shape only
+    assert_same_step(model, opt, (x, y, w), {})
+    bigger = [torch.randn(7, 6, 8, dtype=dtype, requires_grad=True) for _ in range(2)] + [w]
+    assert_same_step(model, opt, bigger, {})
+    many = [torch.randn(64, 6, 8, dtype=dtype) for _ in range(2)] + [w]
+    assert not torch.equal(opt(*many), opt(*many))  # a new mask each call
+
+
+def test_torchvision_stochastic_depth_is_spelled_out_and_fused():
+    import_torchvision = pytest.importorskip("corpus.vision_import").import_torchvision
+    try:
+        ops = import_torchvision().ops
+    except ImportError:
+        pytest.skip("torchvision is not installed")
+
+    def fn(m, x, y, w):  # through its module, as torchvision's models call it: fx keeps the function whole
+        h = x @ w
+        return m.row(h * 2.0) + y, m.batch(h) + y, m.none(h + 1.0) * y
+    x, y, w = leaves((4, 6, 8), (4, 6, 8), (8, 8))
+    model, opt, stats = normalized_and_fused(fn, x, y, w, row=ops.StochasticDepth(0.3, "row"),
+                                             batch=ops.StochasticDepth(0.3, "batch"), none=ops.StochasticDepth(0.0, "row"))
+    assert opt.graphopt_report.passes[0].stats["stochastic_depths"] == 3
+    assert [sum(op == "where" for op in g["ops"]) for g in stats["groups"]] == [1, 1, 0]
+    assert_same_step(model, opt, (x, y, w), {})
+    model.eval()
+    evaluated = graphopt.optimize(model, (x, y, w), passes="normalize", verify=True)
+    assert not [n for n in evaluated.graph.nodes if "stochastic_depth" in str(n.target) or "bernoulli" in n.name]
+
+
+def test_a_bernoulli_of_a_tensor_of_probabilities_stays_out_with_the_reason():
+    x, probs = leaves((4, 8), (4, 8))
+    probs = probs.detach().sigmoid()
+    model, opt, stats = normalized_and_fused(lambda m, x, q: x * 2.0 * torch.bernoulli(q) + x, x, probs)
+    assert stats["groups"][0]["not_fused"]["bernoulli"].startswith("random (a bernoulli of a tensor of probabilities")
+    torch.manual_seed(0)
+    expected = model(x, probs)
+    torch.manual_seed(0)
+    assert torch.equal(opt(x, probs), expected)

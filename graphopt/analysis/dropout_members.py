@@ -10,8 +10,16 @@ result equals eager's bit for bit. On CUDA eager's dropout is one fused kernel w
 random stream, so masks there follow the same distribution but are not eager's (as
 torch.compile's are not).
 
-The masks must be drawn in eager's order: a group that holds a dropout in training spans no
-other node that draws (fusion.py step 2), and the group draws its masks in graph order.
+Stochastic depth (timm's drop_path, torchvision's stochastic_depth once normalize spelled it
+out) draws its per-sample noise as torch.bernoulli(x.new_empty((N, 1, ..., 1)), p): ATen's
+functional bernoulli is empty_like(its input).bernoulli_(p), reading nothing of its input but
+its shape. In a group that bernoulli is a member whose mask the call draws the same way, at the
+runtime shape of that same input (the graph still gives it to the call, for its shape only);
+the member's value is where(mask, 1, 0) in eager's dtype, the noise's own values, and the
+divide and multiply after it are ordinary members.
+
+The masks must be drawn in eager's order: a group that holds a draw spans no other node that
+draws (fusion.py step 2), and the group draws its masks in graph order.
 """
 from __future__ import annotations
 
@@ -21,16 +29,23 @@ from functools import cache
 import torch
 import torch.fx
 
+from ..codegen.group import FLOATS
 from .meta import TensorInfo, tensor_info
 
 
 @dataclass(frozen=True, eq=False)
 class DrawnMask:
-    """A fused call's input that no graph node gives: the bool mask of one dropout, drawn by the call."""
+    """A fused call's input that no graph node gives: the bool mask of one dropout or bernoulli,
+    drawn by the call."""
 
-    node: torch.fx.Node  # the dropout
-    p: float
+    node: torch.fx.Node  # the dropout or the bernoulli
+    keep: float  # the probability of a one (eager's bernoulli_ argument)
     dtype: torch.dtype  # eager's noise dtype (x's), the one its draw runs in
+    shape_of: torch.fx.Node | None = None  # a bernoulli's input: the call draws at its shape; None: at the group's
+
+    def draw(self, place: int) -> tuple:
+        """What the fused call needs to draw it (runtime/dropout_masks.py): (place, keep, dtype, sourced)."""
+        return place, self.keep, self.dtype, self.shape_of is not None
 
     @property
     def name(self) -> str:
@@ -48,16 +63,42 @@ def training_dropout(op, params: dict) -> bool:
     return op.name == "dropout" and params.get("train") is True and 0 < params.get("p", 0) < 1
 
 
+def drawn_bernoulli(node: torch.fx.Node, op, bound) -> "DrawnMask | str | None":
+    """A bernoulli whose draw a fused call can repeat: its mask; a reason when it is a bernoulli
+    that cannot join a group; None for any other op."""
+    if op is None or op.name != "bernoulli" or bound is None:
+        return None
+    keep, source = bound.params.get("p"), bound.operands[0] if bound.operands else None
+    info = tensor_info(node)
+    if not isinstance(keep, float) or not 0 <= keep <= 1 or not isinstance(source, torch.fx.Node):
+        return "random (a bernoulli of a tensor of probabilities draws from the RNG element by element)"
+    if node.kwargs.get("generator") is not None:
+        return "random (a bernoulli from its own generator)"
+    if not isinstance(info, TensorInfo) or info.dtype not in FLOATS or not info.contiguous:
+        return f"random (a bernoulli of {info.short() if isinstance(info, TensorInfo) else 'no tensor'}: a fused " \
+               "call draws contiguous float noise)"
+    return DrawnMask(node, keep, info.dtype, source)
+
+
 @cache
-def kept_scale(p: float, dtype: torch.dtype) -> float:
+def kept_scale(keep: float, dtype: torch.dtype) -> float:
     """The value eager's noise holds where the mask keeps x: 1 / (1 - p) as its div_ rounds it in dtype."""
-    return float(torch.ones((), dtype=dtype).div_(1 - p))
+    return float(torch.ones((), dtype=dtype).div_(keep))
 
 
-def emit_dropout(step, x, mask, p: float, dtype: torch.dtype):
+def emit_dropout(step, x, mask, keep: float, dtype: torch.dtype):
     """The steps of x * where(mask, s, 0) in dtype, written with step(op, *args, **params) (a row
     group's Builder, or an elementwise group's step list); returns the result's ref."""
-    noise = step("where", mask, kept_scale(p, dtype), 0.0)
-    if dtype != torch.float32:  # eager multiplies two tensors of x's dtype
+    return step("mul", x, _noise(step, mask, kept_scale(keep, dtype), dtype))
+
+
+def emit_bernoulli(step, mask, dtype: torch.dtype):
+    """The steps of eager's bernoulli noise, where(mask, 1, 0) in dtype; returns its ref."""
+    return _noise(step, mask, 1.0, dtype)
+
+
+def _noise(step, mask, kept: float, dtype: torch.dtype):
+    noise = step("where", mask, kept, 0.0)
+    if dtype != torch.float32:  # eager's noise is a tensor of x's dtype
         noise = step("to_dtype", noise, dtype=dtype)
-    return step("mul", x, noise)
+    return noise

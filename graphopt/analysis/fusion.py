@@ -3,9 +3,10 @@
 Algorithm:
   1. Classify every call node. A member candidate is pure (analysis/effects.py), elementwise with a
      Triton template in the registry (or a dropout that is the identity: train=False or p=0; or
-     a dropout in training of a contiguous float tensor, whose mask the call draws:
-     dropout_members.py; or a linear's or convolution's bias add, when a candidate after it
-     computes more than an add: epilogue_members.py),
+     a dropout in training of a contiguous float tensor, or a bernoulli of fixed probability (the
+     noise of stochastic depth), whose mask the call draws: dropout_members.py; or a linear's or
+     convolution's bias add, when a candidate after it computes more than an add:
+     epilogue_members.py),
      bound to tensor nodes and Python scalars, dense in eager (a float32 one eager lays out
      strided takes rows over its layout: a row group's kernels write it where eager does), and
      accepted by codegen as a one-step group at its operands' dtypes with eager's result dtype
@@ -21,8 +22,8 @@ Algorithm:
      makes would lie between the group's first and last node (the fused kernel reads all its
      inputs at one point; effects.written_inputs: a batch norm writes its running statistics
      only), or,
-     when it holds a dropout in training, another node that draws from the RNG would (the masks
-     are drawn when the call runs: eager's order must hold), or the
+     when it holds a draw, another node that draws from the RNG would (the masks are drawn when
+     the call runs: eager's order must hold), or the
      merged group would hold a row member and a value that is not a row, per-row or per-column
      value of its rows (row_fusion.fits_rows).
   3. Groups with fewer than two ops that compute are dropped (an identity dropout computes
@@ -50,7 +51,7 @@ from ..codegen.group import FLOATS
 from ..codegen.row_group import RowGroup
 from ..codegen.row_space import RowSpace
 from .aliases import Aliases
-from .dropout_members import DrawnMask, emit_dropout, training_dropout
+from .dropout_members import DrawnMask, drawn_bernoulli, emit_bernoulli, emit_dropout, training_dropout
 from .effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
     written_inputs, written_values
 from .epilogue_members import BiasFree, epilogue_member
@@ -77,7 +78,7 @@ class Member:
     row: RowSpace | None = None  # its rows: a row member's (analysis/row_members.py), or a strided elementwise node's layout
     strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
     absorbed: tuple = ()  # nodes only it reads, computed inside its steps (a rotation's slices)
-    draws: float | None = None  # a dropout in training: its p (dropout_members.py)
+    mask: DrawnMask | None = None  # a dropout in training or a bernoulli: the mask the call draws (dropout_members.py)
     epilogue: str | None = None  # a linear's or convolution's bias add: the bias's class, COL or ROW (epilogue_members.py)
 
 
@@ -140,6 +141,11 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     if epilogue is not None:
         rows, bias, kind = epilogue
         return Member(node, "add", (BiasFree(node, op.name), as_state(bias, gm)), {}, row=rows, epilogue=kind)
+    drawn = drawn_bernoulli(node, op, bound)
+    if isinstance(drawn, str):
+        return drawn
+    if drawn is not None:  # only its input's shape is read: not an operand
+        return Member(node, op.name, (), {}, mask=drawn)
     drawing = op.random and bound is not None and training_dropout(op, bound.params)
     if op.random:
         if not drawing and (bound is None or not is_identity_dropout(op, bound.params)):
@@ -175,7 +181,7 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
             return Member(node, op.name, tuple(bound.operands), {}, identity=True)
         if strided is not None or info.dtype not in FLOATS:
             return f"a dropout in training of {info.short()}: a fused one draws contiguous float masks"
-        return Member(node, op.name, tuple(bound.operands), {}, draws=float(bound.params["p"]))
+        return Member(node, op.name, tuple(bound.operands), {}, mask=DrawnMask(node, 1 - bound.params["p"], info.dtype))
     group, inputs = _one_step(op.name, bound.operands, bound.params)
     examples = [example(tensor_info(v)) for v in inputs]
     reason = codegen.supports(group, examples)
@@ -237,6 +243,8 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
             continue
         # a bias add's group starts after its matmul: it reads the matmul's inputs through it
         producers = node.all_input_nodes
+        if members[node].mask is not None and not members[node].operands:  # a bernoulli reads its input's shape only
+            producers = []
         if members[node].epilogue:
             producers = [v for v in members[node].operands if isinstance(v, torch.fx.Node)]
             for p in node.all_input_nodes:
@@ -265,7 +273,7 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
                 continue
             drawn = _drawn_between(held[a] + held[b], drawers, order, lo, hi)
             if drawn is not None:
-                refused[(producer, node)] = (f"{drawn.name} draws from the RNG between them: the group's dropout "
+                refused[(producer, node)] = (f"{drawn.name} draws from the RNG between them: the group's "
                                              "masks would be drawn in another order than eager's")
                 continue
             path = _path(q, a, b, names)
@@ -303,9 +311,9 @@ def _written_between(held: list, writers: list, writes: dict, order: list, lo: i
 
 
 def _drawn_between(held: list, drawers: list, order: list, lo: int, hi: int):
-    """A node between the members that draws from the RNG, when they hold a dropout in training
-    (its mask is drawn when the fused call runs: eager's order must hold); else None."""
-    return _between(drawers, order, held, lo, hi) if any(m.draws is not None for m in held) else None
+    """A node between the members that draws from the RNG, when they hold a draw (its mask is
+    drawn when the fused call runs: eager's order must hold); else None."""
+    return _between(drawers, order, held, lo, hi) if any(m.mask is not None for m in held) else None
 
 
 def _passes_gradient(op_name: str) -> bool:
@@ -325,6 +333,9 @@ def _traffic(member: Member) -> int:
 def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
     """Step 3 for one group: its codegen Group (a RowGroup when it holds a row member), or the
     reason codegen gives for declining it."""
+    inner = next((m for n in nodes if (m := members.get(n)) and m.mask and m.mask.shape_of in nodes), None)
+    if inner is not None:  # the call is given that value, which it would make itself
+        return f"{inner.node.name} draws at the shape of {inner.mask.shape_of.name}, which the group makes"
     full = next((members[n].row for n in nodes if n in members and members[n].row is not None), None)
     if full is not None:
         built = build_rows(nodes, members, full)
@@ -355,16 +366,17 @@ def build(nodes: list[torch.fx.Node], members: dict) -> FusionGroup | str:
         m = members[node]
         if m.identity:
             refs[node] = ref(m.operands[0])
-        elif m.draws is not None:
-            dtype = tensor_info(node).dtype
-            refs[node] = emit_dropout(step, ref(m.operands[0]), ref(DrawnMask(node, m.draws, dtype)), m.draws, dtype)
+        elif m.op == "bernoulli":
+            refs[node] = emit_bernoulli(step, ref(m.mask), m.mask.dtype)
+        elif m.mask is not None:
+            refs[node] = emit_dropout(step, ref(m.operands[0]), ref(m.mask), m.mask.keep, m.mask.dtype)
         else:
             refs[node] = step(m.op, *(ref(v) for v in m.operands), **m.params)
     outputs, stored, aliases = group_outputs(nodes, refs, inputs)
     if not stored:
         return "dead code: nothing outside the group uses its results"
-    masks = [v for v in inputs if isinstance(v, DrawnMask)]
-    if masks:  # the call draws each at the shape its other inputs broadcast to
+    masks = [v for v in inputs if isinstance(v, DrawnMask) and v.shape_of is None]
+    if masks:  # the call draws a dropout's at the shape its other inputs broadcast to
         shape = tuple(torch.broadcast_shapes(*(info_of(v).shape for v in inputs if v not in masks)))
         smaller = next((m for m in masks if m.info.shape != shape), None)
         if smaller is not None:

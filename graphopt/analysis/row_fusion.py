@@ -17,7 +17,7 @@ import torch.fx
 from ..codegen.row_group import FULL, INDEX, ROW, Builder, combined, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
 from ..codegen.row_space import RowSpace, dim_order
-from .dropout_members import DrawnMask, emit_dropout
+from .dropout_members import DrawnMask, emit_bernoulli, emit_dropout
 from .epilogue_members import BiasFree
 from .group_outputs import group_outputs
 from .meta import tensor_info
@@ -82,7 +82,11 @@ def fits_rows(members: list, rows: RowSpace) -> str | None:
         if m.identity:
             continue
         kind = combined(kinds)
-        if m.draws is not None and kind != FULL:
+        if m.op == "bernoulli":  # no operand: its value has its mask's shape
+            kind = kind_of(out.shape, rows)
+            if kind is None:
+                return f"{m.node.name} draws noise of {out.short()}, not a value of {where}"
+        elif m.mask is not None and kind != FULL:
             return f"{m.node.name} drops out a {kind.lower()} value of {where}: a mask has the rows' shape"
         if out.dtype != DTYPE or kind_of(out.shape, rows) != kind or exact_shape(kind, rows) not in (None, out.shape):
             return f"{m.node.name} makes {out.short()}, not a float32 value of {where}"
@@ -142,9 +146,10 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
         elif m.epilogue:  # a convolution's bias is per channel, a row of its rows, whatever its shape says
             bias = m.operands[1]
             refs[node] = b("add", ref(m.operands[0]), slot(bias, ROW) if m.epilogue == ROW else ref(bias))
-        elif m.draws is not None:
-            dtype = tensor_info(node).dtype
-            refs[node] = emit_dropout(b, ref(m.operands[0]), slot(DrawnMask(node, m.draws, dtype), FULL), m.draws, dtype)
+        elif m.op == "bernoulli":
+            refs[node] = emit_bernoulli(b, slot(m.mask, kind_of(m.mask.info.shape, rows)), m.mask.dtype)
+        elif m.mask is not None:
+            refs[node] = emit_dropout(b, ref(m.operands[0]), slot(m.mask, FULL), m.mask.keep, m.mask.dtype)
         elif m.op in ROW_OPS:
             refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
         else:
@@ -152,7 +157,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
     outputs, stored, aliases = group_outputs(nodes, refs, slots, lambda node: node in members)
     if not stored:
         return "dead code: nothing outside the group uses its results"
-    masks = [isinstance(v, DrawnMask) for v in slots]
+    masks = [isinstance(v, DrawnMask) and v.shape_of is None for v in slots]
     if any(masks) and not any(v is not None and not mask and b.inputs[k].kind == FULL
                               for k, (v, mask) in enumerate(zip(slots, masks))):
         return "its dropout masks would be its only full-size inputs: the call takes their shape from the others"

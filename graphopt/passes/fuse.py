@@ -61,13 +61,21 @@ def _anchor(group: FusionGroup, position: dict) -> tuple[torch.fx.Node | None, s
     """Step 2: the node to insert the fused call before, or the reason there is none."""
     first_use = min(_outside_users(group), key=position.__getitem__)
     # an attribute read placed later moves up to the fused call (_rewrite): it reads no value
-    last_input = max((n for n in group.inputs if isinstance(n, torch.fx.Node) and n.op != "get_attr"),
+    given = [v.shape_of if isinstance(v, DrawnMask) else v for v in group.inputs]
+    last_input = max((n for n in given if isinstance(n, torch.fx.Node) and n.op != "get_attr"),
                      key=position.__getitem__, default=None)
     if last_input is not None and position[last_input] > position[first_use]:
         return None, (f"{first_use.name} uses the group's result before its input {last_input.name} is "
                       "computed; fusing would need the graph reordered")
     after_last = group.nodes[-1].next
     return (after_last if position[after_last] <= position[first_use] else first_use), None
+
+
+def _replaced(value, replaced: dict):
+    """A group's input, where a group fused before made it: the node that now gives its value."""
+    if isinstance(value, DrawnMask) and value.shape_of is not None:
+        return dataclasses.replace(value, shape_of=replaced.get(value.shape_of, value.shape_of))
+    return replaced.get(value, value)
 
 
 def _copy_meta(dst: torch.fx.Node, srcs: list[torch.fx.Node]) -> None:
@@ -81,10 +89,11 @@ def _copy_meta(dst: torch.fx.Node, srcs: list[torch.fx.Node]) -> None:
 def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node, label: str, replaced: dict):
     """Step 3 for one group: returns the fused call node; records what replaced each member in `replaced`."""
     graph = gm.graph
-    # a dropout's mask is no graph value: the call draws it (runtime/dropout_masks.py)
-    draws = tuple((k, v.p, v.dtype) for k, v in enumerate(group.inputs) if isinstance(v, DrawnMask))
-    taken = [_without_bias(gm, v) if isinstance(v, BiasFree) else v
-             for v in group.inputs if not isinstance(v, DrawnMask)]
+    # a mask is no graph value: the call draws it (runtime/dropout_masks.py), a dropout's at the
+    # group's shape, a bernoulli's at the shape of the bernoulli's input, which the call is given
+    draws = tuple(v.draw(k) for k, v in enumerate(group.inputs) if isinstance(v, DrawnMask))
+    taken = [_without_bias(gm, v) if isinstance(v, BiasFree) else v.shape_of if isinstance(v, DrawnMask) else v
+             for v in group.inputs if not (isinstance(v, DrawnMask) and v.shape_of is None)]
     with graph.inserting_before(anchor):
         inputs = [graph.get_attr(v.target) if isinstance(v, StateInput) else v for v in taken]
         position = {n: i for i, n in enumerate(graph.nodes)}
@@ -203,7 +212,7 @@ class Fuse(Pass):
                                            "memory: eager's ops stay"})
                 continue
             # an input (or an alias's target) a group fused earlier computed now comes from its node
-            group = dataclasses.replace(found, inputs=[replaced.get(n, n) for n in found.inputs],
+            group = dataclasses.replace(found, inputs=[_replaced(v, replaced) for v in found.inputs],
                                         aliases={a: replaced.get(t, t) for a, t in found.aliases.items()})
             # Step 2
             anchor, reason = _anchor(group, {n: i for i, n in enumerate(gm.graph.nodes)})

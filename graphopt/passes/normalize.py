@@ -32,12 +32,19 @@ Algorithm:
      anti-aliasing slots); where the FakeTensor run shows the result sharing the input's storage,
      offset, shape and strides, its uses read the input, and the node goes. Later passes then
      see the ops around it as neighbours (fuse, recompute).
+  9. Stochastic depth: torchvision's stochastic_depth (a function fx keeps whole) is spelled out
+     as the ops it runs, the ops timm's drop_path is traced into: in training with p > 0,
+     x * torch.bernoulli(x.new_empty((N, 1, ..., 1)), 1 - p) / (1 - p) (ATen's functional
+     bernoulli draws into an empty_like of its input: the same draws as the function's
+     bernoulli_ into its torch.empty); else x itself, as the function returns it. Fuse then
+     takes the noise, the divide and the product into the group around them.
 
 Modules with parameters or buffers, and random ops, keep their spelling: their state and
 train/eval behaviour live in the module.
 """
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
@@ -195,10 +202,13 @@ class Normalize(Pass):
         grouped = _grouped_query_attention(gm)
         # Step 8
         dropouts = _identity_dropouts(gm)
-        changed = bool(rewritten or functional or grouped or dropouts)
+        # Step 9
+        depths = _stochastic_depths(gm)
+        changed = bool(rewritten or functional or grouped or dropouts or depths)
         return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped,
                                         "functionalized": functional, "kept_in_place": in_place,
-                                        "grouped_query_attention": grouped, "identity_dropouts": dropouts})
+                                        "grouped_query_attention": grouped, "identity_dropouts": dropouts,
+                                        "stochastic_depths": depths})
 
 
 def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
@@ -286,6 +296,55 @@ def _grouped_query_attention(gm: torch.fx.GraphModule) -> int:
         for dead in (*k[1], *v[1]):
             if not dead.users:
                 gm.graph.erase_node(dead)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _stochastic_depth_args(node: torch.fx.Node):
+    """(x, p, mode, training) of a call of torchvision's stochastic_depth with a graph tensor and
+    constant settings it accepts; None for any other node (a bad setting raises at run time,
+    as torchvision's own check does)."""
+    target = node.target if node.op == "call_function" else None
+    if getattr(target, "__module__", None) != "torchvision.ops.stochastic_depth" \
+            or getattr(target, "__name__", None) != "stochastic_depth":
+        return None
+    try:
+        bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    x, p, mode, training = bound.args
+    if not isinstance(x, torch.fx.Node) or not isinstance(meta.tensor_info(x), meta.TensorInfo):
+        return None
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1 or mode not in ("batch", "row") \
+            or not isinstance(training, bool):
+        return None
+    return x, float(p), mode, training
+
+
+def _stochastic_depths(gm: torch.fx.GraphModule) -> int:
+    """Step 9; the number of stochastic depth calls spelled out or removed."""
+    done = 0
+    graph = gm.graph
+    for node in list(graph.nodes):
+        found = _stochastic_depth_args(node)
+        if found is None:
+            continue
+        x, p, mode, training = found
+        result = x
+        if training and p > 0:
+            keep = 1.0 - p
+            rank = len(meta.tensor_info(x).shape)
+            with graph.inserting_before(node):
+                size = (graph.call_method("size", (x, 0)),) + (1,) * (rank - 1) if mode == "row" else (1,) * rank
+                noise = graph.call_function(torch.bernoulli, (graph.call_method("new_empty", (x, size)),), {"p": keep})
+                if keep > 0:
+                    noise = graph.call_function(torch.div, (noise, keep))
+                result = graph.call_function(torch.mul, (x, noise))
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
         done += 1
     if done:
         gm.recompile()

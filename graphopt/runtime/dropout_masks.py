@@ -1,29 +1,41 @@
-"""The dropout masks a fused call draws just before its kernel runs (analysis/dropout_members.py
-says how a dropout in training joins a group)."""
+"""The masks a fused call draws just before its kernel runs (analysis/dropout_members.py says how
+a dropout in training, or a stochastic depth's bernoulli, joins a group)."""
 from __future__ import annotations
 
 import torch
 
 
-def draw(shape, p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The mask eager's dropout draws: its noise in x's dtype (the same draws from the same
+def draw(noise: torch.Tensor, keep: float) -> torch.Tensor:
+    """The mask eager draws into its noise, noise.bernoulli_(keep) (the same draws from the same
     generator; on CPU, bit for bit), kept as bool."""
-    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1 - p).bool()
+    return noise.bernoulli_(keep).bool()
 
 
 def with_masks(inputs, draws: tuple, shape, device: torch.device) -> tuple:
-    """The inputs with a mask of this shape drawn into each place draws names ((place, p, dtype),
-    places ascending: the dropouts' graph order, the order eager draws in)."""
-    return tuple(_placed(inputs, draws, lambda p, dtype: draw(shape, p, dtype, device)))
+    """The call's inputs with its masks in their places. draws, places ascending (graph order, the
+    order eager draws in): (place, keep, dtype, sourced). A sourced mask is drawn at the shape of
+    the input given at its place, which it replaces (a bernoulli's input); any other one is
+    inserted there, drawn at `shape` (a dropout's: the group's)."""
+    # ATen's functional bernoulli draws into empty_like(its input), dropout into empty_like(x)
+    return tuple(_placed(inputs, draws, lambda given, keep, dtype: draw(
+        torch.empty(shape, dtype=dtype, device=device) if given is None else torch.empty_like(given), keep)))
 
 
 def holes(inputs, draws: tuple) -> list:
     """The inputs with None where the masks go: what a shape rule that skips None reads."""
-    return _placed(inputs, draws, lambda p, dtype: None)
+    return _placed(inputs, draws, lambda given, keep, dtype: None)
+
+
+def inserted(draws: tuple) -> int:
+    """How many of the call's inputs the graph does not give: its dropouts' masks."""
+    return sum(not sourced for *_, sourced in draws)
 
 
 def _placed(inputs, draws: tuple, make) -> list:
     placed = list(inputs)
-    for place, p, dtype in draws:
-        placed.insert(place, make(p, dtype))
+    for place, keep, dtype, sourced in draws:
+        if sourced:
+            placed[place] = make(placed[place], keep, dtype)
+        else:
+            placed.insert(place, make(None, keep, dtype))
     return placed

@@ -6,7 +6,8 @@
    shapes, strides and dtypes (no memory); its backward computes every input gradient in one
    pass, recomputing the intermediates. A group holding a dropout in training is called
    without its mask: the call draws it (dropout_masks.py) and passes it on as one more input,
-   which the backward reads.
+   which the backward reads; a stochastic depth's bernoulli is given the tensor whose shape
+   its mask takes, and the call puts the mask in its place.
 2. Where it runs: CUDA tensors run the generated Triton kernels; CPU (and other) tensors run the
    torch reference (codegen/reference.py), except under TRITON_INTERPRET=1, where CPU tensors run the
    Triton kernels in Triton's interpreter: that is how CI tests the codegen. FakeTensors take the
@@ -46,7 +47,7 @@ from ..codegen.layout import MAX_BLOCK, contiguous_strides
 from ..codegen.program import Backward
 from ..codegen.reference import reference_source
 from ..codegen.spec import LaunchPlan, plan_backward, plan_forward
-from .dropout_masks import with_masks
+from .dropout_masks import inserted, with_masks
 
 GPU_BLOCK = 1024
 MAX_PLANS = 64  # input signatures each FusedOp remembers (then it starts over)
@@ -195,7 +196,7 @@ class FusedOp:
 
     def __init__(self, group: Group, draws: tuple = ()):
         self.group = group if isinstance(group, Group) else Group(*group)
-        self.draws = tuple(draws)  # (input place, p, dtype) of each dropout mask the call draws (dropout_masks.py)
+        self.draws = tuple(draws)  # (input place, keep, dtype, sourced) of each mask the call draws (dropout_masks.py)
         self.__name__ = "fused_" + "_".join(s.op for s in self.group.steps)[:80]
         self.__qualname__ = self.__name__
         self._memo: dict = {}  # (kind, input signature) -> _Prepared
@@ -237,13 +238,14 @@ class FusedOp:
         return f"FusedOp({self.group.describe()})"
 
     def __call__(self, *inputs):
-        if len(inputs) != len(self.group.inputs) - len(self.draws):
-            raise TypeError(f"{self.__name__} takes {len(self.group.inputs) - len(self.draws)} tensors, got {len(inputs)}")
+        taken = len(self.group.inputs) - inserted(self.draws)
+        if len(inputs) != taken:
+            raise TypeError(f"{self.__name__} takes {taken} tensors, got {len(inputs)}")
         for k, t in enumerate(inputs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{self.__name__}: input {k} is {type(t).__name__}; group inputs are tensors "
                                 "(put Python numbers into the steps as scalar args)")
-        if self.draws:  # a mask has the group's shape: the others broadcast to it
+        if self.draws:  # a dropout's mask has the group's shape: the others broadcast to it
             inputs = with_masks(inputs, self.draws, torch.broadcast_shapes(*(t.shape for t in inputs)), _device(inputs))
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
             outputs = _Function.apply(self, *inputs)

@@ -25,7 +25,7 @@ from ..codegen.row_kernel import row_backward, row_forward
 from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
 from ..ops.shim import tl
-from .dropout_masks import holes, with_masks
+from .dropout_masks import holes, inserted, with_masks
 from .fused import STATS, _device, _inside, _runs_kernel, _shape_only, release_interpreted_arguments
 
 
@@ -100,7 +100,7 @@ class FusedRowOp:
     def __init__(self, group: RowGroup, finish: tuple = (), orders: tuple = (), col_dims: tuple | None = None,
                  updates: tuple = (), draws: tuple = ()):
         self.group, self.updates = group, tuple(updates)
-        self.draws = tuple(draws)  # (input place, p, dtype) of each dropout mask the call draws (dropout_masks.py)
+        self.draws = tuple(draws)  # (input place, keep, dtype, sourced) of each mask the call draws (dropout_masks.py)
         self.returned = len(group.outputs) - 2 * len(self.updates)
         self.finish = tuple(finish) or (None,) * self.returned
         self.orders, self.col_dims = tuple(orders), col_dims
@@ -128,11 +128,11 @@ class FusedRowOp:
         return f"FusedRowOp({self.group.describe()})"
 
     def __call__(self, *inputs):
-        taken = len(self.given) - len(self.draws) + self._state_count()
+        taken = len(self.given) - inserted(self.draws) + self._state_count()
         if len(inputs) != taken:
             raise TypeError(f"{self.__name__} takes {taken} tensors, got {len(inputs)}")
-        if self.draws:  # a mask has the rows' shape
-            given = inputs[:len(self.given) - len(self.draws)]
+        if self.draws:  # a dropout's mask has the rows' shape
+            given = inputs[:len(self.given) - inserted(self.draws)]
             space = self.space(self._all(holes(given, self.draws)))
             inputs = with_masks(given, self.draws, space.shape, _device(given)) + inputs[len(given):]
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
