@@ -409,10 +409,9 @@ def _neighbours(nodes: list, reasons: dict, refused: dict) -> dict[str, str]:
     return out
 
 
-def find_groups(gm: torch.fx.GraphModule) -> Fusion:
-    """Groups of elementwise nodes that can become one fused kernel each (see the module docstring)."""
-    # Step 1
-    written = written_values(gm)
+def candidates(gm: torch.fx.GraphModule, written: dict | None = None) -> tuple[dict, dict]:
+    """Step 1: (node -> Member for each candidate, node -> the reason for each other call node)."""
+    written = written_values(gm) if written is None else written
     members, reasons = {}, {}
     for node in gm.graph.nodes:
         if node.op not in CALLS:
@@ -433,6 +432,13 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
         for a in m.absorbed:
             members.pop(a, None)
             reasons[a] = f"computed inside {node.name}'s kernel, which reads {m.operands[0].name} shifted"
+    return members, reasons
+
+
+def find_groups(gm: torch.fx.GraphModule) -> Fusion:
+    """Groups of elementwise nodes that can become one fused kernel each (see the module docstring)."""
+    # Step 1
+    members, reasons = candidates(gm)
     # Step 2
     node_groups, refused = _merge(gm, members)
     # Step 3

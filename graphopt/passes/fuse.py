@@ -2,6 +2,9 @@
 them, as one generated Triton kernel, forward and backward.
 
 Algorithm:
+  0. Candidates joined by reshapes compute in one shape (fuse_views.py: the graph is rewritten
+     so, at the example's sizes, and marked specialized to them); not for a graph staged over
+     microbatches, which runs at a microbatch's sizes, nor where no kernel runs (step 1).
   1. Find the groups (graphopt.analysis.fusion: maximal connected groups of registry elementwise
      ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
      and why their neighbours stay out. Kernels run on CUDA, or in Triton's interpreter (how
@@ -34,7 +37,8 @@ import torch.fx
 from .. import ops
 from ..analysis.dropout_members import DrawnMask
 from ..analysis.epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
-from ..analysis.fusion import FusionGroup, find_groups, memory_bound, traffic
+from ..analysis.effects import written_values
+from ..analysis.fusion import FusionGroup, candidates, find_groups, memory_bound, traffic
 from ..analysis.meta import ANNOTATED, KEY, graph_device
 from ..analysis.row_members import StateInput, as_state, info_of
 from ..codegen.row_group import RowGroup
@@ -45,7 +49,9 @@ from ..dump import note
 from ..runtime import FusedOp, repro_script, source
 from ..runtime.fused import interpreting
 from ..runtime.fused_row import FusedRowOp
+from ..trace import annotate
 from .base import Pass, PassContext, PassResult
+from .fuse_views import lift_views
 from .registry import register
 
 COPIED_META = ("val", "tensor_meta", KEY, ANNOTATED, "stack_trace")
@@ -173,6 +179,8 @@ def _report(stats: dict) -> str:
                      f"saves {g['bytes_saved']} bytes of forward traffic")
         lines += [f"- {n} not fused: {r}" for n, r in g["not_fused"].items()]
         lines.append("")
+    for r in stats.get("view_regions", ()):
+        lines.append(f"## computed in one shape {r['shape']} across reshapes: {', '.join(r['nodes'])}\n")
     for d in declined:
         lines.append(f"## declined: {', '.join(d['nodes'])}\n{d['reason']}\n")
     for name, reasons in alone.items():
@@ -198,12 +206,20 @@ class Fuse(Pass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         bound_before = [n for n in gm.graph.nodes if memory_bound(n, gm)]
         traffic_before = sum(sum(traffic(n)) for n in bound_before)
+        # Step 0
+        regions = []
+        device = graph_device(gm)
+        # a staged graph runs at a microbatch's sizes, not the example's; where no kernel runs, no group forms
+        if not ctx.microbatches and (device == "cuda" or interpreting()):
+            written = written_values(gm)
+            regions = lift_views(gm, candidates(gm, written)[0], written)
+        if regions:
+            annotate(gm, ctx.flat_inputs(gm))
         # Step 1
         fusion = find_groups(gm)
         declined = list(fusion.declined)
         done, files = [], {}
         replaced: dict = {}  # a member of a group already fused -> the node that now gives its value
-        device = graph_device(gm)
         for found in fusion.groups:
             if device != "cuda" and not interpreting():
                 declined.append({"nodes": [n.name for n in found.nodes], "ops": found.ops(),
@@ -243,6 +259,8 @@ class Fuse(Pass):
                  "memory_bound_traffic_after": sum(sum(traffic(n)) for n in bound_after)
                  + sum(g["bytes_read"] + g["bytes_written"] for g in done),
                  "groups": done, "declined": declined, "alone": fusion.alone}
+        stats["view_regions"] = [{"nodes": [n.name for n in r.nodes], "shape": list(r.shape)} for r in regions]
         if done or declined or fusion.alone:
             files["fusion.md"] = _report(stats)
-        return PassResult(gm, bool(done), stats, files)
+        specialized = "fused groups compute across reshapes at the example's sizes" if regions else None
+        return PassResult(gm, bool(done) or bool(regions), stats, files, specialized=specialized)

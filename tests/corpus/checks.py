@@ -15,7 +15,8 @@ each step, so the runs see the same state.
   staged     stages=2 over 2 microbatches of a 4-row batch, called in one process with the batch: its
              microbatches run one after another, within 1e-5 relative of eager on the same
              microbatches (dropout draws the same masks, BatchNorm sees the same rows), losses averaged
-  fuse       passes="fuse" (kernels under TRITON_INTERPRET=1): relative error <= 1e-5
+  fuse       passes="fuse", and the cleanups then fuse (kernels under TRITON_INTERPRET=1): relative
+             error <= 1e-5
   inplace    passes="inplace": relative error <= 1e-5
   precision  precision="bf16": every op in the dtype torch.autocast gives it, loss within 1e-2 of
              autocast's
@@ -161,7 +162,13 @@ def check_staged(case: Case) -> Result:
 
 
 def check_fuse(case: Case) -> Result:
-    return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="fuse"), EXACT)
+    alone = _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="fuse"), EXACT)
+    if not alone.passed:
+        return alone
+    # as the default pipeline runs it on CUDA: after normalize, which spells out stochastic depth
+    # and makes in-place ops pure, so more of the graph fuses
+    after = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes=f"{CLEANUPS},fuse")
+    return max(alone, _compare(case, after, EXACT), key=lambda r: (not r.passed, r.error or 0.0))
 
 
 def check_inplace(case: Case) -> Result:
