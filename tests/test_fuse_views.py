@@ -151,3 +151,22 @@ def test_where_no_kernel_runs_nothing_is_reshaped(monkeypatch):
     _, opt, stats = normalized_and_fused(shifted_window_scores, s, bias, mask)
     assert stats["view_regions"] == [] and not fused_nodes(opt)
     assert opt.graphopt_report.runs_at == "any shapes the model takes (torch.fx)"
+
+
+def test_views_false_keeps_the_graph_running_at_any_shape():
+    s, bias, mask = leaves((8, 3, 16, 16), (1, 3, 16, 16), (1, 4, 1, 16, 16))
+    model = module(shifted_window_scores, 3)
+    opt = graphopt.optimize(model, (s, bias, mask), passes="normalize,fuse{views=false}", verify=True)
+    assert opt.graphopt_report.passes[-1].stats["view_regions"] == []
+    assert opt.graphopt_report.runs_at == "any shapes the model takes (torch.fx)"
+
+
+def test_the_default_pipeline_keeps_its_graph_running_at_any_shape(monkeypatch):
+    """On CUDA the default pipeline fuses without being asked: its graph stays shape-generic."""
+    from graphopt.passes.fuse import Fuse
+    monkeypatch.setattr(Fuse, "skip_by_default", lambda self, gm, ctx, pipeline: None)  # as on CUDA
+    s, bias, mask = leaves((8, 3, 16, 16), (1, 3, 16, 16), (1, 4, 1, 16, 16))
+    opt = graphopt.optimize(module(shifted_window_scores, 3), (s, bias, mask), verify=True)
+    fused = next(p for p in opt.graphopt_report.passes if p.name == "fuse")
+    assert fused.by_default and fused.stats["view_regions"] == []
+    assert opt.graphopt_report.runs_at == "any shapes the model takes (torch.fx)"

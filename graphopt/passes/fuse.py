@@ -3,7 +3,9 @@ them, as one generated Triton kernel, forward and backward.
 
 Algorithm:
   0. Candidates joined by reshapes compute in one shape (fuse_views.py: the graph is rewritten
-     so, at the example's sizes, and marked specialized to them); not for a graph staged over
+     so, at the example's sizes, and marked specialized to them); not where fuse runs in the
+     default pipeline, whose graph runs at any shape, unless fuse{views=true} says so, nor
+     under fuse{views=false}; not for a graph staged over
      microbatches, which runs at a microbatch's sizes, nor where no kernel runs (step 1).
   1. Find the groups (graphopt.analysis.fusion: maximal connected groups of registry elementwise
      ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
@@ -50,7 +52,7 @@ from ..runtime import FusedOp, repro_script, source
 from ..runtime.fused import interpreting
 from ..runtime.fused_row import FusedRowOp
 from ..trace import annotate
-from .base import Pass, PassContext, PassResult
+from .base import Option, Pass, PassContext, PassResult, to_bool
 from .fuse_views import lift_views
 from .registry import register
 
@@ -195,6 +197,11 @@ class Fuse(Pass):
     """Fuse groups of elementwise ops, norms and softmaxes into generated Triton kernels."""
 
     name = "fuse"
+    options = {
+        "views": Option(None, to_bool, "compute candidates joined by reshapes in one shape, which specializes the "
+                        "graph to the example's sizes (default: when fuse is asked for, not in the default pipeline, "
+                        "whose graph runs at any shape)"),
+    }
 
     def skip_by_default(self, gm, ctx, pipeline):
         device = graph_device(gm)
@@ -210,7 +217,8 @@ class Fuse(Pass):
         regions = []
         device = graph_device(gm)
         # a staged graph runs at a microbatch's sizes, not the example's; where no kernel runs, no group forms
-        if not ctx.microbatches and (device == "cuda" or interpreting()):
+        views = not self.by_default if self.settings["views"] is None else self.settings["views"]
+        if views and not ctx.microbatches and (device == "cuda" or interpreting()):
             written = written_values(gm)
             regions = lift_views(gm, candidates(gm, written)[0], written)
         if regions:
