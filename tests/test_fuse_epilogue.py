@@ -86,11 +86,23 @@ def test_the_fused_step_keeps_no_more_than_eager_and_the_estimate_sees_it():
     assert peaks["fused"] <= peaks["plain"] + 4 * 256 * 4
 
 
-def test_a_squeeze_excite_convolution_keeps_its_bias():
-    """On a 1x1 map a convolution is a linear over channels on a few kB: its bias stays in it."""
-    def fn(m, x):
-        return x * torch.sigmoid(m.fc(x.mean((2, 3), keepdim=True)) * 2.0)
+def squeeze_excite(m, x):
+    return x * torch.sigmoid(m.expand(m.act(m.reduce(x.mean((2, 3), keepdim=True)))))
+
+
+def test_a_squeeze_excite_convolution_before_a_relu_keeps_its_bias():
+    """On a 1x1 map each value scales a channel of the block: a ReLU flipped at a tie by the
+    group's rounding would move a channel's gradient (RegNetY). Before the sigmoid, which joins
+    the product after it, the add would save nothing: the bias stays in the convolution too."""
     x = torch.randn(2, 8, 5, 5, requires_grad=True)
-    model, opt, stats = fuse(fn, x, fc=nn.Conv2d(8, 8, 1))
-    assert all("fc" not in g["nodes"] for g in stats["groups"])
+    model, opt, stats = fuse(squeeze_excite, x, reduce=nn.Conv2d(8, 4, 1), act=nn.ReLU(), expand=nn.Conv2d(4, 8, 1))
+    assert group_nodes(stats) == [["sigmoid", "mul"]]
+    assert_same_step(model, opt, (x,), {}, exact=False)
+
+
+def test_a_squeeze_excite_convolution_before_a_silu_gives_its_bias_to_the_group():
+    """EfficientNet's squeeze-excite: the SiLU between the two 1x1 convolutions is a group of two."""
+    x = torch.randn(2, 8, 5, 5, requires_grad=True)
+    model, opt, stats = fuse(squeeze_excite, x, reduce=nn.Conv2d(8, 4, 1), act=nn.SiLU(), expand=nn.Conv2d(4, 8, 1))
+    assert group_nodes(stats) == [["reduce", "act"], ["sigmoid", "mul"]]
     assert_same_step(model, opt, (x,), {}, exact=False)

@@ -69,9 +69,10 @@ def epilogue_member(node: torch.fx.Node, op, bound) -> tuple | None:
     if binfo.shape != (info.shape[1],) or len(info.shape) < 3 or \
             any(not isinstance(bound.params.get(p), (int, tuple, list)) for p in CONV_PARAMS):
         return None
-    if all(s == 1 for s in info.shape[2:]):
-        # a squeeze-excite's 1x1 map: a linear over channels on a few kB, its rows a handful of
-        # columns; moving its bias add changes rounding for nothing (on RegNetY it flipped a ReLU
-        # downstream, at -3e-7, and with it a gradient, which float64 sides with eager on)
-        return None
     return RowSpace.channels(info.shape), bias, ROW
+
+
+def gates_channels(rows: RowSpace, kind: str) -> bool:
+    """Whether the bias add is a convolution's on a 1x1 map (squeeze-excite): each of its values
+    scales a whole channel of the block after it."""
+    return kind == ROW and len(rows.shape) > 2 and all(s == 1 for s in rows.shape[2:])

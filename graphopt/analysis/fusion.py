@@ -54,7 +54,7 @@ from .aliases import Aliases
 from .dropout_members import DrawnMask, drawn_bernoulli, emit_bernoulli, emit_dropout, training_dropout
 from .effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
     written_inputs, written_values
-from .epilogue_members import BiasFree, epilogue_member
+from .epilogue_members import BiasFree, epilogue_member, gates_channels
 from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import build_rows, fits_rows
@@ -321,6 +321,17 @@ def _passes_gradient(op_name: str) -> bool:
     return op is not None and op.passes_gradient
 
 
+def _beside_members(node: torch.fx.Node, but: torch.fx.Node, members: dict) -> bool:
+    """Whether a candidate other than `but` gives the node a value or takes its value (not a
+    bias add's: its matmul, outside any group, is what reads or makes it)."""
+    return any(v in members and v is not but and not members[v].epilogue for v in [*node.all_input_nodes, *node.users])
+
+
+def _piecewise_gradient(op_name: str) -> bool:
+    op = ops.canonical_ops().get(op_name)
+    return op is None or op.piecewise_gradient
+
+
 def _traffic(member: Member) -> int:
     """Bytes eager reads and writes for one node; an identity dropout returns its input untouched,
     a matmul adds its bias as it writes its result."""
@@ -424,9 +435,17 @@ def candidates(gm: torch.fx.GraphModule, written: dict | None = None) -> tuple[d
     for node, m in list(members.items()):
         # an add passes its gradient through, and a cast (HF's logits.float()) may be no copy at
         # all, where the group would store one: a bias add pays only beside an op whose backward
-        # computes (a GELU, a norm, a dropout)
-        if m.epilogue and not any(u in members and not members[u].epilogue and not _passes_gradient(members[u].op)
-                                  for u in node.users):
+        # computes (a GELU, a norm, a dropout). On a squeeze-excite's 1x1 map it saves no memory
+        # worth the name: it goes only to an op that would be a kernel alone (EfficientNet's
+        # SiLU between the two convolutions, not the sigmoid that joins the product after it),
+        # and not to one whose gradient is computed by cases: moving the add out of the
+        # convolution's sum changes its rounding, and a ReLU flips at a tie the ulp crosses,
+        # moving a whole channel's gradient (RegNetY: a pre-activation of -3e-7, 7% of a
+        # block's weight gradient, float64 siding with eager)
+        users = [u for u in node.users if u in members and not members[u].epilogue]
+        gated = m.epilogue and gates_channels(m.row, m.epilogue)
+        if m.epilogue and (not any(not _passes_gradient(members[u].op) for u in users) or gated and any(
+                _piecewise_gradient(members[u].op) or _beside_members(u, node, members) for u in users)):
             members.pop(node)
             reasons[node] = NOT_ELEMENTWISE.format(kind=ops.lookup(node, gm).kind)
         for a in m.absorbed:

@@ -41,6 +41,13 @@ class OpInfo:
         return self.derivatives is not None and all(
             d is None or set(re.findall(r"\{(\w+)\}", d)) <= known for d in self.derivatives)
 
+    @property
+    def piecewise_gradient(self) -> bool:
+        """Whether a derivative template computes by cases (a comparison, a where, a max or min:
+        relu, hardswish, clamp): an operand moved by an ulp across a case's edge moves the
+        gradient by a step, not by an ulp."""
+        return any(re.search(r"tl\.(where|maximum|minimum)|[<>]", d or "") for d in self.derivatives or ())
+
     def __post_init__(self):
         assert self.kind in KINDS, (self.name, self.kind)
         assert self.precision in PRECISION_CLASSES + (None,), (self.name, self.precision)
