@@ -170,3 +170,17 @@ def test_the_default_pipeline_keeps_its_graph_running_at_any_shape(monkeypatch):
     fused = next(p for p in opt.graphopt_report.passes if p.name == "fuse")
     assert fused.by_default and fused.stats["view_regions"] == []
     assert opt.graphopt_report.runs_at == "any shapes the model takes (torch.fx)"
+
+
+def test_a_region_that_joins_nothing_once_its_members_are_chosen_is_not_rewritten():
+    """A per-channel scale between reshapes before a batch norm's weight (NFNet's standardized
+    weights): the norm does not compute in the scale's shape, so nothing is joined, and the
+    graph keeps running at any shape."""
+    def fn(m, x, g):
+        w = (g.reshape(8) * 0.5).reshape(8)
+        return F.batch_norm(x, None, None, weight=w, training=True) * 2.0
+    x, g = leaves((1, 8, 6), (8, 1, 1))
+    model, opt, stats = normalized_and_fused(fn, x, g)
+    assert stats["view_regions"] == []
+    assert opt.graphopt_report.runs_at == "any shapes the model takes (torch.fx)"
+    assert_same_step(model, opt, (x, g), {}, exact=False)

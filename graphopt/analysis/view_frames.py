@@ -151,11 +151,15 @@ def find_regions(gm: torch.fx.GraphModule, eligible: dict, views: set) -> list[R
     return regions
 
 
+def _joins(views: list, members, joining: set) -> bool:
+    """Whether a reshape (or a chain of them) lies between two of these members."""
+    return any(v.all_input_nodes[0] in members and any(u in members for u in _through(v, joining)) for v in views)
+
+
 def _region(nodes: list, eligible: dict, joining: set) -> Region | None:
     views = [n for n in nodes if n in joining]
     members = [n for n in nodes if n not in joining]
-    if not views or not any(v.all_input_nodes[0] in eligible and any(u in eligible for u in _through(v, joining))
-                            for v in views):
+    if not _joins(views, eligible, joining):
         return None
     counts = {math.prod(tensor_info(v).shape) for v in views}
     if len(counts) != 1:  # reshapes of values of several sizes: no one index space
@@ -183,7 +187,7 @@ def _region(nodes: list, eligible: dict, joining: set) -> Region | None:
         if v.all_input_nodes[0] in given:
             given.add(v)
     views = [v for v in views if v in given]
-    if not views:
+    if not _joins(views, set(kept), joining):  # what is left joins nothing: no rewrite, no specialization
         return None
     order = {n: i for i, n in enumerate(nodes)}
     return Region(sorted(kept + views, key=order.__getitem__), views, {n: frames[n] for n in kept}, shape)
