@@ -285,3 +285,23 @@ def test_optimize_places_the_passes_its_arguments_ask_for_in_order():
     opt = graphopt.optimize(model, args, passes="normalize,inplace", precision="bf16", budget_gb=1.0)
     assert [p.name for p in opt.graphopt_report.passes] == ["normalize", "precision{dtype=bf16}", "inplace",
                                                             "recompute{budget_gb=1.0}"]
+
+
+
+class SameLayoutViews(nn.Module):
+    """A reshape to the shape a tensor has, a contiguous() of a contiguous one, and a detach."""
+
+    def forward(self, x):
+        v = (x * 2.0).reshape(x.shape).contiguous()
+        return v.view(-1).detach() + v.view(4, 8).view(-1) * 3.0
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_normalize_removes_views_that_read_their_input_as_it_is_but_not_detach(frontend):
+    model, args = SameLayoutViews(), (torch.randn(4, 8, requires_grad=True),)
+    opt = graphopt.optimize(model, args, passes="normalize", frontend=frontend)
+    left = [ops.lookup(n, opt).name for n in opt.graph.nodes if n.op.startswith("call")
+            and getattr(ops.lookup(n, opt), "kind", None) == "view"]
+    assert "detach" in left and "contiguous" not in left
+    assert left == ["view", "detach", "view"]  # v.view(-1), twice; v.view(4, 8) and the reshape to x.shape were v
+    assert_same_step(model, opt, args, {}, exact=True)

@@ -28,10 +28,12 @@ Algorithm:
      where the kernel takes it: on CPU, and on CUDA without a mask (CUDA's kernels that take a
      mask do not take enable_gqa, and SDPA would fall back to its slow math path).
   8. Identities: a dropout with p=0, or in eval mode, returns its input tensor itself and draws
-     nothing (ATen's dropout), and an nn.Identity returns its input (timm's empty drop-block and
-     anti-aliasing slots); where the FakeTensor run shows the result sharing the input's storage,
-     offset, shape and strides, its uses read the input, and the node goes. Later passes then
-     see the ops around it as neighbours (fuse, recompute).
+     nothing (ATen's dropout), an nn.Identity returns its input (timm's empty drop-block and
+     anti-aliasing slots), and a reshape to the shape its input has (NFNet's `.view(-1)` of a
+     vector) or a contiguous() of a contiguous tensor reads it as it is laid out (detach is
+     kept: it cuts the gradient); where the FakeTensor run shows the result sharing the
+     input's storage, offset, shape and strides, its uses read the input, and the node goes.
+     Later passes then see the ops around it as neighbours (fuse, recompute).
   9. Stochastic depth: torchvision's stochastic_depth (a function fx keeps whole) is spelled out
      as the ops it runs, the ops timm's drop_path is traced into: in training with p > 0,
      x * torch.bernoulli(x.new_empty((N, 1, ..., 1)), 1 - p) / (1 - p) (ATen's functional
@@ -55,6 +57,7 @@ from .. import ops
 from ..analysis import meta
 from ..analysis.aliases import Aliases, storage_key
 from ..analysis.effects import is_identity_dropout
+from ..analysis.view_frames import REORDERING_FREE
 from .base import Pass, PassContext, PassResult
 from .registry import register
 
@@ -211,12 +214,16 @@ class Normalize(Pass):
                                         "stochastic_depths": depths})
 
 
+# views that read their input as it is laid out (detach is no such identity: it cuts the gradient)
+SAME_LAYOUT_VIEWS = ("alias", "contiguous", *REORDERING_FREE)
+
+
 def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
     """Step 8; the number of dropouts and identities removed."""
     removed = 0
     for node in list(gm.graph.nodes):
         op = ops.lookup(node, gm) if node.op.startswith("call") else None
-        if op is None or not (op.random or op.name == "alias"):
+        if op is None or not (op.random or op.name in SAME_LAYOUT_VIEWS):
             continue
         bound = ops.bind(node, gm)
         if bound is None or (op.random and not is_identity_dropout(op, bound.params)):
