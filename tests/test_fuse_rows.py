@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import assert_same_step, measured_step_peak, plain_and_fused_peaks
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fuse import fused_nodes, group_nodes, module
+from test_fuse import fused_nodes, group_nodes, leaves, module
 
 import graphopt
 from graphopt.analysis.memory import estimate_peak
@@ -345,3 +345,18 @@ def test_a_batch_norm_in_training_between_two_ops_does_not_keep_them_apart():
     x, y = torch.randn(2, 4, 6, 6, requires_grad=True), torch.randn(2, 4, 6, 6, requires_grad=True)
     opt, stats = fuse(fn, x, y, c1=torch.nn.Conv2d(4, 4, 3, padding=1, bias=False), bn=torch.nn.BatchNorm2d(4))
     assert group_nodes(stats) == [["tanh", "mul", "add", "mul_1"], ["bn"]]
+
+
+def test_a_batch_norms_weight_computed_from_a_channel_vector_joins_its_group():
+    """NFNet's standardized weights: batch_norm(w.reshape(1, C, -1), weight=(gain * scale).view(-1))
+    in training; the scale and the reshape of the [C, 1, 1, 1] gain are per-channel values of
+    the norm's rows, computed in its kernel."""
+    def fn(m, x, w, g):
+        weight = F.batch_norm(w.reshape(1, 8, -1), None, None, weight=(g * 0.5).view(-1), training=True,
+                              momentum=0.0, eps=1e-6).reshape_as(w)
+        return F.conv2d(x, weight) * 2.0
+    x, w, g = leaves((2, 4, 6, 6), (8, 4, 3, 3), (8, 1, 1, 1))
+    model = module(fn, 3)
+    opt = graphopt.optimize(model, (x, w, g), passes="normalize,fuse", verify=True)
+    assert group_nodes(opt.graphopt_report.passes[-1].stats) == [["mul", "view", "batch_norm"]]
+    assert_same_step(model, opt, (x, w, g), {}, exact=False)

@@ -58,6 +58,7 @@ from .epilogue_members import BiasFree, epilogue_member, gates_channels
 from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import build_rows, fits_rows
+from .view_frames import reorder_free_view
 from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, as_state, channel_norm, info_of, row_member
 
 CYCLE = "would create a cycle (path {path})"
@@ -141,6 +142,8 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     if epilogue is not None:
         rows, bias, kind = epilogue
         return Member(node, "add", (BiasFree(node, op.name), as_state(bias, gm)), {}, row=rows, epilogue=kind)
+    if _reshapes_norm_vector(node, op, gm, written):  # joins only that norm's group (row_fusion.channel_vectors)
+        return Member(node, op.name, (node.all_input_nodes[0],), {}, identity=True)
     drawn = drawn_bernoulli(node, op, bound)
     if isinstance(drawn, str):
         return drawn
@@ -196,6 +199,22 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
         inner = min((d for d, size in enumerate(info.shape) if size != 1), key=lambda d: info.stride[d])
         return Member(node, op.name, tuple(bound.operands), dict(bound.params), row=RowSpace(info.shape, (inner,)))
     return Member(node, op.name, tuple(bound.operands), dict(bound.params), strided=strided)
+
+
+def _reshapes_norm_vector(node: torch.fx.Node, op, gm: torch.fx.GraphModule, written: dict) -> bool:
+    """Whether the node reshapes a vector of channels ([C, 1, 1, 1] to [C]: NFNet's
+    (gain * scale).view(-1)) for batch norms' weights or biases only."""
+    if not reorder_free_view(node, op, written):
+        return False
+    shapes = [tensor_info(v).shape for v in (node.all_input_nodes[0], node)]
+    if {len([s for s in shape if s != 1]) for shape in shapes} != {1} or max(shapes[0]) != max(shapes[1]):
+        return False
+    for user in node.users:
+        bound = ops.bind(user, gm) if user.op in CALLS else None
+        if bound is None or bound.op.name not in BATCH_NORMS or node not in bound.operands[1:3] \
+                or node is bound.operands[0]:
+            return False
+    return True
 
 
 def _path(q: nx.DiGraph, a, b, names) -> list[str] | None:

@@ -60,14 +60,41 @@ def emit(b: Builder, op: str, refs: list, params: dict, rows: RowSpace, index):
     return emit_rms_norm(b, refs[0], refs[1], columns, params["eps"])
 
 
+def channel_vectors(members: list) -> set:
+    """The elementwise members that compute a batch norm's weight or bias in the group (NFNet's
+    gain * scale): their values are vectors of the channels, per row whatever their shape says,
+    used by nothing but the norms' weights and biases and one another."""
+    norms = [m for m in members if m.op in BATCH_NORMS]
+    if not norms:
+        return set()
+    channels = norms[0].row.shape[1]
+
+    def vector(info):  # [C], [C, 1, 1, 1] or a 0-dim scalar
+        return info is None or (info.dtype == DTYPE and [s for s in info.shape if s != 1] in ([channels], [])
+                                and (not info.shape or info.shape[0] == channels))
+    held = {m.node: m for m in members}
+    found = {m.node for m in members if m.row is None and m.mask is None and not m.epilogue
+             and tensor_info(m.node).shape[:1] == (channels,) and vector(tensor_info(m.node))
+             and all(vector(info_of(v)) for v in m.operands)}
+    changed = True
+    while changed:  # keep those whose every use is a norm's weight or bias, or one of them
+        kept = {n for n in found if all(u in found or (u in held and held[u].op in BATCH_NORMS and n in held[u].operands[1:3]
+                                                        and n is not held[u].operands[0]) for u in n.users)}
+        changed, found = kept != found, kept
+    return found
+
+
 def fits_rows(members: list, rows: RowSpace) -> str | None:
     """Why these members cannot all be one row group in these rows; None when they can."""
     where = f"rows of {list(rows.shape)}" + ("" if rows.col_dims == (len(rows.shape) - 1,) else
                                               f" over dims {list(rows.col_dims)}")
+    vectors = channel_vectors(members)
     for m in members:
         if m.row is not None:
             if m.row != rows:
                 return f"{m.node.name} reduces rows of {list(m.row.shape)} over dims {list(m.row.col_dims)}, the group's are {where}"
+            continue
+        if m.node in vectors:
             continue
         out = tensor_info(m.node)
         kinds = []
@@ -122,6 +149,11 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
     def columns():
         return slot(None, INDEX)
 
+    vectors = channel_vectors([members[n] for n in nodes if n in members])
+
+    def per_row(value):  # a batch norm's vector of the channels, given or computed in the group
+        return refs[value] if value in inside else slot(value, ROW)
+
     for node in nodes:
         m = members.get(node)
         if m is None:  # absorbed by a member after it
@@ -135,7 +167,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
         elif m.op in BATCH_NORMS:  # its per-channel vectors are per row, whatever their shape says
             training = m.params["training"]
             read = m.operands[1:3] if training else m.operands[1:]  # training reads no running statistics
-            per_channel = [None if v is None else slot(v, ROW) for v in read] + [None, None] * training
+            per_channel = [None if v is None else per_row(v) for v in read] + [None, None] * training
             y, mean, var = emit_batch_norm(b, [ref(m.operands[0]), *per_channel], m.params, rows.columns)
             refs[node] = y
             if training and m.operands[3] is not None:
@@ -152,6 +184,8 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
             refs[node] = emit_dropout(b, ref(m.operands[0]), slot(m.mask, FULL), m.mask.keep, m.mask.dtype)
         elif m.op in ROW_OPS:
             refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
+        elif node in vectors:
+            refs[node] = b(m.op, *(per_row(v) if isinstance(v, torch.fx.Node) else v for v in m.operands), **m.params)
         else:
             refs[node] = b(m.op, *(ref(v) for v in m.operands), **m.params)
     outputs, stored, aliases = group_outputs(nodes, refs, slots, lambda node: node in members)

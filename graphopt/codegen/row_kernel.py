@@ -262,9 +262,11 @@ def _space(group: RowGroup, inputs, space: RowSpace | None, values: bool, missin
 
 
 def _view_shape(kind: str, shape: tuple, space: RowSpace) -> tuple:
-    """How the kernel views an input of this shape: a ROW value given without the col dims (a
-    class index per row, a batch norm's per-channel vector) with them; others as they are."""
-    if kind == ROW and len(shape) < len(space.shape) and shape == tuple(space.shape[d] for d in space.row_dims):
+    """How the kernel views an input of this shape: a ROW value of another rank than the rows'
+    whose sizes other than 1 are the row dims' (a class index per row, a batch norm's
+    per-channel vector, NFNet's [C, 1, 1, 1] gain) with the col dims; others as they are."""
+    if kind == ROW and len(shape) != len(space.shape) and \
+            [s for s in shape if s != 1] == [space.shape[d] for d in space.row_dims if space.shape[d] != 1]:
         return space.row_shape()
     return shape
 

@@ -117,10 +117,10 @@ class FusedRowOp:
 
     def space(self, inputs) -> RowSpace:
         """The rows of this call: the shape every input broadcasts to (a vector per row given
-        without the col dims aside), with the rows' col dims (the last by default)."""
+        in another rank aside), with the rows' col dims (the last by default)."""
         rank = max(t.dim() for k, t in enumerate(inputs) if t is not None and self.group.input_kind(k) == FULL)
         shapes = [t.shape for k, t in enumerate(inputs)
-                  if t is not None and not (self.group.input_kind(k) == ROW and t.dim() < rank)]
+                  if t is not None and not (self.group.input_kind(k) == ROW and t.dim() != rank)]
         shape = tuple(torch.broadcast_shapes(*shapes))
         return RowSpace(shape, self.col_dims) if self.col_dims is not None else RowSpace.last(shape)
 
