@@ -3,12 +3,13 @@ traffic before and after, and the training step's measured peak without and with
 
     TRITON_INTERPRET=1 python bench/fusion_coverage.py [--models a,b] [--out FILE]
 
-Per model (tests/corpus, its own batch): passes="fuse" on the traced graph. Memory-bound ops are
-the forward's elementwise ops, casts, reductions, norms, softmaxes, losses and dropouts
-(analysis/fusion.memory_bound); the fuse pass's report counts them before and after, with the
-bytes they read and write. The peaks are the user's step (forward, the case's loss, backward,
-gradients None before), measured as live tensor storages with the kernels run in Triton's
-interpreter.
+Per model (tests/corpus, its own batch): passes="normalize,cse,dce,fuse" against
+"normalize,cse,dce". Memory-bound ops are the forward's elementwise ops, casts, reductions,
+norms, softmaxes, losses and dropouts (analysis/fusion.memory_bound), after normalize (which
+spells out torchvision's stochastic depth); the fuse pass's report counts them before and
+after, with the bytes they read and write. The peaks are the user's step (forward, the case's
+loss, backward, gradients None before), measured as live tensor storages with the kernels run
+in Triton's interpreter.
 """
 from __future__ import annotations
 

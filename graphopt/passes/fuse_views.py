@@ -85,6 +85,10 @@ def _rewrite(gm: torch.fx.GraphModule, region: Region, eligible: dict) -> None:
         operands = node.all_input_nodes if eligible[node] == ELEMENTWISE else node.all_input_nodes[:1]
         for v in dict.fromkeys(operands):
             node.replace_input_with(v, value[v] if v in inside else enter(v, region.frames[node], node))
+        for v in dict.fromkeys(node.all_input_nodes):  # a reshape that goes, read as a norm's weight
+            if v in views:
+                with graph.inserting_before(node):
+                    node.replace_input_with(v, graph.call_method("reshape", (value[v], *tensor_info(v).shape)))
         value[node] = node
     for node in region.nodes:
         outside = [u for u in node.users if u not in inside]
