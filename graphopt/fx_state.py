@@ -6,8 +6,15 @@ symbolic_trace runs forward once with proxies. Buffers read as attributes are pr
 A buffer forward rebinds (`self.steps += 1` on a proxy is an add, then an assignment) holds a
 Proxy once tracing ends: StateWatch puts the buffer back and the graph copies the new value
 into it before returning, once per call, as torch.export writes mutated buffers back.
+
+The modules' other attributes are put back as well: a forward that caches what it computes
+(timm LeViT keeps its attention biases in a dict in eval mode) leaves a Proxy, or under
+export a FakeTensor, in the cache otherwise, and the user's model then holds it for good
+(copy.deepcopy of it fails, and a later cache hit would read it).
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.fx
@@ -36,6 +43,7 @@ class StateWatch:
                       for kind in ("_buffers", "_parameters") for name, t in getattr(m, kind).items()]
         self.names = {id(t): f"{path}.{name}" if path else name for path, _, name, t in self.slots}
         self.values = Snapshot([t for *_, t in self.slots if t is not None and not isinstance(t, torch.nn.Parameter)])
+        self.attributes = [_Attributes(m) for m in model.modules()]
 
     def __enter__(self):
         return self
@@ -62,11 +70,36 @@ class StateWatch:
 
     def __exit__(self, kind, error, tb):
         self._restore()
+        for attributes in self.attributes:
+            attributes.restore()
         written = [self.names[id(t)] for t in self.values.restore()]
         if written and error is None and self.refuse:
             raise TraceError(f"tracing wrote {', '.join(written[:3])} in place outside the graph (its forward "
                              "reaches the buffer other than as a module attribute); the state is restored")
         return False
+
+
+class _Attributes:
+    """A module's plain attributes (not its parameters, buffers or submodules: those are
+    torch's, in the underscored dicts), and the contents of the dicts, lists and sets among them."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.values = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+        self.contents = {k: copy.copy(v) for k, v in self.values.items() if type(v) in (dict, list, set)}
+
+    def restore(self) -> None:
+        now = vars(self.module)
+        for k in [k for k in now if not k.startswith("_") and k not in self.values]:
+            del now[k]
+        now.update(self.values)
+        for k, saved in self.contents.items():  # refilled as they were: comparing would call tensors' ==
+            value = self.values[k]
+            value.clear()
+            if type(value) is list:
+                value.extend(saved)
+            else:
+                value.update(saved)
 
 
 def check_write_backs(gm: torch.fx.GraphModule) -> None:

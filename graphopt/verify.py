@@ -106,7 +106,22 @@ def float64_copy(module: torch.nn.Module, args: tuple, kwargs: dict):
     """A float64 copy of the module, and the inputs in float64: (module, args, kwargs)."""
     args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t,
                                         (args, kwargs))
-    return _copy.deepcopy(module).double(), args, kwargs
+    return _deepcopy(module).double(), args, kwargs
+
+
+def _deepcopy(module: torch.nn.Module) -> torch.nn.Module:
+    """copy.deepcopy, but a tensor autograd made that the module keeps beside its parameters and
+    buffers (a cache: timm LeViT's attention biases in eval) is copied detached, as deepcopy
+    refuses to copy it; the copy computes with the same values."""
+    memo = {}
+    for m in module.modules():
+        for name, value in vars(m).items():
+            if name.startswith("_"):  # parameters, buffers, submodules, hooks: deepcopy's own
+                continue
+            for t in pytree.tree_leaves(value):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    memo[id(t)] = t.detach().clone()
+    return _copy.deepcopy(module, memo)
 
 
 def float64_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, seed: int) -> dict:

@@ -1,8 +1,11 @@
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 
 import graphopt
+from graphopt.errors import TraceError
 from graphopt.analysis.meta import TensorInfo, tensor_info
 from graphopt.testing import zoo
 
@@ -169,3 +172,36 @@ def test_a_batch_the_model_depends_on_or_of_one_row_stays_static():
     assert torch.equal(one(x[:1]), model(x[:1]))
     with pytest.raises(graphopt.UsageError, match="torch.export traced it for those shapes"):
         one(x)
+
+
+class CachingAttention(nn.Module):
+    """timm LeViT's pattern: in eval mode, biases computed once per device and kept in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 8))
+        self.cache = {}
+
+    def biases(self, device):
+        key = str(device)
+        if self.training:
+            return self.table * 2.0
+        if key not in self.cache:
+            self.cache[key] = self.table * 2.0
+        return self.cache[key]
+
+    def forward(self, x):
+        return x @ self.biases(x.device).t()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_tracing_leaves_a_modules_cache_as_it_found_it(frontend):
+    model = CachingAttention().eval()
+    x = torch.randn(3, 8)
+    try:
+        graphopt.trace(model, (x,), frontend=frontend)
+    except TraceError:  # torch.export refuses a tensor made at trace time and kept: fx takes the model
+        assert frontend == "export"
+    assert model.cache == {}  # no Proxy, no FakeTensor left in it
+    copy.deepcopy(model)
+    torch.testing.assert_close(model(x), x @ (model.table * 2.0).t())

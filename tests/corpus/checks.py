@@ -17,6 +17,8 @@ each step, so the runs see the same state.
              microbatches (dropout draws the same masks, BatchNorm sees the same rows), losses averaged
   fuse       passes="fuse", and the cleanups then fuse (kernels under TRITON_INTERPRET=1): relative
              error <= 1e-5
+  fuse_eval  the cleanups then fuse on the model in eval mode (batch norms' running statistics,
+             dropouts gone, cached attention biases): relative error <= 1e-5
   inplace    passes="inplace": relative error <= 1e-5
   precision  precision="bf16": every op in the dtype torch.autocast gives it, loss within 1e-2 of
              autocast's
@@ -171,6 +173,12 @@ def check_fuse(case: Case) -> Result:
     return max(alone, _compare(case, after, EXACT), key=lambda r: (not r.passed, r.error or 0.0))
 
 
+def check_fuse_eval(case: Case) -> Result:
+    case.model.eval()
+    return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs,
+                                            passes=f"{CLEANUPS},fuse"), EXACT)
+
+
 def check_inplace(case: Case) -> Result:
     return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="inplace"),
                     EXACT)
@@ -255,7 +263,7 @@ def check_pair(case: Case, first: str, second: str) -> Result:
 CHECKS = {
     "trace": check_trace, "identity": check_identity, "default": check_default, "export": check_export,
     "batch": check_batch, "staged": check_staged,
-    "fuse": check_fuse,
+    "fuse": check_fuse, "fuse_eval": check_fuse_eval,
     "inplace": check_inplace, "precision": check_precision, "recompute": check_recompute,
 }
 
