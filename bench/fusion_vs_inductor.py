@@ -74,8 +74,11 @@ def inductor_side(case) -> dict:
             "inductor_setup_s": first - eager}
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], inductor_from: str | None = None) -> str:
     from graphopt.analysis.memory import size_text
+
+    earlier = f" Inductor's columns come from {os.path.basename(inductor_from)}, an earlier run; graphopt's " \
+              "were measured in this one." if inductor_from else ""
 
     lines = ["# graphopt's fuse pass against torch.compile (Inductor) on the real-model corpus", "",
              f"Generated {datetime.date.today()} by `{'TRITON_INTERPRET=1 ' if os.environ.get('TRITON_INTERPRET') == '1' else ''}"
@@ -83,7 +86,7 @@ def table(rows: list[dict]) -> str:
              f"torch {torch.__version__} ({'CUDA' if torch.cuda.is_available() else 'CPU: Inductor writes C++'}). "
              "Forward kernels: graphopt's fused kernels plus the memory-bound ops left outside them, against "
              "every kernel Inductor generates for the forward; bytes those access; setup: graphopt's optimize() "
-             "against Inductor's first training step less an eager step.", "",
+             f"against Inductor's first training step less an eager step.{earlier}", "",
              "| model | forward kernels: graphopt / Inductor | Inductor's whole step | bytes: graphopt / Inductor | "
              "setup s: graphopt / Inductor | setup ratio |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
         print(table([row]).splitlines()[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(table(rows))
+            f.write(table(rows, args.inductor_from))
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(rows, f, indent=1)
     return 0
