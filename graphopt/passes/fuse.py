@@ -3,10 +3,10 @@ them, as one generated Triton kernel, forward and backward.
 
 Algorithm:
   0. Candidates joined by reshapes compute in one shape (fuse_views.py: the graph is rewritten
-     so, at the example's sizes, and marked specialized to them); not where fuse runs in the
-     default pipeline, whose graph runs at any shape, unless fuse{views=true} says so, nor
-     under fuse{views=false}; not for a graph staged over
-     microbatches, which runs at a microbatch's sizes, nor where no kernel runs (step 1).
+     so, at the example's sizes, and marked specialized to them). Not under fuse{views=false},
+     nor in the default pipeline, whose graph runs at any shape, unless fuse{views=true} says
+     so; not for a graph staged over microbatches, which runs at a microbatch's sizes, nor
+     where no kernel runs (step 1).
   1. Find the groups (graphopt.analysis.fusion: maximal connected groups of registry elementwise
      ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
      and why their neighbours stay out. Kernels run on CUDA, or in Triton's interpreter (how

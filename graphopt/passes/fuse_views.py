@@ -70,7 +70,9 @@ def _rewrite(gm: torch.fx.GraphModule, region: Region, eligible: dict) -> None:
         if not isinstance(info, TensorInfo) or not info.shape:
             return v
         shape = region.form(info.shape, frame)
-        if shape is None or shape == tuple(info.shape):
+        if shape is None:  # find_regions keeps only members whose operands have a form in F
+            raise ValueError(f"{v.name} {list(info.shape)} has no form in {list(region.shape)}")
+        if shape == tuple(info.shape):
             return v
         if (v, shape) not in entered:
             with graph.inserting_before(before):
