@@ -360,3 +360,32 @@ def test_a_batch_norms_weight_computed_from_a_channel_vector_joins_its_group():
     opt = graphopt.optimize(model, (x, w, g), passes="normalize,fuse", verify=True)
     assert group_nodes(opt.graphopt_report.passes[-1].stats) == [["mul", "view", "batch_norm"]]
     assert_same_step(model, opt, (x, w, g), {}, exact=False)
+
+
+class LayerNorm2d(torch.nn.LayerNorm):
+    """timm's: a layer norm over the channels of NCHW, through permutes."""
+
+    def forward(self, x):
+        x = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+def test_a_layer_norm_over_channels_through_permutes_is_one_member_with_its_residual_add():
+    """CoAtNet's transformer blocks: x + attn(norm(x)), norm a LayerNorm2d. The norm computes in
+    x's own shape, its columns along dim 1, the permutes inside it; the add before it joins,
+    and its result leaves laid out as eager's permute leaves it (channels last)."""
+    def fn(m, x, y):
+        h = x + y
+        return m.conv(m.norm(h)) + h
+    x, y = leaves((2, 8, 5, 5), (2, 8, 5, 5))
+    model = module(fn, 2, norm=LayerNorm2d(8), conv=torch.nn.Conv2d(8, 8, 1))
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    opt = graphopt.optimize(model, (x, y), passes="normalize,fuse", verify=True)
+    stats = opt.graphopt_report.passes[-1].stats
+    assert group_nodes(stats) == [["add", "permute", "layer_norm", "permute_1"]]
+    (call,) = fused_nodes(opt)
+    normed = next(n for n in opt.graph.nodes if n.op == "call_module").args[0]
+    assert normed.meta["tensor_info"].stride == (200, 1, 40, 8)  # eager's permute of an NHWC result
+    assert_same_step(model, opt, (x, y), {}, exact=False)

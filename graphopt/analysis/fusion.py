@@ -59,7 +59,8 @@ from .group_outputs import group_outputs
 from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import build_rows, fits_rows
 from .view_frames import reorder_free_view
-from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, as_state, channel_norm, info_of, row_member
+from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, as_state, channel_layer_norm, channel_norm, info_of, \
+    row_member
 
 CYCLE = "would create a cycle (path {path})"
 NOT_ELEMENTWISE = "not elementwise ({kind})"
@@ -132,12 +133,13 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     if effect is not None:
         return effect
     bound = ops.bind(node, gm)
-    row = row_member(node, gm, op, bound)
+    row = row_member(node, gm, op, bound) or channel_layer_norm(node, gm, op)
     if row is not None:
         if isinstance(row, str):
             return row
         full, operands, params, absorbed = row
-        return Member(node, op.name, operands, params, row=full, absorbed=absorbed)
+        name = "layer_norm" if op.name == "permute" else op.name  # a layer norm over channels, through permutes
+        return Member(node, name, operands, params, row=full, absorbed=absorbed)
     epilogue = epilogue_member(node, op, bound)
     if epilogue is not None:
         rows, bias, kind = epilogue
@@ -244,7 +246,12 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
     # what each may write, views included: a batch norm's running statistics are nothing a group reads
     writes = {i: {m for v in written_inputs(order[i], gm) for m in [v, *aliases.sharing(v)]} for i in writers}
     drawers = [i for i, n in enumerate(order) if may_draw(n, gm) and not (n in members and members[n].identity)]
-    span = {n: (i, i) for i, n in enumerate(order) if n in members}  # a root's first and last position
+    position = {n: i for i, n in enumerate(order)}
+    for n, m in members.items():  # the nodes a member absorbs are computed inside it: one vertex with it
+        for a in m.absorbed:
+            nx.contracted_nodes(q, n, a, self_loops=False, copy=False)
+    # a root's first and last position (a member from the first node it absorbs)
+    span = {n: (min(position[v] for v in (n, *members[n].absorbed)), position[n]) for n in members}
     parent = {n: n for n in members}  # union-find: a group's root is its vertex in q
     rows = {n: m.row for n, m in members.items()}  # a root's row shape, once it holds a row member
     held = {n: [m] for n, m in members.items()}  # a root's members
@@ -262,6 +269,9 @@ def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.
             continue
         # a bias add's group starts after its matmul: it reads the matmul's inputs through it
         producers = node.all_input_nodes
+        if members[node].absorbed:  # it reads what the nodes it absorbs read
+            absorbed = members[node].absorbed
+            producers = [p for v in (node, *absorbed) for p in v.all_input_nodes if p not in absorbed]
         if members[node].mask is not None and not members[node].operands:  # a bernoulli reads its input's shape only
             producers = []
         if members[node].epilogue:
@@ -469,7 +479,8 @@ def candidates(gm: torch.fx.GraphModule, written: dict | None = None) -> tuple[d
             reasons[node] = NOT_ELEMENTWISE.format(kind=ops.lookup(node, gm).kind)
         for a in m.absorbed:
             members.pop(a, None)
-            reasons[a] = f"computed inside {node.name}'s kernel, which reads {m.operands[0].name} shifted"
+            reasons[a] = f"computed inside {node.name}'s kernel, which reads {m.operands[0].name}" + (
+                " shifted" if m.op == "cat" else f" with its columns along dim {m.row.col_dims[0]}")
     return members, reasons
 
 

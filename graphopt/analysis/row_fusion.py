@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..codegen.row_group import FULL, INDEX, ROW, Builder, combined, emit_cross_entropy, emit_layer_norm, \
+from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, combined, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
 from ..codegen.row_space import RowSpace, dim_order
 from .dropout_members import DrawnMask, emit_bernoulli, emit_dropout
@@ -182,6 +182,9 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
             refs[node] = emit_bernoulli(b, slot(m.mask, kind_of(m.mask.info.shape, rows)), m.mask.dtype)
         elif m.mask is not None:
             refs[node] = emit_dropout(b, ref(m.operands[0]), slot(m.mask, FULL), m.mask.keep, m.mask.dtype)
+        elif m.op in ("layer_norm", "rms_norm"):  # its weight and bias are per column, whatever their shape says
+            refs[node] = emit(b, m.op, [ref(m.operands[0]), *(None if v is None else slot(v, COL) for v in m.operands[1:])],
+                              m.params, rows, columns)
         elif m.op in ROW_OPS:
             refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
         elif node in vectors:

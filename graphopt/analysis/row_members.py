@@ -159,6 +159,41 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
     return rows, tuple(operands), params, ()
 
 
+def channel_layer_norm(node: torch.fx.Node, gm: torch.fx.GraphModule, op) -> tuple | None:
+    """A layer norm over the channels of x written through permutes (timm's LayerNorm2d:
+    x.permute(0, 2, 3, 1), layer_norm over the last dim, .permute(0, 3, 1, 2)), as one row
+    member in x's own shape, its columns along dim 1: (F, (x, weight, bias), params, the
+    permute and the norm it absorbs); None for any other node."""
+    if op is None or op.name != "permute" or len(node.all_input_nodes) != 1:
+        return None
+    norm = node.all_input_nodes[0]
+    inner = norm.all_input_nodes[0] if norm.all_input_nodes else None
+    if len(norm.users) != 1 or inner is None or len(inner.users) != 1:
+        return None
+    nop, iop = ops.lookup(norm, gm), ops.lookup(inner, gm)
+    if nop is None or nop.name != "layer_norm" or iop is None or iop.name != "permute":
+        return None
+    bound, nbound, ibound = ops.bind(node, gm), ops.bind(norm, gm), ops.bind(inner, gm)
+    x = ibound.operands[0] if ibound is not None else None
+    xinfo, info = info_of(x), tensor_info(node)
+    if bound is None or nbound is None or xinfo is None or not isinstance(info, TensorInfo) or nbound.operands[0] is not inner:
+        return None
+    rank = len(xinfo.shape)
+    moved = (0, *range(2, rank), 1)  # channels last, and back
+    if rank < 3 or tuple(ibound.params.get("dims", ())) != moved or \
+            tuple(bound.params.get("dims", ())) != (0, rank - 1, *range(1, rank - 1)):
+        return None
+    params = dict(nbound.params)
+    operands = [as_state(v, gm) for v in nbound.operands]
+    channels = (xinfo.shape[1],)
+    if tuple(params.get("normalized_shape") or ()) != channels or not isinstance(params.get("eps"), float) \
+            or xinfo.dtype != DTYPE or info.dtype != DTYPE or info.shape != xinfo.shape or not dense(info) or \
+            any(v is not None and (info_of(v) is None or info_of(v).dtype != DTYPE or info_of(v).shape != channels)
+                for v in operands[1:]):
+        return None
+    return RowSpace(tuple(xinfo.shape), (1,)), (x, *operands[1:]), params, (inner, norm)
+
+
 def column_slice(node: torch.fx.Node, gm: torch.fx.GraphModule):
     """(x, first column, width) when the node takes a run of x's last dim whole along the others
     (x[..., a:b], aten.slice, narrow); None otherwise."""

@@ -264,10 +264,15 @@ def _space(group: RowGroup, inputs, space: RowSpace | None, values: bool, missin
 def _view_shape(kind: str, shape: tuple, space: RowSpace) -> tuple:
     """How the kernel views an input of this shape: a ROW value of another rank than the rows'
     whose sizes other than 1 are the row dims' (a class index per row, a batch norm's
-    per-channel vector, NFNet's [C, 1, 1, 1] gain) with the col dims; others as they are."""
+    per-channel vector, NFNet's [C, 1, 1, 1] gain) with the col dims; a COL value so of the
+    col dims', when they are not just the last (a layer norm's weight over channels), with the
+    row dims; others as they are."""
     if kind == ROW and len(shape) != len(space.shape) and \
             [s for s in shape if s != 1] == [space.shape[d] for d in space.row_dims if space.shape[d] != 1]:
         return space.row_shape()
+    if kind == COL and len(shape) != len(space.shape) and space.col_dims != (len(space.shape) - 1,) and \
+            [s for s in shape if s != 1] == [space.shape[d] for d in space.col_dims if space.shape[d] != 1]:
+        return space.col_shape()  # a norm's weight over channels that are not the last dim
     return shape
 
 

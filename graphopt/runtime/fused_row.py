@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from ..codegen.group import Step
 from ..codegen.program import forward_expr, name
-from ..codegen.row_group import FULL, ROW, RowGroup
+from ..codegen.row_group import COL, FULL, ROW, RowGroup
 from ..codegen.row_kernel import row_backward, row_forward
 from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
@@ -116,11 +116,11 @@ class FusedRowOp:
         self.__init__(**state)
 
     def space(self, inputs) -> RowSpace:
-        """The rows of this call: the shape every input broadcasts to (a vector per row given
-        in another rank aside), with the rows' col dims (the last by default)."""
+        """The rows of this call: the shape every input broadcasts to (a vector per row or per
+        column given in another rank aside), with the rows' col dims (the last by default)."""
         rank = max(t.dim() for k, t in enumerate(inputs) if t is not None and self.group.input_kind(k) == FULL)
         shapes = [t.shape for k, t in enumerate(inputs)
-                  if t is not None and not (self.group.input_kind(k) == ROW and t.dim() != rank)]
+                  if t is not None and not (self.group.input_kind(k) in (ROW, COL) and t.dim() != rank)]
         shape = tuple(torch.broadcast_shapes(*shapes))
         return RowSpace(shape, self.col_dims) if self.col_dims is not None else RowSpace.last(shape)
 
