@@ -161,3 +161,16 @@ def test_a_bernoulli_of_a_tensor_of_probabilities_stays_out_with_the_reason():
     expected = model(x, probs)
     torch.manual_seed(0)
     assert torch.equal(opt(x, probs), expected)
+
+
+def test_the_saved_tensors_of_a_fused_drop_path_are_its_mask_alone():
+    """x * noise + y reads only the mask backward: the call keeps meta stand-ins of x and y,
+    which hold no memory, and the saved-tensor analysis counts none of them."""
+    from graphopt.analysis.saved import saved_tensors
+    from graphopt.trace import placeholder_values
+
+    x, y, w = leaves((4, 6, 8), (4, 6, 8), (8, 8))
+    _, opt, _ = normalized_and_fused(lambda m, x, y, w: drop_path(x @ w, 0.2) + y, x, y, w)
+    (call,) = fused_nodes(opt)
+    saved = saved_tensors(opt, placeholder_values(opt, (x, y, w), {}))[call.name]
+    assert [s.nbytes for s in saved] == [4]  # the bool mask of 4 samples

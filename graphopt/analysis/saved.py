@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .aliases import storage_key
@@ -161,6 +162,8 @@ class _Recorder(torch.fx.Interpreter):
                          policy_storages)
 
     def pack(self, t: torch.Tensor):
+        if t.device.type == "meta" and not isinstance(t, FakeTensor):
+            return t  # no memory: a fused call's stand-in for an input its backward does not read
         key = storage_key(t)
         source, owner = self.owner.get(key, ("internal", self.current.name))
         if source == "internal":
