@@ -36,8 +36,6 @@ from .meta import TensorInfo, tensor_info
 # a candidate's kind in a region: computed element by element, over rows of its last dim (kept
 # whole by F), or in its own shape only (a batch norm's channels are its dim 1)
 ELEMENTWISE, ROWS, FIXED = "elementwise", "rows", "fixed"
-# view ops that keep the elements' order: the result is the input read in a new shape
-REORDERING_FREE = ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "unsqueeze", "squeeze")
 
 
 @dataclass
@@ -114,7 +112,7 @@ def written_in(shape, frame, target) -> tuple | None:
 def reorder_free_view(node: torch.fx.Node, op, written: dict) -> bool:
     """Whether the node is a reshape of a contiguous tensor into a contiguous one that nothing
     writes through: a no-op on the elements' order."""
-    if op is None or op.name not in REORDERING_FREE or node in written:
+    if op is None or not op.keeps_order or node in written:
         return False
     source = node.all_input_nodes[0] if node.all_input_nodes else None
     infos = [tensor_info(node), tensor_info(source) if source is not None else None]

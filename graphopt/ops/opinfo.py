@@ -26,6 +26,7 @@ class OpInfo:
     out_variant_of: str | None = None
     side_effect: bool = False  # must survive dead-code elimination though its result is unused (asserts)
     aliases: bool = False  # the result may share storage with an input (views, and casts that are no-ops)
+    keeps_order: bool = False  # a view reading its input's elements in their order, in another shape (reshape)
     output: str = "tensor"  # what the node produces: one of OUTPUTS
 
     @property

@@ -51,7 +51,8 @@ def _ops():
         if name in elementwise.NO_TWIN or op.output != "tensor" or not hasattr(aten, base + "_"):
             continue
         twin = name + "_"
-        ops[twin] = replace(op, name=twin, inplace_of=name, mutates=True, precision=None)
+        ops[twin] = replace(op, name=twin, inplace_of=name, mutates=True, precision=None,
+                             keeps_order=False)
         ops[name] = replace(op, inplace=twin)
         order[twin], renames[twin] = order[name], renames[name]
     return ops, order, renames
@@ -124,7 +125,8 @@ def _out_variants(ops, order, renames, targets):
     for name, op in list(ops.items()):
         if (name in outable or VARIANT_OF.get(name) in outable) and not op.mutates:
             out = name + "_out"
-            ops[out] = replace(op, name=out, out_variant_of=name, mutates=True, precision=None, inplace=None)
+            ops[out] = replace(op, name=out, out_variant_of=name, mutates=True, precision=None, inplace=None,
+                               keeps_order=False)
             ops[name] = replace(op, out_variant=out)
             order[out], renames[out] = order[name], renames[name]
 

@@ -35,3 +35,6 @@ SPECS = {
 }
 for spec in SPECS.values():
     spec.update(kind="view", aliases=True)
+# the result is the input's elements in their order, read in a new shape
+for name in ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "unsqueeze", "squeeze"):
+    SPECS[name].update(keeps_order=True)

@@ -16,6 +16,7 @@ import torch.fx
 from .. import ops
 from ..analysis.effects import CALLS
 from ..analysis.meta import TensorInfo, tensor_info
+from ..analysis.row_members import NORMALIZING, REDUCING
 from ..analysis.view_frames import ELEMENTWISE, FIXED, ROWS, Region, find_regions, reorder_free_view
 
 _LAST = (-1, (-1,), [-1])
@@ -31,13 +32,12 @@ def _kind(node: torch.fx.Node, member, gm: torch.fx.GraphModule) -> str | None:
         return ELEMENTWISE
     if member.row.col_dims != (len(member.row.shape) - 1,):
         return FIXED
+    # row_members checked the op reduces or normalizes the last dim (and keeps it); a dim given
+    # by number is the last dim only at this rank, and a rewritten member's rank changes
     bound = ops.bind(node, gm)
     params = bound.params if bound is not None else {}
-    if member.op in ("layer_norm", "rms_norm") and len(tuple(params.get("normalized_shape") or ())) == 1:
-        return ROWS
-    if member.op in ("softmax", "log_softmax") and params.get("dim") in _LAST:
-        return ROWS
-    if member.op in ("sum", "mean", "amax") and params.get("dim") in _LAST and params.get("keepdim") is True:
+    by_shape = "normalized_shape" in params  # a norm names the dims it normalizes by their sizes
+    if member.op in REDUCING + NORMALIZING and member.op != "cross_entropy" and (by_shape or params.get("dim") in _LAST):
         return ROWS
     return FIXED
 

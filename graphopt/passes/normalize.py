@@ -57,7 +57,6 @@ from .. import ops
 from ..analysis import meta
 from ..analysis.aliases import Aliases, storage_key
 from ..analysis.effects import is_identity_dropout
-from ..analysis.view_frames import REORDERING_FREE
 from .base import Pass, PassContext, PassResult
 from .registry import register
 
@@ -214,8 +213,6 @@ class Normalize(Pass):
                                         "stochastic_depths": depths})
 
 
-# views that read their input as it is laid out (detach is no such identity: it cuts the gradient)
-SAME_LAYOUT_VIEWS = ("alias", "contiguous", *REORDERING_FREE)
 
 
 def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
@@ -223,7 +220,8 @@ def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
     removed = 0
     for node in list(gm.graph.nodes):
         op = ops.lookup(node, gm) if node.op.startswith("call") else None
-        if op is None or not (op.random or op.name in SAME_LAYOUT_VIEWS):
+        # views that may read their input as it is laid out (detach, a view too, cuts the gradient)
+        if op is None or not (op.random or op.keeps_order or op.name in ("alias", "contiguous")):
             continue
         bound = ops.bind(node, gm)
         if bound is None or (op.random and not is_identity_dropout(op, bound.params)):
