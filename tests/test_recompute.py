@@ -214,3 +214,31 @@ def test_an_inference_budget_is_a_forward_without_gradients():
     traced = graphopt.trace(model.train(), args, kwargs)
     training = estimate_peak(traced, placeholder_values(traced, args, kwargs)).peak_bytes
     assert info.value.min_budget_gb * GB < 0.6 * training
+
+
+def test_reported_recompute_is_what_the_rerun_runs():
+    # torch.utils.checkpoint stops a segment's rerun once its last saved tensor is saved again:
+    # a segment ending in a Linear, which saves only its inputs, does not run that Linear again.
+    # The matmul FLOPs of the nodes the report calls recomputed are what a step measures beyond eager's.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphopt import ops
+    from graphopt.analysis.segments import segment_modules
+    from graphopt.dump import notes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])
+    args, kwargs = (torch.randn(4096, 64),), {}
+    opt = graphopt.optimize(model, args, budget_gb=_budget(model, args, kwargs, 0.7))
+
+    def step_flops(module):
+        with FlopCounterMode(display=False) as counter:
+            module(*args).sum().backward()
+        return counter.get_total_flops()
+
+    decided = [(n, seg, notes(n).get("recompute")) for seg in segment_modules(opt) for n in seg.graph.nodes
+               if n.op.startswith("call")]
+    assert {"recomputed", "not rerun"} <= {d for _, _, d in decided}
+    counted = sum(ops.flops(n, seg) for n, seg, d in decided
+                  if d == "recomputed" and ops.lookup(n, seg) is not None and ops.lookup(n, seg).kind == "matmul")
+    assert counted > 0 and step_flops(opt) - step_flops(model) == counted

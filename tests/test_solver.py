@@ -2,7 +2,9 @@
 import itertools
 import random
 
-from graphopt.passes.recompute.solver import FULL, SELECTIVE, Atom, make_atoms, model_peak, solve
+from graphopt.analysis.saved import SAVES_INPUTS, SAVES_NOTHING, SAVES_OWN
+from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, make_atoms, model_peak, rerun_cost, rerun_end,
+                                              solve)
 
 
 def _segmentations(atoms):
@@ -27,8 +29,15 @@ def _segmentations(atoms):
 
 
 def _cost(atoms, segments):
-    return sum(atoms[k].cost - (atoms[k].sel_cost if kind == SELECTIVE else 0)
-               for a, b, kind in segments for k in range(a, b))
+    """Each segment's rerun: its atoms up to the last that saves anything, that one up to its lead."""
+    total = 0
+    for a, b, kind in segments:
+        last = max((k for k in range(a, b) if atoms[k].saves), default=None)
+        if last is None:
+            continue
+        total += sum(atoms[k].cost - (atoms[k].sel_cost if kind == SELECTIVE else 0) for k in range(a, last))
+        total += atoms[last].rerun(kind == SELECTIVE)
+    return total
 
 
 def _brute(atoms, allowance):
@@ -39,14 +48,17 @@ def _brute(atoms, allowance):
 
 def test_matches_brute_force_on_small_instances():
     rng = random.Random(0)
-    checked = selective = 0
-    for _ in range(200):
+    checked = selective = stopped_early = 0
+    for _ in range(300):
         n = rng.randint(2, 6)
         atoms = []
         for i in range(n):
             flops, keeps = rng.randint(1, 50), rng.random() < 0.4
+            sel_cost = rng.randint(1, flops) if keeps else 0
+            lead = rng.randint(0, flops) if rng.random() < 0.5 else None  # its rerun may stop inside it
             atoms.append(Atom(i, i + 1, rng.randint(1, 20), rng.randint(0, 8), flops, rng.random() > 0.2,
-                              rng.randint(1, 10) if keeps else 0, rng.randint(1, flops) if keeps else 0))
+                              rng.randint(1, 10) if keeps else 0, sel_cost, lead=lead,
+                              lead_sel=None if lead is None else max(lead - sel_cost, 0), saves=rng.random() > 0.2))
         total = sum(a.kept for a in atoms)
         allowance = rng.randint(total // 2, total)
         expected = _brute(atoms, allowance)
@@ -61,7 +73,21 @@ def test_matches_brute_force_on_small_instances():
         assert model_peak(atoms, chosen) <= allowance
         checked += 1
         selective += any(s.selective for s in plan.segments)
-    assert checked > 30 and selective > 5  # instances where some plan fits, some of them selective
+        stopped_early += _cost(atoms, chosen) < sum(atoms[k].cost for a, b, _ in chosen for k in range(a, b))
+    assert checked > 30 and selective > 5 and stopped_early > 5
+
+
+def test_rerun_stops_at_the_last_node_that_saves():
+    # nodes: saves its output, saves nothing, saves only its inputs (a matmul), saves nothing
+    saves = [SAVES_OWN, SAVES_NOTHING, SAVES_INPUTS, SAVES_NOTHING]
+    cost = [1, 10, 100, 1000]
+    assert rerun_end(saves, 0, 4) == 2  # the matmul's inputs are packed before its kernel runs
+    assert rerun_cost(cost, saves, 0, 4) == 11
+    assert rerun_end(saves, 0, 2) == 1 and rerun_cost(cost, saves, 0, 2) == 1
+    assert rerun_end(saves, 1, 2) == 1 and rerun_cost(cost, saves, 1, 2) == 0  # nothing saved: no rerun
+    assert rerun_cost(cost, None, 0, 4) == 1111
+    atoms = make_atoms([1] * 4, [1] * 4, cost, [True] * 4, max_cuts=0, saves=saves)
+    assert len(atoms) == 1 and atoms[0].rerun(False) == 11 and atoms[0].saves
 
 
 def test_no_recompute_when_everything_fits():

@@ -29,6 +29,9 @@ from .fake_state import fake_run
 from .segments import SegmentCall, keeps_output
 
 
+SAVES_NOTHING, SAVES_INPUTS, SAVES_OWN = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class Saved:
     node: str        # the node whose backward needs the tensor
@@ -64,6 +67,19 @@ class StepFacts:
                 for key, _ in self.storages.get(m.name, []):
                     last[key] = max(last.get(key, -1), index[n.name])
         return made, last
+
+    def save_points(self, nodes: list[torch.fx.Node]) -> list[int]:
+        """Per node, when its forward hands autograd what its backward needs: SAVES_NOTHING;
+        SAVES_INPUTS, only what earlier nodes made or the model's state (autograd packs an
+        op's inputs before its kernel runs); SAVES_OWN, a tensor it makes itself (its output,
+        or one its kernel makes), packed after its kernel has run. A checkpoint's rerun stops
+        once the last saved tensor is packed again (solver.rerun_end)."""
+        points = []
+        for n in nodes:
+            items = self.saved.get(n.name, [])
+            own = any(s.source == "internal" or (s.source == "node" and s.owner == n.name) for s in items)
+            points.append(SAVES_OWN if own else SAVES_INPUTS if items else SAVES_NOTHING)
+        return points
 
     def kept_and_live(self, nodes: list[torch.fx.Node]) -> tuple[list[int], list[int]]:
         """Per node: bytes it keeps for backward (its outputs that some backward needs, and what

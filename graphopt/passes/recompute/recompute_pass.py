@@ -8,8 +8,10 @@ Algorithm:
      (they would cut segments). Per node,
      from one recorded FakeTensor forward (analysis/saved.py): the bytes it keeps for backward, the
      bytes live across it, whether it may run twice (rewrite.recomputable), what a
-     selective segment keeps of it, and its recompute cost: its time, estimated from FLOPs
-     and bytes for the graph's device, or with profile=True measured (analysis/cost.py).
+     selective segment keeps of it, whether it saves its inputs only or what it makes (a
+     checkpoint's rerun stops once the last saving node has saved: solver.rerun_end), and its
+     recompute cost: its time, estimated from FLOPs and bytes for the graph's device, or with
+     profile=True measured (analysis/cost.py).
   3. Candidate plans (solver.py): the least recompute cost for each of CANDIDATES activation
      allowances, from the least the solver can meet to none; and the plans that recompute
      each repeated block whole (_block_plans), as the model's own checkpointing would; the
@@ -48,7 +50,7 @@ from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
 from ..registry import register
 from .rewrite import checkpoint_segments, inline_segments, recomputable
-from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, solve
+from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, rerun_cost, rerun_end, solve
 
 CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
 LOOK_BELOW = 3    # cheaper candidates checked after the bisection
@@ -84,7 +86,7 @@ def _candidates(atoms, segment_cost: SegmentCost) -> list:
 
 
 def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], live_after: list[int],
-                 segment_cost: int) -> list[RecomputePlan]:
+                 segment_cost: int, saves: list[int]) -> list[RecomputePlan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`), from the nodes'
@@ -127,7 +129,8 @@ def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], li
         for k in range(1, min(3, len(segments)) + 1):
             variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
         for chosen in variants:
-            plans.append(RecomputePlan(chosen, sum(sum(cost[seg.start:seg.stop]) + segment_cost for seg in chosen), 0))
+            plans.append(RecomputePlan(chosen, sum(rerun_cost(cost, saves, seg.start, seg.stop) + segment_cost
+                                                   for seg in chosen), 0))
     return plans
 
 
@@ -273,15 +276,16 @@ class Recompute(Pass):
             gm.recompile()
         facts = ctx.analysis(record_step, gm)
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
+        saves = facts.save_points(nodes)
         device = "cuda" if graph_device(gm) == "cuda" else "cpu"
         cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings["profile"] else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
         segment_cost = SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9))
-        blocks = _block_plans(nodes, ok, cost, live_after, segment_cost.fixed)
+        blocks = _block_plans(nodes, ok, cost, live_after, segment_cost.fixed, saves)
         atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)],
                            param_grads=grads, boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)},
-                           ops=[dispatches(n, gm) for n in nodes])
+                           ops=[dispatches(n, gm) for n in nodes], saves=saves)
         # Step 3
         candidates = _candidates(atoms, segment_cost)
         seen = {tuple(p.segments) for p in candidates}
@@ -289,7 +293,7 @@ class Recompute(Pass):
         candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        search = _Search(gm, inputs, nodes, sel, candidates, self.optimizer, self.accumulate)
+        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -357,8 +361,9 @@ class _Search:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
-                 candidates: list, optimizer, accumulate: bool):
+                 saves: list[int], candidates: list, optimizer, accumulate: bool):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
+        self.saves = saves
         self.optimizer, self.accumulate = optimizer, accumulate
         self.annotated = False
         self.estimates: dict[int, Estimate] = {}
@@ -410,12 +415,14 @@ class _Search:
         return self.candidates[hi], self.estimates[hi]
 
     def _decide(self, plan) -> None:
-        """Per node: kept or recomputed, noted on it. By position, not name: undoing a rewrite
-        renames nodes."""
+        """Per node: kept, recomputed, or in a segment but past where its rerun stops; noted on
+        it. By position, not name: undoing a rewrite renames nodes."""
         self.decision = {}
         for s in plan.segments:
+            end = rerun_end(self.saves, s.start, s.stop)
             for i in range(s.start, s.stop):
-                self.decision[self.nodes[i]] = "kept" if s.selective and self.sel[i] else "recomputed"
+                self.decision[self.nodes[i]] = ("kept" if s.selective and self.sel[i] else
+                                                "recomputed" if i < end else "not rerun")
         for n in self.nodes:
             if n.op.startswith("call"):
                 note(n, "recompute", self.decision.get(n, "kept"))

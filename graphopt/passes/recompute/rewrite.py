@@ -107,7 +107,8 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         with gm.graph.inserting_after(call):
             for j, out in enumerate(outputs):
                 item = gm.graph.call_function(operator.getitem, (call, j))
-                item.meta = dict(out.meta)
+                # its own notes: the pass marks it a boundary, its copy in the segment is recomputed or not
+                item.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in out.meta.items()}
                 out.replace_all_uses_with(item, delete_user_cb=lambda user, inside=inside: user not in inside)
         for n in reversed(nodes):
             gm.graph.erase_node(n)

@@ -12,6 +12,12 @@ selectively. With
     sel(s)    bytes of its matmul, convolution and attention outputs, which a selective
               checkpoint keeps as well, so that its backward reruns only the cheap ops
 
+A checkpointed segment's rerun stops early: torch.utils.checkpoint ends it once every tensor
+the segment saved is saved again. Its nodes after the last one that saves anything do not run,
+nor does that node's own kernel when it saves only its inputs (rerun_end): a segment ending
+in a convolution or matmul reruns what feeds it, not the product itself. Its recompute
+cost counts the nodes that do run.
+
 the forward ends holding prefix(end) = the sum over segments of kept (plain), cross (full) or
 cross + sel (selective). The backward runs the segments in reverse. When it reaches segment s,
 what the segments after s kept is freed already, and it holds
@@ -47,6 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...analysis.saved import SAVES_INPUTS, SAVES_OWN
+
 PLAIN, FULL, SELECTIVE = 0, 1, 2
 INF = np.iinfo(np.int64).max // 4
 
@@ -64,6 +72,16 @@ class Atom:
     grads: int = 0      # parameter gradients alive when its backward runs (made by it or later atoms)
     out: int = 0        # bytes live across its end: the gradient flowing into its backward is as large
     ops: int = 0        # ops it dispatches
+    lead: int | None = None      # rerun cost when the segment's last saving node is in it: its nodes up
+                                 # to that point (rerun_end); None: its whole cost
+    lead_sel: int | None = None  # the same less what a selective checkpoint keeps
+    saves: bool = True           # a node of it saves something for backward
+
+    def rerun(self, selective: bool) -> int:
+        """Its rerun cost when the segment's rerun stops in it."""
+        if selective:
+            return self.cost - self.sel_cost if self.lead_sel is None else self.lead_sel
+        return self.cost if self.lead is None else self.lead
 
 
 @dataclass(frozen=True)
@@ -87,17 +105,40 @@ class RecomputePlan:
     predicted_peak: int   # activation bytes by the model above
 
 
+def rerun_end(saves: list[int], start: int, stop: int) -> int:
+    """One past the last node of segment [start, stop) that its rerun runs: a checkpoint's rerun
+    stops when the last node that saves anything has saved it, before that node's kernel when
+    it saves only its inputs (saves[i]: analysis/saved.py's save points). start when no node
+    saves anything: the backward then needs no rerun."""
+    for k in range(stop - 1, start - 1, -1):
+        if saves[k] == SAVES_OWN:
+            return k + 1
+        if saves[k] == SAVES_INPUTS:
+            return k
+    return start
+
+
+def rerun_cost(cost: list[int], saves: list[int] | None, start: int, stop: int, kept_cost: list[int] | None = None) -> int:
+    """What rerunning segment [start, stop) costs: its nodes up to rerun_end, less kept_cost (the
+    nodes whose outputs a selective checkpoint keeps); saves None: every node runs."""
+    end = stop if saves is None else rerun_end(saves, start, stop)
+    return sum(cost[start:end]) - (sum(kept_cost[start:end]) if kept_cost else 0)
+
+
 def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomputable: list[bool],
                sel: list[int] | None = None, sel_cost: list[int] | None = None, max_cuts: int = 96,
-               param_grads: list[int] | None = None, boundaries=(), ops: list[int] | None = None) -> list[Atom]:
+               param_grads: list[int] | None = None, boundaries=(), ops: list[int] | None = None,
+               saves: list[int] | None = None) -> list[Atom]:
     """Group per-node facts into atoms. live_after[i]: bytes made before node i+1 and used after i;
     sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it;
     param_grads[i]: bytes of the parameter gradients node i's backward makes first;
     boundaries: node indices where an atom starts, besides those chosen here (blocks' starts);
-    ops[i]: 1 when node i dispatches an op."""
+    ops[i]: 1 when node i dispatches an op; saves[i]: node i's save point (rerun_end), None
+    for a rerun that runs every node."""
     n = len(kept)
     sel, sel_cost = sel or [0] * n, sel_cost or [0] * n
     param_grads, ops = param_grads or [0] * n, ops or [0] * n
+    saves = saves or [SAVES_OWN] * n
     forced = {0, n}
     for i, ok in enumerate(recomputable):
         if not ok:
@@ -118,7 +159,8 @@ def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomput
     for i in range(n - 1, -1, -1):
         made_after[i] = made_after[i + 1] + param_grads[i]
     return [Atom(a, b, sum(kept[a:b]), live_after[a - 1] if a else 0, sum(cost[a:b]), all(recomputable[a:b]),
-                 sum(sel[a:b]), sum(sel_cost[a:b]), made_after[a], live_after[b - 1], sum(ops[a:b]))
+                 sum(sel[a:b]), sum(sel_cost[a:b]), made_after[a], live_after[b - 1], sum(ops[a:b]),
+                 rerun_cost(cost, saves, a, b), rerun_cost(cost, saves, a, b, sel_cost), any(saves[a:b]))
             for a, b in zip(cuts, cuts[1:])]
 
 
@@ -172,24 +214,28 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
         _relax(cost[i + 1], how[i + 1], row, held_units(atoms[i].kept), buckets - units(in_backward), 0, (i, PLAIN))
         if not atoms[i].recomputable:
             continue
-        kept = spent = sel = sel_cost = n_ops = 0
+        kept = spent = spent_sel = sel = n_ops = 0
+        rerun = rerun_sel = 0  # the rerun stops in the last atom that saves anything
         cross = atoms[i].cross
         for j in range(i + 1, n + 1):
-            if not atoms[j - 1].recomputable:
+            atom = atoms[j - 1]
+            if not atom.recomputable:
                 break
-            kept += atoms[j - 1].kept
-            spent += atoms[j - 1].cost
-            sel += atoms[j - 1].sel
-            sel_cost += atoms[j - 1].sel_cost
-            n_ops += atoms[j - 1].ops
+            if atom.saves:
+                rerun, rerun_sel = spent + atom.rerun(False), spent_sel + atom.rerun(True)
+            kept += atom.kept
+            spent += atom.cost
+            spent_sel += atom.cost - atom.sel_cost
+            sel += atom.sel
+            n_ops += atom.ops
             grads = atoms[i].grads + atoms[j - 1].out
             if units(cross + kept + atoms[i].grads) > buckets:  # grows with j: no longer segment fits either
                 break
             _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept + grads),
-                   spent + segment_cost.fixed, (i, FULL))
+                   rerun + segment_cost.fixed, (i, FULL))
             if sel:
                 _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept + grads),
-                       spent - sel_cost + segment_cost.fixed + segment_cost.per_selective_op * n_ops, (i, SELECTIVE))
+                       rerun_sel + segment_cost.fixed + segment_cost.per_selective_op * n_ops, (i, SELECTIVE))
     # Step 3
     final = cost[n]
     if final.min() >= INF:
