@@ -13,7 +13,9 @@ rotate_half) is two shifted reads and a where.
 An elementwise step's class is FULL when its refs mix FULL or COL with ROW, or read FULL; ROW
 when it reads only ROW values; COL when only COL values. A Reduce step reads a FULL value and
 is ROW: "sum" adds the row's elements, "max" takes the largest (the gradient is shared evenly
-among the elements equal to it, as torch.amax's backward does).
+among the elements equal to it, as torch.amax's backward does). A Softmax step is FULL: the
+softmax (or log_softmax) of a FULL value over its row, one step so that its backward reads its
+output alone, as eager's does (row_program.py).
 
 The norms, softmaxes and losses of the graph are written in these steps by the builders below
 (rms_norm, layer_norm, softmax, log_softmax), the same spelling the fusion analysis will
@@ -49,6 +51,20 @@ class Reduce:
         return (self.arg,)
 
 
+@dataclass(frozen=True)
+class Softmax:
+    arg: tuple  # a FULL value
+    log: bool = False  # log_softmax
+
+    @property
+    def args(self) -> tuple:
+        return (self.arg,)
+
+    @property
+    def op(self) -> str:
+        return "log_softmax" if self.log else "softmax"
+
+
 def combined(kinds) -> str:
     """The class of an elementwise result of values of these classes: ROW or COL when all are,
     FULL otherwise (ROW with COL is FULL, as broadcasting makes it)."""
@@ -75,8 +91,8 @@ class RowGroup:
             for a in s.args:
                 if is_ref(a) and not (0 <= a[1] < (len(kinds) if a[0] == "input" else j)):
                     raise ValueError(f"step {j} refers to {a}, which is not an {a[0]} before it")
-            if isinstance(s, Reduce):
-                if s.kind not in REDUCTIONS:
+            if isinstance(s, (Reduce, Softmax)):
+                if isinstance(s, Reduce) and s.kind not in REDUCTIONS:
                     raise ValueError(f"step {j} reduces by {s.kind!r}; a row reduction is one of {REDUCTIONS}")
                 if kinds[s.arg[1] if s.arg[0] == "input" else len(self.inputs) + s.arg[1]] != FULL:
                     raise ValueError(f"step {j} reduces {s.arg}, which is not a full row")
@@ -94,6 +110,8 @@ class RowGroup:
     def _step_kind(self, step, kinds) -> str:
         if isinstance(step, Reduce):
             return ROW
+        if isinstance(step, Softmax):
+            return FULL
         n = len(self.inputs)
         return combined(kinds[a[1]] if a[0] == "input" else kinds[n + a[1]] for a in step.args if is_ref(a))
 
@@ -144,7 +162,8 @@ def check_inputs(group: RowGroup, inputs, values: bool = True, missing: bool = F
 
 class Builder:
     """A row group written one step at a time: b(op, *args, **params) appends an elementwise step
-    of the registry, b("row_sum", x) or b("row_max", x) a reduction; each returns the step's ref.
+    of the registry, b("row_sum", x) or b("row_max", x) a reduction, b("softmax", x) or
+    b("log_softmax", x) a softmax over the row; each returns the step's ref.
     The fusion analysis writes a graph's group this way, node by node."""
 
     def __init__(self, kinds=()):
@@ -156,7 +175,10 @@ class Builder:
         return ("input", len(self.inputs) - 1)
 
     def __call__(self, op, *args, **params):
-        self.steps.append(Reduce(op[4:], args[0]) if op.startswith("row_") else Step(op, args, params))
+        if op in ("softmax", "log_softmax"):
+            self.steps.append(Softmax(args[0], op == "log_softmax"))
+        else:
+            self.steps.append(Reduce(op[4:], args[0]) if op.startswith("row_") else Step(op, args, params))
         return ("step", len(self.steps) - 1)
 
     def group(self, *outputs, origin=()) -> RowGroup:
@@ -182,13 +204,11 @@ def emit_layer_norm(b: Builder, x, weight, bias, columns: int, eps: float):
 
 
 def emit_softmax(b: Builder, x):
-    e = b("exp", b("sub", x, b("row_max", x)))
-    return b("div", e, b("row_sum", e))
+    return b("softmax", x)
 
 
 def emit_log_softmax(b: Builder, x):
-    shifted = b("sub", x, b("row_max", x))
-    return b("sub", shifted, b("log", b("row_sum", b("exp", shifted))))
+    return b("log_softmax", x)
 
 
 def rms_norm(columns: int, eps: float, weight: bool = True) -> RowGroup:
@@ -213,12 +233,10 @@ def log_softmax() -> RowGroup:
 
 
 def emit_cross_entropy(b: Builder, x, target, cols, ignore_index: int):
-    """Per row: logsumexp(logits) - logits[target], 0 where target == ignore_index; target a ROW
-    input of integers, cols the INDEX input."""
-    peak = b("row_max", x)
-    lse = b("add", b("log", b("row_sum", b("exp", b("sub", x, peak)))), peak)
-    picked = b("row_sum", b("where", b("eq", cols, target), x, 0.0))
-    return b("mul", b("sub", lse, picked), b("ne", target, float(ignore_index)))
+    """Per row: -log_softmax(logits)[target], as eager's nll_loss of log_softmax, 0 where target
+    == ignore_index; target a ROW input of integers, cols the INDEX input."""
+    picked = b("row_sum", b("where", b("eq", cols, target), b("log_softmax", x), 0.0))
+    return b("mul", b("neg", picked), b("ne", target, float(ignore_index)))
 
 
 def cross_entropy(ignore_index: int = -100) -> RowGroup:

@@ -7,7 +7,7 @@ and reduces its FULL expression over the row's columns. Loads and stores are dat
 layout alone decides where they go.
 
 Forward: a load per input, a line per step (an elementwise op's registry template, program.py;
-a reduction), a store per output.
+a reduction; a softmax's max, exponentials, sum and quotient), a store per output.
 Backward (reverse mode, the forward recomputed in place of saved intermediates, or read from a
 stored output where the caller keeps it):
 1. The forward's lines; each output's incoming gradient loaded as its step's first term.
@@ -15,7 +15,10 @@ stored output where the caller keeps it):
    adjoint is their sum; then each derivative template is a term for its arg, kind-shaped: a
    FULL step's term for a ROW value is reduced over the row (a reduce line); a reduction's term
    for its FULL arg is broadcast (sum), or shared among the elements equal to the maximum (max,
-   as torch.amax's backward: the count of ties is a reduce line too).
+   as torch.amax's backward: the count of ties is a reduce line too); a softmax's term is formed
+   from its output y alone, as eager's backward forms it: y * (a - sum(a * y)), or for
+   log_softmax a - exp(y) * sum(a). Its max is a shift the result does not depend on: no
+   gradient flows through it, so the backward reads no input of it where y is stored.
 3. Each input that wants a gradient: the sum of its terms, stored; a COL input's summed over the
    rows of the program (the launcher adds the programs' partial sums up).
 4. Only the lines the stores need are kept: an input whose value no derivative reads is not
@@ -32,7 +35,7 @@ import torch
 from ..ops.templates import render
 from .group import is_ref, op_info
 from .program import forward_expr, operand_values
-from .row_group import COL, FULL, ROW, Reduce, RowGroup
+from .row_group import COL, FULL, ROW, Reduce, RowGroup, Softmax
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,23 @@ def _forward(group: RowGroup, lines: _Lines, loaded=frozenset()) -> None:
             lines.add(f"v{j}", group.step_kind(j), group.step_kind(j), load=True)
         elif isinstance(s, Reduce):
             lines.add(f"v{j}", ROW, _name(s.arg), reduce=s.kind, comment=f"row_{s.kind}")
+        elif isinstance(s, Softmax):
+            _softmax(j, s, lines)
         else:
             lines.add(f"v{j}", group.step_kind(j), forward_expr(s, torch.float32), comment=s.op)
+
+
+def _softmax(j: int, s: Softmax, lines: _Lines) -> None:
+    x = _name(s.arg)
+    peak = lines.temp(ROW, x, reduce="max", comment=f"{s.op}: the row's max")
+    shifted = lines.temp(FULL, f"{x} - {peak}")
+    exp = render(op_info("exp").triton, x=shifted)
+    if s.log:
+        total = lines.temp(ROW, exp, reduce="sum")
+        lines.add(f"v{j}", FULL, f"{shifted} - {render(op_info('log').triton, x=total)}", comment=s.op)
+    else:
+        e = lines.temp(FULL, exp)
+        lines.add(f"v{j}", FULL, f"{e} / {lines.temp(ROW, e, reduce='sum')}", comment=s.op)
 
 
 def forward_program(group: RowGroup) -> RowProgram:
@@ -123,6 +141,14 @@ def _terms(group: RowGroup, j: int, adjoint: str, lines: _Lines) -> list[tuple[t
         ties = lines.temp(FULL, f"tl.where({_name(s.arg)} == v{j}, 1.0, 0.0)", comment="elements equal to the max")
         count = lines.temp(ROW, ties, reduce="sum", comment="how many")
         return [(s.arg, lines.temp(FULL, f"{adjoint} * {ties} / {count}", comment=f"d row_max(step {j})"))]
+    if isinstance(s, Softmax):
+        if s.log:
+            total = lines.temp(ROW, adjoint, reduce="sum")
+            term = f"{adjoint} - {render(op_info('exp').triton, x=f'v{j}')} * {total}"
+        else:
+            total = lines.temp(ROW, f"{adjoint} * v{j}", reduce="sum")
+            term = f"v{j} * ({adjoint} - {total})"
+        return [(s.arg, lines.temp(FULL, term, comment=f"d {s.op}(step {j})"))]
     op, out = op_info(s.op), []
     for i, a in enumerate(s.args):
         if not is_ref(a) or op.derivatives[i] is None:

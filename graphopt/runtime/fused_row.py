@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from ..codegen.group import Step
 from ..codegen.program import forward_expr, name
-from ..codegen.row_group import COL, FULL, ROW, RowGroup
+from ..codegen.row_group import COL, FULL, ROW, RowGroup, Softmax
 from ..codegen.row_kernel import row_backward, row_forward
 from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
@@ -44,6 +44,11 @@ def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor
     for j, step in enumerate(group.steps):
         if isinstance(step, Step):
             value = eval(forward_expr(step, torch.float32), scope)
+        elif isinstance(step, Softmax):  # its max a shift, as in eager's softmax: no gradient through it
+            arg = scope[name(step.arg)]
+            shifted = arg - arg.detach().amax(space.col_dims, keepdim=True)
+            total = shifted.exp().sum(space.col_dims, keepdim=True)
+            value = shifted - total.log() if step.log else shifted.exp() / total
         else:
             arg = scope[name(step.arg)]
             value = arg.sum(space.col_dims, keepdim=True) if step.kind == "sum" else arg.amax(space.col_dims, keepdim=True)
@@ -207,16 +212,20 @@ class FusedRowOp:
         """The FULL steps the backward reads, stored by the forward, instead of recomputing them,
         where that keeps fewer full-size tensors for it: a residual add before a norm keeps the
         sum, which the norm's eager backward keeps too, rather than both addends. Tried: none, each
-        FULL step alone, every FULL output; the fewest kept wins, ties to the fewest stored."""
+        FULL step alone, every FULL output; the fewest kept wins, ties to the fewest stored, then
+        to reading outputs rather than inputs: an output is what eager's softmax keeps, and a
+        consumer that saves it (attention's next matmul) shares it, where an input would be
+        kept for this call alone."""
         group = self.group
         has = [True] * self.returned + [False] * (len(group.outputs) - self.returned)
         needs = [not group.is_index(k) for k in range(len(group.inputs))]
         full = [j for j in range(len(group.steps)) if group.step_kind(j) == FULL]
         outputs = frozenset(j for j in group.outputs[:self.returned] if group.step_kind(j) == FULL)
 
-        def kept(loaded) -> tuple[int, int]:
+        def kept(loaded) -> tuple[int, int, int]:
             read, steps = backward_reads(group, has, needs, loaded)
-            return sum(group.input_kind(k) == FULL for k in read) + len(steps), len(loaded - set(group.outputs))
+            return (sum(group.input_kind(k) == FULL for k in read) + len(steps), len(loaded - set(group.outputs)),
+                    -len(steps & outputs))
         return min([frozenset(), outputs, *(frozenset({j}) for j in full)], key=kept)
 
     def backward(self, inputs, grads, needs, loaded: dict, shapes: list, space: RowSpace) -> list[torch.Tensor | None]:
