@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import graphopt
 from graphopt.dump import notes
 from graphopt.runtime import FusedOp, launch_count, running_fused
+from graphopt.runtime.chunked_loss import ChunkedHeadLoss
 from graphopt.runtime.fused_row import FusedRowOp
 from graphopt.testing import zoo
 
@@ -53,7 +54,8 @@ def fuse(fn, *args, train=True, **modules):
 
 
 def fused_nodes(gm):
-    return [n for n in gm.graph.nodes if isinstance(n.target, (FusedOp, FusedRowOp))]
+    """The calls running a fused group: its own, or a loss's with its linear head (ChunkedHeadLoss)."""
+    return [n for n in gm.graph.nodes if isinstance(n.target, (FusedOp, FusedRowOp, ChunkedHeadLoss))]
 
 
 def group_nodes(stats):
@@ -271,7 +273,7 @@ def test_models_train_the_same_with_fewer_kernels(name):
 @pytest.mark.parametrize("train", [True, False])
 def test_the_zoo_gpt_fuses_each_residual_add_into_the_layer_norm_after_it(train):
     """Each residual add sits between a linear and a layer norm: it joins the norm in a row kernel;
-    the loss is a row kernel too, and in training so are the dropouts before each add (the call
+    the loss is a row kernel too, run with the head, and in training so are the dropouts before each add (the call
     draws their masks; in eval they are gone). Its GELU sits between two linears: it takes over
     the first one's bias add."""
     model, args, kwargs = zoo.gpt()
@@ -288,7 +290,9 @@ def test_the_zoo_gpt_fuses_each_residual_add_into_the_layer_norm_after_it(train)
         expected = [["add", "blocks_0_ln1"], ["add_1", "blocks_0_ln2"], ["blocks_0_fc", "gelu"],
                     ["add_2", "blocks_1_ln1"], ["add_3", "blocks_1_ln2"], ["blocks_1_fc", "gelu_1"], ["add_4", "ln"]]
     assert group_nodes(stats) == expected + [["cross_entropy"]]
-    assert all(isinstance(n.target, FusedRowOp) for n in fused_nodes(opt))
+    assert all(isinstance(n.target, FusedRowOp) for n in fused_nodes(opt)[:-1])
+    # the loss runs with the head over chunks of rows
+    assert isinstance(fused_nodes(opt)[-1].target, ChunkedHeadLoss) and stats["chunked_heads"][0]["head"] == "head"
     # in eval the second linear's bias would join only the residual add, which passes its gradient through
     assert stats["groups"][2]["not_fused"]["blocks_0_out"] == (
         "blocks_0_out's matmul reads it, and runs before the kernel that adds its bias" if train

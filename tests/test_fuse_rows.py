@@ -14,6 +14,7 @@ from test_fuse import fused_nodes, group_nodes, leaves, module
 
 import graphopt
 from graphopt.analysis.memory import estimate_peak
+from graphopt.runtime.chunked_loss import ChunkedHeadLoss
 from graphopt.runtime.fused_row import FusedRowOp
 from graphopt.testing import zoo
 from graphopt.trace import placeholder_values
@@ -274,21 +275,83 @@ def test_an_attention_softmax_keeps_its_output_alone_as_eager_does(mask):
     assert peaks["fused"] <= peaks["plain"]
 
 
-def test_a_fused_cross_entropy_over_a_32k_vocabulary_keeps_no_log_probabilities():
-    """Eager's cross-entropy keeps its log_softmax ([tokens, vocab] fp32) for backward; the fused one
-    keeps the logits, which the head's output already is."""
-    tokens, vocab = 64, 32000
+def test_a_linear_head_and_its_cross_entropy_over_a_32k_vocabulary_never_make_the_logits():
+    """Eager keeps the logits' log_softmax for backward and makes their gradient, [tokens, vocab]
+    fp32 each; the head and the loss run over chunks of rows: neither, nor the logits, is ever whole."""
+    tokens, vocab = 16, 32000  # Liger's chunk: one row (the interpreter runs each chunk's kernels)
     model = module(lambda m, x, t: F.cross_entropy(m.head(x), t), 2, head=torch.nn.Linear(32, vocab, bias=False))
-    args = (torch.randn(tokens, 32), torch.randint(0, vocab, (tokens,)))
-    plain = graphopt.optimize(model, args, passes="normalize")
-    opt = graphopt.optimize(model, args, passes="fuse")
-    assert len(fused_nodes(opt)) == 1
+    args = (torch.randn(tokens, 32, requires_grad=True), torch.randint(0, vocab, (tokens,)))
+    opt, peaks = plain_and_fused_peaks(model, args)
+    (call,) = [n for n in opt.graph.nodes if isinstance(n.target, ChunkedHeadLoss)]
+    assert not call.target.returns_logits and fused_nodes(opt) == [call]
     assert_same_step(model, opt, args, {}, exact=False)
-    peaks = {label: measured_step_peak(gm, args) for label, gm in (("plain", plain), ("fused", opt))}
-    for label, gm in (("plain", plain), ("fused", opt)):
-        assert estimate_peak(gm, placeholder_values(gm, args, {})).peak_bytes == peaks[label]
-    logits = tokens * vocab * 4
-    assert peaks["plain"] - peaks["fused"] >= 0.99 * logits  # less a few per-row buffers
+    logits, weight = tokens * vocab * 4, vocab * 32 * 4
+    assert peaks["plain"] >= weight + 3 * logits  # the logits, their log_softmax and their gradient
+    assert peaks["fused"] <= 2 * weight + logits // 4  # the weight and its gradient (made in the forward), a chunk
+
+
+class _LM(torch.nn.Module):
+    """An LM's head and loss as transformers writes them: logits returned, cast to float, flattened
+    over batch and tokens, the labels shifted with -100 past the end."""
+
+    def __init__(self, vocab=300, hidden=24, bias=False):
+        super().__init__()
+        self.norm, self.head = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, vocab, bias=bias)
+
+    def forward(self, h, labels):
+        logits = self.head(self.norm(h))
+        labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        return loss, logits
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_lm_head_returning_its_logits_is_chunked_and_its_logits_keep_their_gradient(frontend, bias):
+    model = _LM(bias=bias)
+    h, labels = torch.randn(3, 10, 24, requires_grad=True), torch.randint(0, 300, (3, 10))
+    labels[0, 4] = -100
+    opt = graphopt.optimize(model, (h, labels), passes="fuse", frontend=frontend)
+    (call,) = [n for n in opt.graph.nodes if isinstance(n.target, ChunkedHeadLoss)]
+    assert call.target.returns_logits
+    assert opt.graphopt_report.passes[-1].stats["chunked_heads"][0]["returns_logits"]
+    for use_logits in (False, True):  # the loss alone, and a gradient through the returned logits too
+        def total(out):
+            return out[0] + (out[1].square().mean() if use_logits else 0)
+
+        got = torch.autograd.grad(total(opt(h, labels)), [h, *model.parameters()])
+        want = torch.autograd.grad(total(model(h, labels)), [h, *model.parameters()])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt(h, labels)[1], model(h, labels)[1])
+
+
+def test_a_chunked_head_sums_its_chunks_as_eager_and_refuses_a_second_backward():
+    from graphopt.codegen.row_group import cross_entropy
+
+    h, weight, bias = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True), \
+        torch.randn(50, requires_grad=True)
+    target = torch.randint(0, 50, (37,))
+    target[3] = -100
+    for reduction in ("mean", "sum"):
+        op = ChunkedHeadLoss(FusedRowOp(cross_entropy(), ((reduction, 1, -100),)), 0, chunk=8)
+        loss = op(h, weight, bias, target)
+        want = F.cross_entropy(F.linear(h, weight, bias), target, reduction=reduction)
+        torch.testing.assert_close(loss, want)
+        got = torch.autograd.grad(loss, (h, weight, bias), retain_graph=True)
+        for g, w in zip(got, torch.autograd.grad(want, (h, weight, bias))):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        with pytest.raises(RuntimeError, match="backpropagated through once"):
+            torch.autograd.grad(loss, (h,))
+    with pytest.raises(IndexError, match="Target 50 is out of bounds"):
+        op(h, weight, bias, torch.full((37,), 50))
+
+
+def test_a_per_row_cross_entropy_is_not_chunked_and_says_why():
+    model = module(lambda m, x, t: F.cross_entropy(m.head(x), t, reduction="none"), 2, head=torch.nn.Linear(8, 20))
+    opt = graphopt.optimize(model, (torch.randn(6, 8), torch.randint(0, 20, (6,))), passes="fuse")
+    (why,) = opt.graphopt_report.passes[-1].stats["heads_not_chunked"].values()
+    assert "reduction='none'" in why and len(fused_nodes(opt)) == 1
 
 
 def rotate_half(x):
@@ -410,3 +473,28 @@ def test_a_layer_norm_over_channels_through_permutes_is_one_member_with_its_resi
     normed = next(n for n in opt.graph.nodes if n.op == "call_module").args[0]
     assert normed.meta["tensor_info"].stride == (200, 1, 40, 8)  # eager's permute of an NHWC result
     assert_same_step(model, opt, (x, y), {}, exact=False)
+
+
+def test_with_a_budget_the_loss_chunk_is_the_largest_that_fits():
+    from graphopt.analysis.memory import GB
+
+    model = _LM(vocab=2000, hidden=16)
+    args = (torch.randn(4, 16, 16, requires_grad=True), torch.randint(0, 2000, (4, 16)))
+    rows = 4 * 16
+    peaks = {}
+    for budget in (1.0, None):  # ample, then the least that fits
+        if budget is None:  # between the step with Liger's chunk and with the whole batch in one
+            budget = (peaks[rows] + peaks["liger"]) / 2 / GB
+        opt = graphopt.optimize(model, args, passes="fuse", budget_gb=budget)
+        chunk = opt.graphopt_report.passes[-1].stats["loss_chunk_rows"]
+        (call,) = [n for n in opt.graph.nodes if isinstance(n.target, ChunkedHeadLoss)]
+        assert call.target.chunk == chunk
+        peaks[chunk] = estimate_peak(opt, placeholder_values(opt, args, {})).peak_bytes
+        if budget == 1.0:
+            assert chunk == rows
+            liger = graphopt.optimize(model, args, passes="fuse")
+            peaks["liger"] = estimate_peak(liger, placeholder_values(liger, args, {})).peak_bytes
+            assert peaks["liger"] < peaks[rows]
+        else:
+            assert chunk < rows and peaks[chunk] <= budget * GB
+            assert_same_step(model, opt, args, {}, exact=False)

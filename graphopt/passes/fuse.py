@@ -28,6 +28,9 @@ Algorithm:
      and why), each declined group and each elementwise op left alone (with its neighbours'
      reasons) as stats; note the decisions on the nodes; hand the kernels' sources, a repro
      script per elementwise group and a readable fusion report to the dumps.
+  5. A cross-entropy group over a linear head's logits runs with the head over chunks of rows
+     (fuse_head_loss.py): no logits of the whole batch, nor their gradient, where the graph
+     does not use them otherwise.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ from ..runtime.fused import interpreting
 from ..runtime.fused_row import FusedRowOp
 from ..trace import annotate
 from .base import Option, Pass, PassContext, PassResult, to_bool
+from .fuse_head_loss import chunk_heads
 from .fuse_views import lift_views
 from .registry import register
 
@@ -185,6 +189,11 @@ def _report(stats: dict) -> str:
         lines.append(f"## computed in one shape {r['shape']} across reshapes: {', '.join(r['nodes'])}\n")
     for d in declined:
         lines.append(f"## declined: {', '.join(d['nodes'])}\n{d['reason']}\n")
+    for h in stats.get("chunked_heads", ()):
+        also = ", which also returns the logits" if h["returns_logits"] else ""
+        lines.append(f"## {h['name']}: the linear head {h['head']} and the loss {h['loss']} over chunks of rows{also}\n")
+    for name, why in stats.get("heads_not_chunked", {}).items():
+        lines.append(f"## loss {name} not chunked with a head: {why}\n")
     for name, reasons in alone.items():
         lines.append(f"## alone: {name}")
         lines += [f"- {n} not fused: {r}" for n, r in reasons.items()]
@@ -253,6 +262,8 @@ class Fuse(Pass):
                          "bytes_saved": group.bytes_saved, "bytes_read": read, "bytes_written": written,
                          "not_fused": group.not_fused})
             files.update(_kernel_files(call.name, group))
+        # Step 5
+        heads, unchunked = chunk_heads(gm)
         by_name = {n.name: n for n in gm.graph.nodes}
         for reasons in [g["not_fused"] for g in done] + list(fusion.alone.values()):
             for name, reason in reasons.items():
@@ -266,7 +277,8 @@ class Fuse(Pass):
                  "memory_bound_traffic_before": traffic_before,
                  "memory_bound_traffic_after": sum(sum(traffic(n)) for n in bound_after)
                  + sum(g["bytes_read"] + g["bytes_written"] for g in done),
-                 "groups": done, "declined": declined, "alone": fusion.alone}
+                 "groups": done, "declined": declined, "alone": fusion.alone,
+                 "chunked_heads": heads, "heads_not_chunked": unchunked}
         stats["view_regions"] = [{"nodes": [n.name for n in r.nodes], "shape": list(r.shape)} for r in regions]
         if done or declined or fusion.alone:
             files["fusion.md"] = _report(stats)

@@ -167,7 +167,7 @@ class FusedRowOp:
         group = RowGroup(self.group.inputs, self.group.steps, self.group.outputs + extra, self.group.origin) \
             if extra else self.group
         if not fake:
-            self._check_classes(everything)
+            self.check_classes(everything)
         with _inside():
             STATS["launches"] += not fake
             if fake or _runs_kernel(device):
@@ -287,14 +287,19 @@ class FusedRowOp:
         scale = grad / (inputs[k] != ignore).sum() if reduction == "mean" else grad
         return scale.expand(rows)
 
-    def _check_classes(self, inputs) -> None:
-        """A class index out of range is an error in eager; the kernel would pick no logit."""
+    def check_classes(self, inputs, classes: int | None = None) -> None:
+        """A class index out of range is an error in eager; the kernel would pick no logit. inputs:
+        the group's (None for the column index); classes: the logits' columns, where inputs has
+        no logits (a chunked head makes them)."""
+        if any(isinstance(t, torch.Tensor) and _shape_only([t]) for t in inputs):
+            return
         for finish in self.finish:
             if finish is None:
                 continue
             _, k, ignore = finish
-            target, classes = inputs[k], next(t for j, t in enumerate(inputs)
-                                               if t is not None and self.group.input_kind(j) == FULL).shape[-1]
+            target = inputs[k]
+            if classes is None:
+                classes = next(t for j, t in enumerate(inputs) if t is not None and self.group.input_kind(j) == FULL).shape[-1]
             bad = ((target < 0) | (target >= classes)) & (target != ignore)
             if bool(bad.any()):
                 raise IndexError(f"Target {int(target[bad][0])} is out of bounds: cross_entropy over {classes} "

@@ -2,7 +2,8 @@
 
 Algorithm:
   1. Estimate the step's peak as it is (memory.estimate_peak: the step run on FakeTensors,
-     with optimizer= its state and step() too). Within budget: nothing to do.
+     with optimizer= its state and step() too). A chunked linear head and loss (fuse) takes
+     the largest chunk of rows that fits (_size_chunks). Within budget: nothing more to do.
      In inference only the forward runs and recompute cannot help: over budget is an error.
   2. Attribute reads move to the top, and state writes that read no computed value move up
      (they would cut segments). Per node,
@@ -30,6 +31,7 @@ Algorithm:
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -38,13 +40,14 @@ import torch.fx
 from ... import ops
 from ...analysis.cost import STEP_FORWARDS, dispatches, forward_costs, node_times, rates
 from ...analysis.memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
-from ...analysis.meta import graph_device
+from ...analysis.meta import graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ...analysis.saved import params_read, record_step
 from ...analysis.segments import SegmentCall
 from ...dump import note
 from ...errors import BudgetError
 from ...plot import memory_csv, memory_png
+from ...runtime.chunked_loss import ChunkedHeadLoss, chunk_rows
 from ...trace import annotate
 from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
@@ -72,16 +75,22 @@ def _least_allowance(atoms) -> int:
     return hi
 
 
-def _candidates(atoms, segment_cost: SegmentCost) -> list:
-    """The solver's plans for allowances from the least it can meet to what needs no
-    recompute, distinct, by increasing recompute cost (and so, roughly, decreasing peak)."""
-    low, high = _least_allowance(atoms), model_peak(atoms, [])
+def _candidates(views: list, segment_cost: SegmentCost, recost) -> list:
+    """The solver's plans for allowances from the least it can meet to what needs no recompute,
+    for each view of the atoms, distinct, each costed by recost, by increasing cost (and so,
+    roughly, decreasing peak). Two views: the rerun as it runs (stopping early) and every node
+    rerun. The solver's memory model is not the estimate: plans it holds equal in memory can
+    differ by a tenth in the estimate, so where one view ranks a plan that does not fit
+    first, the other's may fit (transformers' Llama at its own checkpointing's peak)."""
     plans = {}
-    for k in range(CANDIDATES):
-        allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
-        plan = solve(atoms, allowance, segment_cost=segment_cost)
-        if plan is not None and plan.segments:
-            plans.setdefault(tuple(plan.segments), plan)
+    for atoms in views:
+        low, high = _least_allowance(atoms), model_peak(atoms, [])
+        for k in range(CANDIDATES):
+            allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
+            plan = solve(atoms, allowance, segment_cost=segment_cost)
+            if plan is not None and plan.segments:
+                plans.setdefault(tuple(plan.segments), RecomputePlan(plan.segments, recost(plan.segments),
+                                                                     plan.predicted_peak))
     return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
 
 
@@ -141,6 +150,28 @@ def _halves(seg: Segment, live_after: list[int]) -> list[Segment]:
     cut = min(range(seg.start + 1, seg.stop),
               key=lambda i: (live_after[i - 1], abs(2 * i - seg.start - seg.stop)))
     return [Segment(seg.start, cut, seg.selective), Segment(cut, seg.stop, seg.selective)]
+
+
+def _size_chunks(gm: torch.fx.GraphModule, ctx: PassContext, target: int, optimizer, accumulate: bool) -> int | None:
+    """Rows per chunk of every chunked linear head and loss (fuse), the same for all: the largest
+    power of two, up to the whole batch, whose step the estimate puts within target, and at
+    least Liger's (chunk_rows: a chunk's logits about the size of the head's input), which stays
+    when none fits and recompute has to make room. Larger chunks run fewer, larger matmuls.
+    None when the graph has none."""
+    heads = [n for n in gm.graph.nodes if isinstance(n.target, ChunkedHeadLoss)]
+    if not heads:
+        return None
+    h, weight = tensor_info(heads[0].args[0]), tensor_info(heads[0].args[1])
+    rows = math.prod(h.shape[:-1])
+    least = chunk_rows(rows, weight.shape[0], h.shape[-1])
+    sizes = [1 << k for k in range(max(rows - 1, 0).bit_length(), -1, -1) if 1 << k >= least] or [least]
+    for size in sizes:
+        for n in heads:
+            n.target = n.target.sized(min(size, rows))
+        gm.recompile()
+        if size == sizes[-1] or estimate_peak(gm, ctx.flat_inputs(gm), optimizer=optimizer,
+                                              accumulate=accumulate).peak_bytes <= target:
+            return min(size, rows)
 
 
 def _fraction(value) -> float:
@@ -268,8 +299,12 @@ class Recompute(Pass):
             if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
             return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes})
+        chunk = _size_chunks(gm, ctx, target, self.optimizer, self.accumulate)
+        if chunk is not None:
+            stats["loss_chunk_rows"] = chunk
+            before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
-            return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0},
+            return PassResult(gm, chunk is not None, {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0},
                               _pictures({"as traced": before}, limit))
         # Step 2
         if _attributes_first(gm) + _hoist_state_writes(gm):
@@ -283,11 +318,18 @@ class Recompute(Pass):
         r = rates(device)
         segment_cost = SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9))
         blocks = _block_plans(nodes, ok, cost, live_after, segment_cost.fixed, saves)
-        atoms = make_atoms(kept, live_after, cost, ok, sel, [c if b else 0 for c, b in zip(cost, sel)],
-                           param_grads=grads, boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)},
-                           ops=[dispatches(n, gm) for n in nodes], saves=saves)
+        sel_cost = [c if b else 0 for c, b in zip(cost, sel)]
+        n_ops = [dispatches(n, gm) for n in nodes]
+        views = [make_atoms(kept, live_after, cost, ok, sel, sel_cost, param_grads=grads, ops=n_ops, saves=view,
+                            boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)})
+                 for view in (saves, None)]
+
+        def recost(segments) -> int:
+            return sum(rerun_cost(cost, saves, s.start, s.stop, sel_cost if s.selective else None) + segment_cost.fixed
+                       + (segment_cost.per_selective_op * sum(n_ops[s.start:s.stop]) if s.selective else 0)
+                       for s in segments)
         # Step 3
-        candidates = _candidates(atoms, segment_cost)
+        candidates = _candidates(views, segment_cost, recost)
         seen = {tuple(p.segments) for p in candidates}
         candidates += [p for p in blocks if tuple(p.segments) not in seen]
         candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
