@@ -115,15 +115,52 @@ def test_row_sums_and_maxima_with_keepdim_join_and_other_reductions_say_why_not(
     assert "reduce the last dim" in group["not_fused"]["sum_2"]
 
 
-def test_half_precision_rows_stay_out_with_the_reason():
-    def fn(m, x):
-        return F.layer_norm(x * 2, (16,))
+def hf_rms_norm_half(m, x):
+    """transformers' LlamaRMSNorm in bf16: its statistics in float32, the result cast back."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return m.weight * h.to(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float16)
 
-    model = module(fn, 1)
-    opt = graphopt.optimize(model, (torch.randn(4, 16, dtype=torch.float16),), passes="fuse")
+
+def scaled_softmax_half(m, s, mask):
+    """transformers' eager attention: scores scaled and masked, softmax in float32, cast back."""
+    return F.softmax(s * 0.125 + mask, -1, dtype=torch.float32).to(s.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["rms_norm", "layer_norm", "softmax", "reductions"])
+def test_half_precision_rows_are_one_kernel_rounding_as_eager(case, dtype):
+    """Each value is rounded where eager's op rounds it (a norm's or softmax's once, at its end;
+    float32 inside); the step is no further from float64 than eager's in that dtype."""
+    def randn(*shape, grad=False):
+        return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+    if case == "rms_norm":
+        fn, args, mods = hf_rms_norm_half, (randn(3, 5, 48, grad=True),), {"weight": torch.nn.Parameter(randn(48))}
+    elif case == "layer_norm":
+        ln = torch.nn.LayerNorm(48).to(dtype)
+        fn, args, mods = (lambda m, x, y: m.ln(x + y)), (randn(4, 48, grad=True), randn(4, 48)), {"ln": ln}
+    elif case == "softmax":
+        fn, args, mods = scaled_softmax_half, (randn(2, 3, 8, 8, grad=True), randn(2, 1, 8, 8)), {}
+    else:
+        fn, args, mods = (lambda m, x: x.amax(-1, keepdim=True) * x.mean(-1, keepdim=True) + x.softmax(-1)), \
+            (randn(4, 40, grad=True),), {}
+    model = module(fn, len(args))
+    for name, value in mods.items():
+        setattr(model, name, value)
+    opt = graphopt.optimize(model, args, passes="fuse")
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["kernels"] == 1 and isinstance(fused_nodes(opt)[0].target, FusedRowOp)
+    assert opt(*args).dtype == model(*args).dtype == dtype
+    assert_same_step(model, opt, args, {}, exact=False)
+
+
+def test_a_half_precision_cross_entropy_stays_out_with_the_reason():
+    model = module(lambda m, x, t: F.cross_entropy(x * 2, t), 2)
+    opt = graphopt.optimize(model, (torch.randn(4, 16, dtype=torch.float16), torch.randint(0, 16, (4,))), passes="fuse")
     stats = opt.graphopt_report.passes[-1].stats
     assert stats["kernels"] == 0
-    assert "row kernels compute float32" in stats["alone"]["mul"]["layer_norm"]
+    assert "row kernels take its float32 form" in stats["alone"]["mul"]["cross_entropy"]
 
 
 def test_a_norm_over_the_leading_dims_stays_out():

@@ -143,8 +143,8 @@ def test_malformed_groups_say_what_is_wrong(build, message):
         build()
 
 
-def test_what_the_first_form_declines():
-    with pytest.raises(Unsupported, match="take float32 inputs"):
+def test_an_input_of_another_dtype_than_its_group_reads_is_declined():
+    with pytest.raises(Unsupported, match="where the group reads torch.float32"):
         row_call(G.softmax(), torch.randn(2, 8, dtype=torch.float16))
 
 
@@ -222,3 +222,29 @@ def test_shifted_reads_rotate_halves_as_rotary_embeddings_do(block):
     g = torch.randn(5, 3, c)
     (gx,), (wx,) = torch.autograd.grad(got, (x,), g), torch.autograd.grad(want, (xd,), g.double())
     assert _relative(gx, wx) <= TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("block", [None, 16])
+def test_a_half_precision_softmax_rounds_once_as_eager(dtype, log, block):
+    """Computed in fp32 from the loaded halves, rounded once to the output's dtype (to nearest
+    even, by hand: the interpreter's cast truncates); its backward from the rounded output and
+    gradient, rounded once: eager's softmax bit for bit; its log_softmax, whose CPU kernel
+    subtracts the max and the log of the sum in another order, within one unit in the last place
+    of the largest element."""
+    b = G.Builder()
+    y = b("log_softmax" if log else "softmax", b.input("x", G.FULL, dtype=dtype))
+    b.made_in(y, dtype)
+    x = (3 * torch.randn(5, 37, generator=torch.Generator().manual_seed(1))).to(dtype).requires_grad_()
+    got = row_call(b.group(y), x, block=block)
+    want = torch.log_softmax(x, -1) if log else torch.softmax(x, -1)
+    g = torch.randn(5, 37, generator=torch.Generator().manual_seed(2)).to(dtype)
+    pairs = [(got, want), (torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])]
+    ulp = torch.finfo(dtype).eps
+    for a, w in pairs:
+        assert a.dtype == dtype
+        if log:
+            assert float((a.float() - w.float()).abs().max()) <= ulp * float(w.float().abs().max())
+        else:
+            assert torch.equal(a, w)

@@ -21,7 +21,10 @@ from .dropout_members import DrawnMask, emit_bernoulli, emit_dropout
 from .epilogue_members import BiasFree
 from .group_outputs import group_outputs
 from .meta import tensor_info
-from .row_members import BATCH_NORMS, DTYPE, PIECE, ROW_OPS, StateInput, exact_shape, info_of, kind_of
+from .row_members import BATCH_NORMS, DTYPE, FLOATS, PIECE, ROW_OPS, StateInput, exact_shape, info_of, kind_of
+
+# members whose eager backward is one kernel computing in float32: their last step's terms are not rounded
+ONE_KERNEL = ("layer_norm", "rms_norm", *BATCH_NORMS)
 
 
 def emit_batch_norm(b: Builder, refs: list, params: dict, columns: int):
@@ -103,8 +106,8 @@ def fits_rows(members: list, rows: RowSpace) -> str | None:
             if info is None:
                 continue
             kind = kind_of(info.shape, rows)
-            if kind is None or info.dtype != DTYPE:
-                return f"{v.name} ({info.short()}) is not a float32 row, per-row or per-column value of {where}"
+            if kind is None or info.dtype not in FLOATS:
+                return f"{v.name} ({info.short()}) is not a float row, per-row or per-column value of {where}"
             kinds.append(kind)
         if m.identity:
             continue
@@ -115,8 +118,8 @@ def fits_rows(members: list, rows: RowSpace) -> str | None:
                 return f"{m.node.name} draws noise of {out.short()}, not a value of {where}"
         elif m.mask is not None and kind != FULL:
             return f"{m.node.name} drops out a {kind.lower()} value of {where}: a mask has the rows' shape"
-        if out.dtype != DTYPE or kind_of(out.shape, rows) != kind or exact_shape(kind, rows) not in (None, out.shape):
-            return f"{m.node.name} makes {out.short()}, not a float32 value of {where}"
+        if out.dtype not in FLOATS or kind_of(out.shape, rows) != kind or exact_shape(kind, rows) not in (None, out.shape):
+            return f"{m.node.name} makes {out.short()}, not a float value of {where}"
     return None
 
 
@@ -136,7 +139,9 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
         key = (value, kind, shift)
         if key not in refs:
             slots.append(value)
-            refs[key] = b.input("cols" if value is None else value.name, kind, shift)
+            info = None if value is None else info_of(value)
+            dtype = info.dtype if info is not None and info.dtype in FLOATS else torch.float32  # else: indices, masks
+            refs[key] = b.input("cols" if value is None else value.name, kind, shift, dtype)
         return refs[key]
 
     def ref(value):
@@ -158,6 +163,7 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
         m = members.get(node)
         if m is None:  # absorbed by a member after it
             continue
+        since = len(b.steps)  # the member's own steps: its last is made in its node's dtype
         if m.identity:
             refs[node] = ref(m.operands[0])
         elif m.op == "cross_entropy":  # its class indices are per row, whatever their shape says
@@ -186,11 +192,16 @@ def build_rows(nodes: list[torch.fx.Node], members: dict, rows: RowSpace):
             refs[node] = emit(b, m.op, [ref(m.operands[0]), *(None if v is None else slot(v, COL) for v in m.operands[1:])],
                               m.params, rows, columns)
         elif m.op in ROW_OPS:
-            refs[node] = emit(b, m.op, [ref(v) for v in m.operands], m.params, rows, columns)
+            x, *rest = [ref(v) for v in m.operands]
+            if m.params.get("dtype") is not None and m.params["dtype"] != info_of(m.operands[0]).dtype:
+                x = b("to_dtype", x, dtype=m.params["dtype"])  # sum(dtype=...), softmax(dtype=...): cast first
+                b.made_in(x, m.params["dtype"], since)
+            refs[node] = emit(b, m.op, [x, *rest], m.params, rows, columns)
         elif node in vectors:
             refs[node] = b(m.op, *(per_row(v) if isinstance(v, torch.fx.Node) else v for v in m.operands), **m.params)
         else:
             refs[node] = b(m.op, *(ref(v) for v in m.operands), **m.params)
+        b.made_in(refs[node], tensor_info(node).dtype, since, one_kernel=m.op in ONE_KERNEL)
     outputs, stored, aliases = group_outputs(nodes, refs, slots, lambda node: node in members)
     if not stored:
         return "dead code: nothing outside the group uses its results"

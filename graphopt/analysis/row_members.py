@@ -6,8 +6,9 @@ and log_softmax over dim -1, layer_norm and rms_norm over the last dim alone, cr
 [N, C] logits with [N] class indices (no class weights, no label smoothing: its rows' losses,
 then their mean or sum), batch norm (a row per channel, its columns over the other dims), and
 rotary embeddings' cat of column slices of one value (the slices and the ops on them absorbed);
-in float32, the dtype the row kernels take (codegen/row_group.py). A float32 elementwise node
-that eager lays out strided (fusion.py) takes rows over its layout.
+in float32, bfloat16 or float16 (codegen/row_group.py rounds each value as eager does), but
+cross_entropy and batch norm, which take float32. A float32 elementwise node that eager lays
+out strided (fusion.py) takes rows over its layout.
 
 Every value in a row group has a class relative to its rows (codegen/row_space.py: the shape F
 and the dims that make the columns), as eager broadcasts it against F: FULL when it varies along
@@ -40,6 +41,7 @@ INT64_MAX = 2**63 - 1  # aten.slice's end for "to the end"
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum", "none": "none", "mean": "mean", "sum": "sum"}
 CHANNEL_NORMS = ("native_batch_norm", "native_batch_norm_train", "group_norm", "native_group_norm", "instance_norm")
 DTYPE = torch.float32
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what row kernels load, compute in fp32 and round to
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,13 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
     xinfo = info_of(x)
     if not isinstance(info, TensorInfo) or xinfo is None:
         return "no tensor metadata (annotate the graph first)"
-    if (op.name != "cross_entropy" and info.dtype != DTYPE) or xinfo.dtype != DTYPE:
-        return f"{op.name} in {info.dtype}: row kernels compute float32 tensors"
+    if op.name in ("cross_entropy", *BATCH_NORMS) and (xinfo.dtype != DTYPE or (op.name != "cross_entropy" and
+                                                                              info.dtype != DTYPE)):
+        return f"{op.name} in {xinfo.dtype}: row kernels take its float32 form"
+    if xinfo.dtype not in FLOATS or info.dtype not in FLOATS:
+        return f"{op.name} of {xinfo.dtype} into {info.dtype}: row kernels compute float tensors"
+    if xinfo.dtype != info.dtype and params_dtype(bound) != info.dtype:
+        return f"{op.name} of {xinfo.dtype} into {info.dtype}"
     full, params = xinfo.shape, dict(bound.params)
     if len(full) < 2 or full[-1] < 2:
         return f"rows of shape {list(full)}: a row kernel reduces a last dim of 2 or more over leading dims"
@@ -139,21 +146,24 @@ def row_member(node: torch.fx.Node, gm: torch.fx.GraphModule, op, bound) -> tupl
                                            "ignore_index": params["ignore_index"]}, ()
     if op.name in REDUCING:
         if not _dim_is_last(params.get("dim"), len(full)) or params.get("keepdim") is not True \
-                or params.get("dtype") not in (None, DTYPE):
+                or params.get("dtype") not in (None, info.dtype):
             return f"{op.name} over dim {params.get('dim')} (keepdim={params.get('keepdim')}): row kernels " \
                    "reduce the last dim, keeping it"
     elif op.name in ("softmax", "log_softmax"):
-        if not _dim_is_last(params.get("dim"), len(full)) or params.get("dtype") not in (None, DTYPE):
+        if not _dim_is_last(params.get("dim"), len(full)) or params.get("dtype") not in (None, info.dtype):
             return f"{op.name} over dim {params.get('dim')}: row kernels normalize the last dim"
     else:
         shape = params.get("normalized_shape")
         if not isinstance(shape, (list, tuple)) or tuple(shape) != full[-1:]:
             return f"{op.name} over {shape}: row kernels normalize the last dim alone"
         for v in operands[1:]:
-            if v is not None and (info_of(v) is None or info_of(v).dtype != DTYPE or kind_of(info_of(v).shape, rows) != COL):
-                return f"{op.name}'s weight or bias is not a float32 vector of the last dim"
+            if v is not None and (info_of(v) is None or info_of(v).dtype != xinfo.dtype or
+                                  kind_of(info_of(v).shape, rows) != COL):
+                return f"{op.name}'s weight or bias is not a vector of the last dim in its input's dtype"
+        if xinfo.dtype != info.dtype:
+            return f"{op.name} of {xinfo.dtype} into {info.dtype}"
         if op.name == "rms_norm" and params.get("eps") is None:
-            params["eps"] = torch.finfo(DTYPE).eps  # what F.rms_norm takes for None
+            params["eps"] = torch.finfo(xinfo.dtype).eps  # what F.rms_norm takes for None
         if not isinstance(params.get("eps"), float):
             return f"{op.name}'s eps is not a number known when tracing"
     return rows, tuple(operands), params, ()
@@ -261,23 +271,29 @@ def _rotation_member(node: torch.fx.Node, gm: torch.fx.GraphModule, bound, info)
         pieces.append((start, found[1] - start, tuple(chain)))
         start += tensor_info(piece).shape[-1]
     xinfo = info_of(source)
-    if xinfo.shape != info.shape or xinfo.dtype != DTYPE:
+    if xinfo.shape != info.shape or xinfo.dtype != info.dtype or info.dtype not in FLOATS:
         return "cat of column slices into a value of another shape or dtype"
     return RowSpace.last(info.shape), (source,), {"pieces": tuple(pieces)}, tuple(absorbed)
 
 
 def _chain_step(node: torch.fx.Node, gm: torch.fx.GraphModule):
     """(op, args with PIECE for the tensor, params) and the tensor, for an elementwise node of one
-    float32 tensor operand and Python scalars; None otherwise."""
+    float tensor operand of its own dtype and Python scalars (a negation: exact in any); None otherwise."""
     op, bound, info = ops.lookup(node, gm), ops.bind(node, gm), tensor_info(node)
     if op is None or op.kind != "elementwise" or op.triton is None or bound is None or \
-            not isinstance(info, TensorInfo) or info.dtype != DTYPE:
+            not isinstance(info, TensorInfo) or info.dtype not in FLOATS:
         return None
     tensors = [v for v in bound.operands if isinstance(v, torch.fx.Node)]
-    if len(tensors) != 1 or not isinstance(tensor_info(tensors[0]), TensorInfo) or tensor_info(tensors[0]).shape != info.shape:
+    if len(tensors) != 1 or not isinstance(tensor_info(tensors[0]), TensorInfo) or \
+            (tensor_info(tensors[0]).shape, tensor_info(tensors[0]).dtype) != (info.shape, info.dtype):
         return None
     args = tuple(PIECE if v is tensors[0] else v for v in bound.operands)
     return (op.name, args, dict(bound.params)), tensors[0]
+
+
+def params_dtype(bound):
+    """The dtype a reduction or softmax is asked to compute in (its input cast to it first), or None."""
+    return bound.params.get("dtype") if bound is not None else None
 
 
 def _cross_entropy(operands, params, full) -> str | None:

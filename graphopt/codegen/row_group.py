@@ -21,7 +21,11 @@ The norms, softmaxes and losses of the graph are written in these steps by the b
 (rms_norm, layer_norm, softmax, log_softmax), the same spelling the fusion analysis will
 recognize in a graph: mean is a sum times 1/C, var a mean of squared deviations.
 
-Everything computes in fp32; this first form takes float32 inputs only (Unsupported otherwise).
+Everything computes in fp32. Each input has a dtype (float32, bfloat16, float16: loaded and
+upcast) and so does each step: the dtype eager makes its value in. A step of a half dtype is
+rounded to it (codegen/program.py's rule, as eager materializes it), and so are the values
+stored in one; a norm's or softmax's inner steps are float32 and its last is rounded once, as
+eager's kernels compute them in float32 and round their output.
 """
 from __future__ import annotations
 
@@ -35,10 +39,14 @@ FULL, ROW, COL, INDEX = "full", "row", "col", "index"
 REDUCTIONS = ("sum", "max")
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True)
 class RowInput(Input):
     kind: str = FULL
     shift: int = 0  # a FULL input read shifted along the columns: column j reads column j + shift (0 past the ends)
+    dtype: torch.dtype = torch.float32  # a float input's; an integer input (class indices) says float32
 
 
 @dataclass(frozen=True)
@@ -78,10 +86,15 @@ class RowGroup:
     steps: tuple  # Step (an elementwise op of the registry) or Reduce
     outputs: tuple  # step indices
     origin: tuple = ()
+    dtypes: tuple = ()  # per step, the dtype eager makes its value in (float32 where not given)
+    fp32_terms: tuple = ()  # steps ending a norm whose eager backward is one float32 kernel: their terms unrounded
 
     def __post_init__(self):
-        for name in ("inputs", "steps", "outputs", "origin"):
+        for name in ("inputs", "steps", "outputs", "origin", "dtypes", "fp32_terms"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "dtypes", self.dtypes + (torch.float32,) * (len(self.steps) - len(self.dtypes)))
+        if len(self.dtypes) != len(self.steps) or not all(d in FLOATS for d in self.dtypes + tuple(i.dtype for i in self.inputs)):
+            raise ValueError(f"a row group's inputs and steps are of {', '.join(map(str, FLOATS))}")
         if not all(isinstance(i, RowInput) and i.kind in (FULL, ROW, COL, INDEX) for i in self.inputs):
             raise ValueError("a row group's inputs are RowInputs of kind 'full', 'row', 'col' or 'index'")
         if any(i.shift and i.kind != FULL for i in self.inputs):
@@ -137,9 +150,9 @@ INTEGERS = (torch.int32, torch.int64)
 
 def check_inputs(group: RowGroup, inputs, values: bool = True, missing: bool = False) -> None:
     """ValueError unless an index input is given as None and only it (or, with missing=True, an
-    input a backward does not read); Unsupported unless every other input is float32 or a
-    per-row integer below 2**24 (a class index: exact in fp32; its values are looked at only with
-    values=True, not on tensors without data)."""
+    input a backward does not read); Unsupported unless every other input is of its RowInput's
+    float dtype, a bool mask, or a per-row integer below 2**24 (a class index: exact in fp32;
+    its values are looked at only with values=True, not on tensors without data)."""
     if len(inputs) != len(group.inputs):
         raise ValueError(f"the group has {len(group.inputs)} inputs, got {len(inputs)}")
     for k, t in enumerate(inputs):
@@ -149,10 +162,11 @@ def check_inputs(group: RowGroup, inputs, values: bool = True, missing: bool = F
             why = "the column index is made by the kernel: pass None" if t is not None else \
                 "None is for the column index only"
             raise ValueError(f"input {k}: {why}")
-        if t is None or t.dtype == torch.float32 or t.dtype == torch.bool:  # bool: a dropout's mask, 0 or 1
+        if t is None or t.dtype == group.inputs[k].dtype or t.dtype == torch.bool:  # bool: a dropout's mask, 0 or 1
             continue
         if not (t.dtype in INTEGERS and group.input_kind(k) == ROW):
-            raise Unsupported(f"input {k} is {t.dtype}: row kernels take float32 inputs, and int32/int64 per-row ones")
+            raise Unsupported(f"input {k} is {t.dtype}, where the group reads {group.inputs[k].dtype}; row kernels "
+                              "take float inputs of their group's dtypes and int32/int64 per-row ones")
         if t.numel() and values and int(t.abs().max()) >= 2**24:
             raise Unsupported(f"input {k} holds integers of 2**24 or more, which fp32 does not hold exactly")
 
@@ -168,10 +182,10 @@ class Builder:
 
     def __init__(self, kinds=()):
         self.inputs = [RowInput(name, kind) for name, kind in kinds]
-        self.steps = []
+        self.steps, self.dtypes, self.fp32_terms = [], [], []
 
-    def input(self, name: str, kind: str, shift: int = 0) -> tuple:
-        self.inputs.append(RowInput(name, kind, shift))
+    def input(self, name: str, kind: str, shift: int = 0, dtype: torch.dtype = torch.float32) -> tuple:
+        self.inputs.append(RowInput(name, kind, shift, dtype))
         return ("input", len(self.inputs) - 1)
 
     def __call__(self, op, *args, **params):
@@ -179,10 +193,20 @@ class Builder:
             self.steps.append(Softmax(args[0], op == "log_softmax"))
         else:
             self.steps.append(Reduce(op[4:], args[0]) if op.startswith("row_") else Step(op, args, params))
+        self.dtypes.append(torch.float32)
         return ("step", len(self.steps) - 1)
 
+    def made_in(self, ref, dtype: torch.dtype, since: int = 0, one_kernel: bool = False) -> None:
+        """Step ref's value is eager's in dtype (rounded to it when half), where ref is a step
+        made at or after step `since` (a member's own last step, not a value it passes on);
+        one_kernel: it ends a norm whose eager backward computes in float32 throughout."""
+        if isinstance(ref, tuple) and ref[0] == "step" and ref[1] >= since:
+            self.dtypes[ref[1]] = dtype
+            if one_kernel:
+                self.fp32_terms.append(ref[1])
+
     def group(self, *outputs, origin=()) -> RowGroup:
-        return RowGroup(self.inputs, self.steps, [o[1] for o in outputs], origin)
+        return RowGroup(self.inputs, self.steps, [o[1] for o in outputs], origin, self.dtypes, self.fp32_terms)
 
 
 def emit_mean(b: Builder, x, columns: int):

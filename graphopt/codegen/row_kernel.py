@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .compile import load
-from .kernel import INDENT, module
+from .kernel import INDENT, TL, module
 from .row_group import COL, FULL, ROW, RowGroup, check_inputs
 from .row_program import Line, RowProgram, backward_program, forward_program, vector
 from .row_space import RowSpace, addressing, empty_like_order
@@ -62,7 +62,11 @@ def _load(line: Line, shifts: dict) -> str:
             f"mask={_mask(line.target, kind, shifts)}, other=0.0).to(tl.float32)")
 
 
-def _store(pointer: str, kind: str, value: str, shifts: dict) -> str:
+def _store(pointer: str, kind: str, value: str, shifts: dict, dtype: torch.dtype = torch.float32) -> str:
+    if dtype == torch.bfloat16:  # rounded by hand: the interpreter's cast truncates (kernel.py)
+        value = f"round_bf16({value}).to(tl.bfloat16)"
+    elif dtype != torch.float32:
+        value = f"{value}.to({TL[dtype]})"
     return f"tl.store({pointer}_ptr + {_at(pointer, kind)}, {value}, mask={_mask(pointer, kind, shifts)})"
 
 
@@ -150,7 +154,7 @@ def _persistent(program: RowProgram, dims: tuple[int, int], shifts: dict) -> lis
     body = _tile_rows(dims, pointers, shifts) + _columns("", dims, pointers, shifts)
     for line in program.lines:
         body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds, shifts))
-    body += [_store(s.pointer, s.kind, s.value, shifts) for s in program.stores if s.kind != COL]
+    body += [_store(s.pointer, s.kind, s.value, shifts, s.dtype) for s in program.stores if s.kind != COL]
     body += [f"{s.value}_acc = {s.value}_acc + {_partial_sum(s)}" for s in partial]
     loop = ["for first in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R), RB):"] + [INDENT + b for b in body]
     tail = [f"cols = tl.arange(0, BLOCK)[None, :]"] if partial else []
@@ -206,10 +210,10 @@ def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[st
     if full:
         inner = [_assign(line, kinds, shifts) for line in _closure(program, [s.value for s in full])]
         inner += [f"tl.store({s.pointer}_ptr + {PARTIAL}, {_partial_sum(s)}, mask=cmask)" if s.kind == COL
-                  else _store(s.pointer, FULL, s.value, shifts) for s in full]
+                  else _store(s.pointer, FULL, s.value, shifts, s.dtype) for s in full]
         body += ["# the stores"] + _chunks(inner, dims, pointers, shifts)
     rows = ["first = pid * RB"] + _tile_rows(dims, pointers, shifts)
-    return rows + body + [_store(s.pointer, ROW, s.value, shifts) for s in program.stores if s.kind == ROW]
+    return rows + body + [_store(s.pointer, ROW, s.value, shifts, s.dtype) for s in program.stores if s.kind == ROW]
 
 
 def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: tuple[int, int] = (1, 1)) -> str:
@@ -327,13 +331,13 @@ def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, te
 
 def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool = True,
                 space: RowSpace | None = None, orders: tuple = ()) -> list[torch.Tensor]:
-    """The outputs, float32: FULL ones at the rows' shape, laid out in orders[i] (outermost dim
-    first; contiguous by default), ROW ones at the row shape; with launch=False they are allocated
+    """The outputs, each in its step's dtype: FULL ones at the rows' shape, laid out in orders[i]
+    (outermost dim first; contiguous by default), ROW ones at the row shape; with launch=False they are allocated
     and not computed (FakeTensors: what a run allocates)."""
     space, given = _space(group, inputs, space, launch)
     device = next(t.device for t in given if t is not None)
-    outs = [empty_like_order(space.shape, orders[i] if i < len(orders) else None, torch.float32, device)
-            if group.step_kind(j) == FULL else torch.empty(space.row_shape(), dtype=torch.float32, device=device)
+    outs = [empty_like_order(space.shape, orders[i] if i < len(orders) else None, group.dtypes[j], device)
+            if group.step_kind(j) == FULL else torch.empty(space.row_shape(), dtype=group.dtypes[j], device=device)
             for i, j in enumerate(group.outputs)]
     if launch and space.rows and space.columns:
         program = forward_program(group)
@@ -360,8 +364,10 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
     grid = programs(space.rows, size, looped, any(s.kind == COL for s in program.stores), device)
     sizes = {FULL: space.shape, ROW: space.row_shape(), COL: (grid[0], space.columns)}
     # a shifted input's gradient is stored at the columns it was read from: the others stay 0
-    buffers = {k: (torch.zeros if group.inputs[k].shift else torch.empty)(sizes[group.input_kind(k)], device=device,
-                                                                           dtype=torch.float32) for k in program.grads}
+    # a COL gradient's partial sums are fp32, cast to its input's dtype once added up
+    buffers = {k: (torch.zeros if group.inputs[k].shift else torch.empty)(
+        sizes[group.input_kind(k)], device=device,
+        dtype=torch.float32 if group.input_kind(k) == COL else group.inputs[k].dtype) for k in program.grads}
     if launch and space.rows and space.columns and program.grads:
         tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
         tensors.update({f"v{j}": t for j, t in loaded.items()})
@@ -371,11 +377,11 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
     out: list[torch.Tensor | None] = [None] * len(inputs)
     for k, buffer in buffers.items():
         if group.input_kind(k) == COL:  # the programs' partial sums added up
-            buffer = buffer.sum(0).reshape(space.col_shape())
+            buffer = buffer.sum(0).reshape(space.col_shape()).to(group.inputs[k].dtype)
         out[k] = buffer.sum_to_size(_view_shape(group.input_kind(k), shapes[k], space)).reshape(shapes[k])
     for k, shape in enumerate(shapes):
         if needs[k] and out[k] is None and shape is not None:  # no path from it to an output with a gradient
-            out[k] = torch.zeros(shape, device=device, dtype=inputs[k].dtype if inputs[k] is not None else torch.float32)
+            out[k] = torch.zeros(shape, device=device, dtype=inputs[k].dtype if inputs[k] is not None else group.inputs[k].dtype)
     return out
 
 

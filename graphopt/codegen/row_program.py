@@ -34,7 +34,7 @@ import torch
 
 from ..ops.templates import render
 from .group import is_ref, op_info
-from .program import forward_expr, operand_values
+from .program import ROUND, forward_expr, operand_values, rounded
 from .row_group import COL, FULL, ROW, Reduce, RowGroup, Softmax
 
 
@@ -54,6 +54,7 @@ class Store:
     pointer: str  # out{i} or d{k}
     kind: str  # where it goes: FULL (row * C + cols), ROW (row), or COL: a sum over the program's rows
     value: str
+    dtype: torch.dtype = torch.float32  # the tensor's: a half one is written rounded (to nearest even)
 
 
 @dataclass(frozen=True)
@@ -91,40 +92,46 @@ class _Lines:
 
 
 def _forward(group: RowGroup, lines: _Lines, loaded=frozenset()) -> None:
-    """The forward's lines; a step in `loaded` is read from its stored output (pointer v{j})."""
+    """The forward's lines; a step in `loaded` is read from its stored output (pointer v{j}). A
+    step of a half dtype is rounded to it, as eager materializes it."""
     for k in range(len(group.inputs)):
         if group.is_index(k):
             lines.add(f"x{k}", COL, "cols.to(tl.float32)", comment="the column index")
         else:
             lines.add(f"x{k}", group.input_kind(k), group.input_kind(k), load=True)
     for j, s in enumerate(group.steps):
+        dtype = group.dtypes[j]
         if j in loaded:
             lines.add(f"v{j}", group.step_kind(j), group.step_kind(j), load=True)
+        elif isinstance(s, Reduce) and dtype in ROUND:
+            total = lines.temp(ROW, _name(s.arg), reduce=s.kind, comment=f"row_{s.kind}")
+            lines.add(f"v{j}", ROW, rounded(total, dtype), comment=f"rounded to {dtype}")
         elif isinstance(s, Reduce):
             lines.add(f"v{j}", ROW, _name(s.arg), reduce=s.kind, comment=f"row_{s.kind}")
         elif isinstance(s, Softmax):
-            _softmax(j, s, lines)
+            _softmax(j, s, lines, dtype)
         else:
-            lines.add(f"v{j}", group.step_kind(j), forward_expr(s, torch.float32), comment=s.op)
+            lines.add(f"v{j}", group.step_kind(j), forward_expr(s, dtype), comment=s.op)
 
 
-def _softmax(j: int, s: Softmax, lines: _Lines) -> None:
+def _softmax(j: int, s: Softmax, lines: _Lines, dtype: torch.dtype) -> None:
     x = _name(s.arg)
     peak = lines.temp(ROW, x, reduce="max", comment=f"{s.op}: the row's max")
     shifted = lines.temp(FULL, f"{x} - {peak}")
     exp = render(op_info("exp").triton, x=shifted)
     if s.log:
         total = lines.temp(ROW, exp, reduce="sum")
-        lines.add(f"v{j}", FULL, f"{shifted} - {render(op_info('log').triton, x=total)}", comment=s.op)
+        value = f"{shifted} - {render(op_info('log').triton, x=total)}"
     else:
         e = lines.temp(FULL, exp)
-        lines.add(f"v{j}", FULL, f"{e} / {lines.temp(ROW, e, reduce='sum')}", comment=s.op)
+        value = f"{e} / {lines.temp(ROW, e, reduce='sum')}"
+    lines.add(f"v{j}", FULL, rounded(value, dtype), comment=s.op)
 
 
 def forward_program(group: RowGroup) -> RowProgram:
     lines = _Lines()
     _forward(group, lines)
-    stores = tuple(Store(f"out{i}", group.step_kind(j), f"v{j}") for i, j in enumerate(group.outputs))
+    stores = tuple(Store(f"out{i}", group.step_kind(j), f"v{j}", group.dtypes[j]) for i, j in enumerate(group.outputs))
     return RowProgram(_read(group) + tuple(s.pointer for s in stores), tuple(lines.lines), stores)
 
 
@@ -132,15 +139,31 @@ def _read(group: RowGroup) -> tuple[str, ...]:
     return tuple(f"x{k}" for k in range(len(group.inputs)) if not group.is_index(k))
 
 
+def _dtype(group: RowGroup, ref) -> torch.dtype:
+    return group.inputs[ref[1]].dtype if ref[0] == "input" else group.dtypes[ref[1]]
+
+
+def _term(group: RowGroup, j: int, arg, kind: str, expr: str, lines: _Lines, comment: str,
+          reduce: str | None = None) -> str:
+    """A line for step j's term for arg: rounded to step j's dtype where that is half (eager's
+    backward makes it in that dtype; not where j ends a norm, whose backward is one kernel), then to arg's where arg is a half value at full size (a
+    reduced term is summed in fp32, its lanes being the kernel's)."""
+    expr = expr if j in group.fp32_terms else rounded(expr, group.dtypes[j])
+    if kind == FULL and not reduce and group.ref_kind(arg) == FULL:
+        expr = rounded(expr, _dtype(group, arg)) if _dtype(group, arg) != group.dtypes[j] else expr
+    return lines.temp(kind, expr, reduce, comment)
+
+
 def _terms(group: RowGroup, j: int, adjoint: str, lines: _Lines) -> list[tuple[tuple, str]]:
     """(arg ref, name of its term) for each arg of step j a gradient flows into (Step 2)."""
     s, kind = group.steps[j], group.step_kind(j)
     if isinstance(s, Reduce):
         if s.kind == "sum":
-            return [(s.arg, adjoint)]
+            return [(s.arg, _term(group, j, s.arg, FULL, adjoint, lines, f"d row_sum(step {j})"))
+                    if _dtype(group, s.arg) in ROUND else (s.arg, adjoint)]
         ties = lines.temp(FULL, f"tl.where({_name(s.arg)} == v{j}, 1.0, 0.0)", comment="elements equal to the max")
         count = lines.temp(ROW, ties, reduce="sum", comment="how many")
-        return [(s.arg, lines.temp(FULL, f"{adjoint} * {ties} / {count}", comment=f"d row_max(step {j})"))]
+        return [(s.arg, _term(group, j, s.arg, FULL, f"{adjoint} * {ties} / {count}", lines, f"d row_max(step {j})"))]
     if isinstance(s, Softmax):
         if s.log:
             total = lines.temp(ROW, adjoint, reduce="sum")
@@ -148,7 +171,7 @@ def _terms(group: RowGroup, j: int, adjoint: str, lines: _Lines) -> list[tuple[t
         else:
             total = lines.temp(ROW, f"{adjoint} * v{j}", reduce="sum")
             term = f"v{j} * ({adjoint} - {total})"
-        return [(s.arg, lines.temp(FULL, term, comment=f"d {s.op}(step {j})"))]
+        return [(s.arg, _term(group, j, s.arg, FULL, term, lines, f"d {s.op}(step {j})"))]
     op, out = op_info(s.op), []
     for i, a in enumerate(s.args):
         if not is_ref(a) or op.derivatives[i] is None:
@@ -156,8 +179,20 @@ def _terms(group: RowGroup, j: int, adjoint: str, lines: _Lines) -> list[tuple[t
         term = render(op.derivatives[i], g=adjoint, out=f"v{j}", **operand_values(s))
         comment = f"d {s.op}(step {j}) / d {_name(a)}"
         reduced = kind == FULL and group.ref_kind(a) == ROW
-        out.append((a, lines.temp(ROW if reduced else kind, term, "sum" if reduced else None, comment)))
+        out.append((a, _term(group, j, a, ROW if reduced else kind, term, lines, comment, "sum" if reduced else None)))
     return out
+
+
+def _adjoint(group: RowGroup, ref, names: list[str]) -> str:
+    """The sum of a value's terms: in its dtype where it is a half value at full size (eager adds
+    gradients in the tensor's dtype), else in fp32."""
+    dtype = _dtype(group, ref)
+    if dtype not in ROUND or group.ref_kind(ref) != FULL:
+        return _sum(names)
+    total = names[0]
+    for name in names[1:]:
+        total = rounded(f"{total} + {name}", dtype)
+    return total
 
 
 def _sum(names: list[str]) -> str:
@@ -177,15 +212,16 @@ def backward_program(group: RowGroup, has_grad, needs, loaded=frozenset()) -> Ro
     for j in reversed(range(len(group.steps))):
         if ("step", j) not in terms:
             continue
-        adjoint = lines.add(f"a{j}", group.step_kind(j), _sum(terms[("step", j)]), comment=f"adjoint of step {j}")
+        adjoint = lines.add(f"a{j}", group.step_kind(j), _adjoint(group, ("step", j), terms[("step", j)]),
+                            comment=f"adjoint of step {j}")
         for a, term in _terms(group, j, adjoint, lines):
             terms.setdefault(a, []).append(term)
     grads = tuple(k for k in range(len(group.inputs)) if needs[k] and ("input", k) in terms and not group.is_index(k))
     stores = []
     for k in grads:
         kind = group.input_kind(k)
-        lines.add(f"d{k}", kind, _sum(terms[("input", k)]), comment=f"gradient of input {k}")
-        stores.append(Store(f"d{k}", kind, f"d{k}"))
+        lines.add(f"d{k}", kind, _adjoint(group, ("input", k), terms[("input", k)]), comment=f"gradient of input {k}")
+        stores.append(Store(f"d{k}", kind, f"d{k}", group.inputs[k].dtype))
     live = _live(lines.lines, stores)
     loads = {line.target for line in live if line.load}
     pointers = tuple(p for p in _read(group) + tuple(f"v{j}" for j in sorted(loaded)) + tuple(f"g{i}" for i in seeded)

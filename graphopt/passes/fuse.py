@@ -206,6 +206,8 @@ class Fuse(Pass):
     """Fuse groups of elementwise ops, norms and softmaxes into generated Triton kernels."""
 
     name = "fuse"
+    runs_after = {"precision": "a group computes in the dtypes its ops have when it is fused: fused before the precision "
+                               "pass, it would keep float32 where torch.autocast computes in bf16 or fp16"}
     options = {
         "views": Option(None, to_bool, "compute candidates joined by reshapes in one shape, which specializes the "
                         "graph to the example's sizes (default: when fuse is asked for, not in the default pipeline, "

@@ -31,8 +31,9 @@ from .fused import STATS, _device, _inside, _runs_kernel, _shape_only, release_i
 
 def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor]:
     """The group's outputs computed by torch ops, each value broadcast over the rows as eager
-    would; differentiable, so autograd gives the reference gradients."""
-    scope = {"tl": tl}
+    would, a half step rounded as the kernels round it; differentiable, so autograd gives the
+    reference gradients."""
+    scope = {"tl": tl, "round_bf16": lambda t: _rounded(t, torch.bfloat16), "round_fp16": lambda t: _rounded(t, torch.float16)}
     for k, t in enumerate(inputs):
         if t is None:  # the column index
             t = torch.arange(space.columns, dtype=torch.float32, device=next(x for x in inputs if x is not None).device)
@@ -42,19 +43,25 @@ def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor
             t = _shifted(t, group.inputs[k].shift)
         scope[f"x{k}"] = t.to(torch.float32)
     for j, step in enumerate(group.steps):
+        dtype = group.dtypes[j]
         if isinstance(step, Step):
-            value = eval(forward_expr(step, torch.float32), scope)
+            value = eval(forward_expr(step, dtype), scope)
         elif isinstance(step, Softmax):  # its max a shift, as in eager's softmax: no gradient through it
             arg = scope[name(step.arg)]
             shifted = arg - arg.detach().amax(space.col_dims, keepdim=True)
             total = shifted.exp().sum(space.col_dims, keepdim=True)
-            value = shifted - total.log() if step.log else shifted.exp() / total
+            value = _rounded(shifted - total.log() if step.log else shifted.exp() / total, dtype)
         else:
             arg = scope[name(step.arg)]
-            value = arg.sum(space.col_dims, keepdim=True) if step.kind == "sum" else arg.amax(space.col_dims, keepdim=True)
+            value = _rounded(arg.sum(space.col_dims, keepdim=True) if step.kind == "sum"
+                             else arg.amax(space.col_dims, keepdim=True), dtype)
         scope[f"v{j}"] = torch.as_tensor(value)
     return [scope[f"v{j}"].broadcast_to(space.shape if group.step_kind(j) == FULL else space.row_shape())
             for j in group.outputs]
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if dtype == torch.float32 else t.to(dtype).to(torch.float32)
 
 
 def _shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
@@ -164,7 +171,8 @@ class FusedRowOp:
         everything = self._all(inputs)
         space = self.space(everything)
         extra = tuple(j for j in kept if j not in self.group.outputs)
-        group = RowGroup(self.group.inputs, self.group.steps, self.group.outputs + extra, self.group.origin) \
+        group = RowGroup(self.group.inputs, self.group.steps, self.group.outputs + extra, self.group.origin,
+                         self.group.dtypes, self.group.fp32_terms) \
             if extra else self.group
         if not fake:
             self.check_classes(everything)
@@ -176,8 +184,8 @@ class FusedRowOp:
             else:
                 with torch.no_grad():
                     values = row_reference(self.group, everything, space)
-                rows = [empty_like_order(v.shape, self.orders[i] if i < len(self.orders) else None, torch.float32,
-                                         device).copy_(v) for i, v in enumerate(values)]
+                rows = [empty_like_order(v.shape, self.orders[i] if i < len(self.orders) else None, group.dtypes[j],
+                                         device).copy_(v) for i, (v, j) in enumerate(zip(values, self.group.outputs))]
             if not fake:
                 self._update(rows, state, space)
             finished = [self._finished(o, f, everything) for o, f in zip(rows[:self.returned], self.finish)]

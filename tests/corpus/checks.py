@@ -19,6 +19,9 @@ each step, so the runs see the same state.
              error <= 1e-5
   fuse_eval  the cleanups then fuse on the model in eval mode (batch norms' running statistics,
              dropouts gone, cached attention biases): relative error <= 1e-5
+  fuse_bf16  precision="bf16" with the cleanups, then fuse: against the same without fuse, relative
+             error <= 1e-5 or no further from a float64 step than it is (each group rounds its values
+             where eager's bf16 ops round them)
   inplace    passes="inplace": relative error <= 1e-5
   precision  precision="bf16": every op in the dtype torch.autocast gives it, loss within 1e-2 of
              autocast's
@@ -173,6 +176,19 @@ def check_fuse(case: Case) -> Result:
     return max(alone, _compare(case, after, EXACT), key=lambda r: (not r.passed, r.error or 0.0))
 
 
+def check_fuse_bf16(case: Case) -> Result:
+    """precision="bf16" with and without fuse: its groups round each value as eager's bf16 ops do, so
+    the fused step is within EXACT of the unfused one, or no further from float64 than it is."""
+    plain = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes=CLEANUPS, precision="bf16")
+    fused = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes=f"{CLEANUPS},fuse",
+                              precision="bf16")
+    errors = compare(step(plain, case), step(fused, case), float64_step(case), EXACT)
+    rows = sum(g["ops"] != [] and any(op.startswith("row_") or op in ("softmax", "log_softmax") for op in g["ops"])
+               for g in fused.graphopt_report.passes[-1].stats["groups"])
+    return Result("ok" if errors.max_rel <= EXACT else "fail", errors.max_rel,
+                  f"{rows} row groups in bf16; worst: {errors.worst}" if errors.max_rel else f"{rows} row groups in bf16")
+
+
 def check_fuse_eval(case: Case) -> Result:
     case.model.eval()
     return _compare(case, graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs,
@@ -263,7 +279,7 @@ def check_pair(case: Case, first: str, second: str) -> Result:
 CHECKS = {
     "trace": check_trace, "identity": check_identity, "default": check_default, "export": check_export,
     "batch": check_batch, "staged": check_staged,
-    "fuse": check_fuse, "fuse_eval": check_fuse_eval,
+    "fuse": check_fuse, "fuse_eval": check_fuse_eval, "fuse_bf16": check_fuse_bf16,
     "inplace": check_inplace, "precision": check_precision, "recompute": check_recompute,
 }
 
