@@ -81,7 +81,8 @@ class ChunkedHeadLoss:
         shaped = [t.reshape(rows, 1) if r else t for t, r in zip(others, per_row)]
         self.rows.check_classes(self.rows._all(self._given(None, others)), classes)
         scale = self._scale(others, h)
-        grads = [torch.zeros_like(t) if n else None for t, n in zip((h, weight, bias, *others), needs or ())]
+        grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) if n else None  # contiguous: filled by rows
+                 for t, n in zip((h, weight, bias, *others), needs or ())]
         total = None
         step = self.chunk or chunk_rows(rows, classes, h.shape[-1])
         for start in range(0, rows, step):

@@ -94,8 +94,7 @@ def _candidates(views: list, segment_cost: SegmentCost, recost) -> list:
     return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
 
 
-def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], live_after: list[int],
-                 segment_cost: int, saves: list[int]) -> list[RecomputePlan]:
+def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int], recost) -> list[RecomputePlan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`), from the nodes'
@@ -138,8 +137,7 @@ def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], cost: list[int], li
         for k in range(1, min(3, len(segments)) + 1):
             variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
         for chosen in variants:
-            plans.append(RecomputePlan(chosen, sum(rerun_cost(cost, saves, seg.start, seg.stop) + segment_cost
-                                                   for seg in chosen), 0))
+            plans.append(RecomputePlan(chosen, recost(chosen), 0))
     return plans
 
 
@@ -317,17 +315,18 @@ class Recompute(Pass):
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
         segment_cost = SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9))
-        blocks = _block_plans(nodes, ok, cost, live_after, segment_cost.fixed, saves)
         sel_cost = [c if b else 0 for c, b in zip(cost, sel)]
         n_ops = [dispatches(n, gm) for n in nodes]
-        views = [make_atoms(kept, live_after, cost, ok, sel, sel_cost, param_grads=grads, ops=n_ops, saves=view,
-                            boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)})
-                 for view in (saves, None)]
 
         def recost(segments) -> int:
+            """A plan's recompute cost: each segment's rerun as it runs, and what a segment costs besides."""
             return sum(rerun_cost(cost, saves, s.start, s.stop, sel_cost if s.selective else None) + segment_cost.fixed
                        + (segment_cost.per_selective_op * sum(n_ops[s.start:s.stop]) if s.selective else 0)
                        for s in segments)
+        blocks = _block_plans(nodes, ok, live_after, recost)
+        views = [make_atoms(kept, live_after, cost, ok, sel, sel_cost, param_grads=grads, ops=n_ops, saves=view,
+                            boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)})
+                 for view in (saves, None)]
         # Step 3
         candidates = _candidates(views, segment_cost, recost)
         seen = {tuple(p.segments) for p in candidates}
