@@ -10,7 +10,11 @@ Cases, each a module graphopt fuses into one row kernel (checked: one kernel, eq
   softmax      attention scores * scale + a causal mask broadcast over heads, softmax
   cross_entropy  F.cross_entropy over [tokens, vocab] logits (32k vocabulary)
   batch_norm   nn.BatchNorm2d in training + residual add + ReLU
-on sizes from a small model's to a large one's, float32, forward and forward+backward. Each is
+  linear_cross_entropy  an LM head (nn.Linear, no bias) and F.cross_entropy over its logits: graphopt
+               runs them over chunks of rows, the logits never whole (Liger-Kernel's fused linear
+               cross-entropy beside it); its backward includes the head weight's gradient
+on sizes from a small model's to a large one's, float32, forward and forward+backward (the gradients of the inputs
+and of the module's parameters, as a training step forms them). Each is
 timed for eager, graphopt and torch.compile (default mode), next to a device-to-device copy of
 the main input in the same run: achieved bandwidth is reported as a fraction of the copy's,
 counting the bytes an ideal fused kernel moves (forward: read x, write y; backward: read x and
@@ -71,6 +75,15 @@ class CrossEntropy(nn.Module):
         return F.cross_entropy(logits, target)
 
 
+class LinearCrossEntropy(nn.Module):
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x, target):
+        return F.cross_entropy(self.head(x), target)
+
+
 class BatchNorm(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
@@ -85,9 +98,10 @@ GPU_SIZES = {"rms_norm": [(4096, 1024), (8192, 4096), (16384, 8192)],
              "layer_norm": [(4096, 768), (8192, 4096), (16384, 8192)],
              "softmax": [(8, 12, 512), (8, 32, 1024), (4, 32, 2048)],  # batch, heads, sequence
              "cross_entropy": [(2048, 32000), (8192, 32000), (8192, 128256)],
-             "batch_norm": [(32, 64, 56), (32, 256, 28), (64, 512, 14)]}  # batch, channels, side
+             "batch_norm": [(32, 64, 56), (32, 256, 28), (64, 512, 14)],  # batch, channels, side
+             "linear_cross_entropy": [(4096, 2048, 32000), (8192, 4096, 32000), (8192, 4096, 128256)]}  # tokens, hidden, vocab
 CPU_SIZES = {"rms_norm": [(8, 64)], "layer_norm": [(8, 64)], "softmax": [(1, 2, 16)], "cross_entropy": [(8, 1000)],
-             "batch_norm": [(2, 4, 6)]}
+             "batch_norm": [(2, 4, 6)], "linear_cross_entropy": [(8, 32, 1000)]}
 TOLERANCE = 1e-4
 
 
@@ -112,6 +126,11 @@ def case(name: str, size, device):
         tokens, vocab = size
         logits = randn(tokens, vocab)
         return CrossEntropy(), (logits, torch.randint(0, vocab, (tokens,), device=device, generator=gen)), logits
+    if name == "linear_cross_entropy":
+        tokens, hidden, vocab = size
+        x = randn(tokens, hidden)
+        module = LinearCrossEntropy(hidden, vocab).to(device)
+        return module, (x, torch.randint(0, vocab, (tokens,), device=device, generator=gen)), x
     batch, channels, side = size
     module = BatchNorm(channels).to(device)
     x = randn(batch, channels, side, side)
@@ -134,11 +153,14 @@ def liger(name: str, module, device):
         return lambda x, residual: norm(x + residual)
     if name == "cross_entropy":
         return lk.LigerCrossEntropyLoss()
+    if name == "linear_cross_entropy":
+        loss = lk.LigerFusedLinearCrossEntropyLoss()
+        return lambda x, target: loss(module.head.weight, x, target)
     return None
 
 
-def run_step(fn, inputs, backward: bool):
-    differentiable = [t for t in inputs if t.requires_grad]
+def run_step(fn, inputs, backward: bool, params=()):
+    differentiable = [t for t in inputs if t.requires_grad] + list(params)
 
     def step():
         out = fn(*inputs)
@@ -164,16 +186,17 @@ def measure(name: str, size, backward: bool, device, with_compile: bool, time_fn
     stats = opt.graphopt_report.passes[-1].stats
     if stats["kernels"] != 1:
         raise RuntimeError(f"the fuse pass made {stats['kernels']} kernels of {name}; expected 1")
-    eager_run, fused_run = run_step(module, inputs, backward), run_step(opt, inputs, backward)
+    params = list(module.parameters())  # the backward forms their gradients too, as a training step does
+    eager_run, fused_run = run_step(module, inputs, backward, params), run_step(opt, inputs, backward, params)
     error = max_error(fused_run(), eager_run())
     if error > TOLERANCE:
         raise AssertionError(f"graphopt's {name} differs from eager by {error:.3g} (relative) at {size}")
     runs = {"eager": eager_run, "graphopt": fused_run}
     if with_compile:
-        runs["compile"] = run_step(torch.compile(module), inputs, backward)
+        runs["compile"] = run_step(torch.compile(module), inputs, backward, params)
     other = liger(name, module, device) if device.type == "cuda" else None
     if other is not None:
-        runs["liger"] = run_step(other, inputs, backward)
+        runs["liger"] = run_step(other, inputs, backward, params)
     seconds = {"copy": time_fn(lambda: main.detach().clone())}
     seconds.update({k: time_fn(fn) for k, fn in runs.items()})
     size_bytes = main.numel() * main.element_size()

@@ -259,7 +259,7 @@ class Fuse(Pass):
             call = _rewrite(gm, group, anchor, f"group {len(done)}", replaced)
             # Step 4
             read, written = traffic(call)
-            done.append({"name": call.name, "ops": group.ops(), "nodes": nodes,
+            done.append({"name": call.name, "ops": group.ops(), "nodes": nodes, "rows": isinstance(group.group, RowGroup),
                          "inputs": [n.name for n in group.inputs], "outputs": [n.name for n in group.outputs],
                          "bytes_saved": group.bytes_saved, "bytes_read": read, "bytes_written": written,
                          "not_fused": group.not_fused})
