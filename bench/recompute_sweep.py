@@ -1,6 +1,6 @@
 """Recompute on the real-model corpus: peak and step time from graphopt's least budget to eager.
 
-    python bench/recompute_sweep.py [--models a,b] [--points 9] [--device cpu|cuda] [--out DIR]
+    python bench/recompute_sweep.py [--models a,b] [--points 9] [--device cpu|cuda] [--out DIR] [--keep]
     make sweep
 
 Per model (tests/corpus, at the memory tests' batch, corpus/memory.py): the eager step's
@@ -11,7 +11,8 @@ checkpointing (transformers' gradient_checkpointing_enable(), timm's set_grad_ch
 as a reference point, timed in turns with eager and graphopt at its peak, with graphopt planned at its measured peak. Recompute FLOPs are the step's
 matmul and convolution FLOPs (torch.utils.flop_counter) less eager's. Writes
 DIR/<model>.png (peak and time against the budget), DIR/points.csv and DIR/README.md (the
-table); the default DIR is bench/results/recompute_sweep-<device>.
+table); the default DIR is bench/results/recompute_sweep-<device>. --keep remeasures the models
+named and keeps the other models' rows DIR/points.csv holds.
 """
 from __future__ import annotations
 
@@ -165,6 +166,23 @@ def table(results: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_points(path: str) -> list[dict]:
+    """The results a points.csv holds, per model in its order: what table() and picture() take."""
+    numeric = ("budget", "predicted", "measured", "time_ratio", "recompute_gflops", "recomputed")
+    by_model: dict[str, list[dict]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for key in numeric:
+                row[key] = "" if row[key] == "" else float(row[key]) if "." in row[key] else int(row[key])
+            by_model.setdefault(row["model"], []).append(row)
+    results = []
+    for name, rows in by_model.items():
+        budgets = [r["budget"] for r in rows if r["kind"] == "graphopt"]
+        own = next((r for r in rows if not r["kind"].startswith("graphopt")), None)
+        results.append({"name": name, "eager_peak": max(budgets), "least": min(budgets), "rows": rows, "own": own})
+    return results
+
+
 def main(argv=None) -> int:
     from corpus import CORPUS
 
@@ -173,15 +191,21 @@ def main(argv=None) -> int:
     parser.add_argument("--points", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the other models' rows of OUT/points.csv: the table holds them and these, remeasured")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(ROOT, "bench", "results", f"recompute_sweep-{args.device}")
     os.makedirs(out, exist_ok=True)
+    earlier = read_points(os.path.join(out, "points.csv")) if args.keep and os.path.exists(os.path.join(out, "points.csv")) else []
     results = []
     for name in args.models.split(","):
         result = sweep_model(name, args.points, args.device)
         results.append(result)
         picture(result, os.path.join(out, f"{name}.png"))
         print(table([result], args.device).splitlines()[-1], flush=True)
+    fresh = {r["name"]: r for r in results}
+    order = [r["name"] for r in earlier] + [n for n in fresh if n not in {r["name"] for r in earlier}]
+    results = [fresh.get(n) or next(r for r in earlier if r["name"] == n) for n in order]
     with open(os.path.join(out, "points.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(results[0]["rows"][0]))
         writer.writeheader()
