@@ -312,19 +312,29 @@ def test_an_attention_softmax_keeps_its_output_alone_as_eager_does(mask):
     assert peaks["fused"] <= peaks["plain"]
 
 
-def test_a_linear_head_and_its_cross_entropy_over_a_32k_vocabulary_never_make_the_logits():
+def test_a_linear_head_and_its_cross_entropy_over_a_large_vocabulary_never_make_the_logits():
     """Eager keeps the logits' log_softmax for backward and makes their gradient, [tokens, vocab]
-    fp32 each; the head and the loss run over chunks of rows: neither, nor the logits, is ever whole."""
-    tokens, vocab = 16, 32000  # Liger's chunk: one row (the interpreter runs each chunk's kernels)
-    model = module(lambda m, x, t: F.cross_entropy(m.head(x), t), 2, head=torch.nn.Linear(32, vocab, bias=False))
-    args = (torch.randn(tokens, 32, requires_grad=True), torch.randint(0, vocab, (tokens,)))
+    fp32 each; the head and the loss run over chunks of rows: neither, nor the logits, is ever
+    whole (bench/head_loss.py measures a 32k vocabulary)."""
+    tokens, hidden, vocab = 32, 16, 8000  # Liger's chunk: one row (the interpreter runs each chunk's kernels)
+    model = module(lambda m, x, t: F.cross_entropy(m.head(x), t), 2, head=torch.nn.Linear(hidden, vocab, bias=False))
+    args = (torch.randn(tokens, hidden, requires_grad=True), torch.randint(0, vocab, (tokens,)))
     opt, peaks = plain_and_fused_peaks(model, args)
     (call,) = [n for n in opt.graph.nodes if isinstance(n.target, ChunkedHeadLoss)]
     assert not call.target.returns_logits and fused_nodes(opt) == [call]
     assert_same_step(model, opt, args, {}, exact=False)
-    logits, weight = tokens * vocab * 4, vocab * 32 * 4
+    logits, weight = tokens * vocab * 4, vocab * hidden * 4
     assert peaks["plain"] >= weight + 3 * logits  # the logits, their log_softmax and their gradient
     assert peaks["fused"] <= 2 * weight + logits // 4  # the weight and its gradient (made in the forward), a chunk
+
+
+def test_a_head_whose_logits_are_smaller_than_its_weight_is_not_chunked():
+    """Chunking makes the head's input and weight gradients in the forward and keeps them to the
+    backward: it pays where it spares more, the logits' gradient (and the logits)."""
+    model = module(lambda m, x, t: F.cross_entropy(m.head(x), t), 2, head=torch.nn.Linear(64, 50))
+    opt = graphopt.optimize(model, (torch.randn(4, 64), torch.randint(0, 50, (4,))), passes="fuse")
+    (why,) = opt.graphopt_report.passes[-1].stats["heads_not_chunked"].values()
+    assert why.startswith("its logits (4 x 50) are smaller than") and isinstance(fused_nodes(opt)[0].target, FusedRowOp)
 
 
 class _LM(torch.nn.Module):
@@ -361,6 +371,21 @@ def test_an_lm_head_returning_its_logits_is_chunked_and_its_logits_keep_their_gr
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(opt(h, labels)[1], model(h, labels)[1])
+
+
+def test_transformers_gpt2_with_a_large_vocabulary_runs_its_head_over_chunks():
+    """GPT-2 (transformers) trained on its own loss, its logits returned: the head and the loss over
+    chunks; the step (loss and logits both differentiated) equals eager's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=2048, n_positions=64,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 2048, (2, 64))
+    opt = graphopt.optimize(model, (ids,), example_kwargs={"labels": ids}, passes="normalize,cse,dce,fuse")
+    (head,) = opt.graphopt_report.passes[-1].stats["chunked_heads"]
+    assert head["returns_logits"]
+    assert_same_step(model, opt, (ids,), {"labels": ids}, exact=False)
 
 
 def test_a_chunked_head_sums_its_chunks_as_eager_and_refuses_a_second_backward():

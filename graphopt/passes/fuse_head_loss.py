@@ -8,7 +8,10 @@ Algorithm:
   2. The logits come from a linear (F.linear, an nn.Linear, or the bias-free linear a bias
      epilogue left) computing float32, through reshapes that keep the elements' order and the
      last dim, and float32 casts of float32 values (HF's logits.float()), so the group's rows
-     are the head's rows in order. The group's other inputs are made without the logits.
+     are the head's rows in order. The group's other inputs are made without the logits. It
+     pays: what it spares, the logits' gradient (and the logits, which the loss keeps for
+     backward, where the graph does not use them otherwise), outweighs what it makes in the
+     forward and keeps to the backward, the gradients of the head's input and weight.
   3. One call ChunkedHeadLoss(h, weight, bias, *the group's other inputs) replaces the group;
      where the head's output has users besides that path (a model returning its logits), the
      call returns the logits too and they read those: they and everything after them move
@@ -18,12 +21,13 @@ Algorithm:
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch.fx
 
 from .. import ops
-from ..analysis.meta import KEY, tensor_info
+from ..analysis.meta import KEY, TensorInfo, tensor_info
 from ..analysis.row_members import StateInput, as_state
 from ..codegen.row_group import FULL
 from ..dump import note, notes
@@ -82,6 +86,12 @@ def _chunkable(call: torch.fx.Node, gm: torch.fx.GraphModule):
     later = _cone(head)
     if any(a in later for i, a in enumerate(call.args) if i != full[0] and isinstance(a, torch.fx.Node)):
         return "the loss's other inputs are computed from its logits"
+    h, weight = tensor_info(ops.bind(head, gm).operands[0]), _info(ops.bind(head, gm).operands[1])
+    tokens, hidden, classes = math.prod(h.shape[:-1]), h.shape[-1], weight.shape[0]
+    spared = tokens * classes * (1 if _returns_logits(head, path, call, gm) else 2)
+    if spared <= tokens * hidden + classes * hidden:
+        return (f"its logits ({tokens} x {classes}) are smaller than the gradients a chunked head makes in the forward "
+                f"and keeps to the backward, its input's and its weight's ({tokens} x {hidden} + {classes} x {hidden})")
     return rows, full[0], head, path
 
 
@@ -123,10 +133,8 @@ def _rewrite(gm: torch.fx.GraphModule, call: torch.fx.Node, rows: FusedRowOp, at
     h = bound.operands[0]
     weight = _state_node(gm, bound.operands[1], call)
     bias = _state_node(gm, bound.operands[2] if len(bound.operands) > 2 else None, call)
-    on_path = set(path) | {call}
-    # export's checks of the logits' metadata check a tensor the chunked call makes only if asked
     checks = [u for n in [head, *path] for u in n.users if _is_check(u, gm)]
-    returns_logits = any(u not in on_path and u not in checks for n in [head, *path] for u in n.users)
+    returns_logits = _returns_logits(head, path, call, gm)
     for u in checks if not returns_logits else ():
         graph.erase_node(u)
     op = ChunkedHeadLoss(rows, at, returns_logits=returns_logits)
@@ -155,6 +163,18 @@ def _rewrite(gm: torch.fx.GraphModule, call: torch.fx.Node, rows: FusedRowOp, at
     graph.erase_node(call)
     return {"name": fused.name, "head": head.name, "loss": call.name, "returns_logits": returns_logits,
             "path": [n.name for n in path]}
+
+
+def _returns_logits(head: torch.fx.Node, path: list, call: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether the head's logits have users besides the loss's path (export's checks of their
+    metadata aside: they check a tensor the chunked call makes only if asked)."""
+    on_path = set(path) | {call}
+    return any(u not in on_path and not _is_check(u, gm) for n in [head, *path] for u in n.users)
+
+
+def _info(value):
+    return value.info if isinstance(value, StateInput) else tensor_info(value) if isinstance(value, torch.fx.Node) \
+        else TensorInfo.of(value)
 
 
 def _is_check(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
