@@ -330,18 +330,18 @@ def test_a_linear_head_and_its_cross_entropy_over_a_large_vocabulary_never_make_
 
 def test_a_head_whose_logits_are_smaller_than_its_weight_is_not_chunked():
     """Chunking makes the head's input and weight gradients in the forward and keeps them to the
-    backward: it pays where it spares more, the logits' gradient (and the logits)."""
+    backward: it stays where the estimate says it spares more, the logits' gradient (and the logits)."""
     model = module(lambda m, x, t: F.cross_entropy(m.head(x), t), 2, head=torch.nn.Linear(64, 50))
     opt = graphopt.optimize(model, (torch.randn(4, 64), torch.randint(0, 50, (4,))), passes="fuse")
     (why,) = opt.graphopt_report.passes[-1].stats["heads_not_chunked"].values()
-    assert why.startswith("its logits (4 x 50) are smaller than") and isinstance(fused_nodes(opt)[0].target, FusedRowOp)
+    assert "would peak no lower" in why and isinstance(fused_nodes(opt)[0].target, FusedRowOp)
 
 
 class _LM(torch.nn.Module):
     """An LM's head and loss as transformers writes them: logits returned, cast to float, flattened
     over batch and tokens, the labels shifted with -100 past the end."""
 
-    def __init__(self, vocab=300, hidden=24, bias=False):
+    def __init__(self, vocab=2000, hidden=64, bias=False):
         super().__init__()
         self.norm, self.head = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, vocab, bias=bias)
 
@@ -356,7 +356,7 @@ class _LM(torch.nn.Module):
 @pytest.mark.parametrize("bias", [False, True])
 def test_an_lm_head_returning_its_logits_is_chunked_and_its_logits_keep_their_gradient(frontend, bias):
     model = _LM(bias=bias)
-    h, labels = torch.randn(3, 10, 24, requires_grad=True), torch.randint(0, 300, (3, 10))
+    h, labels = torch.randn(3, 40, 64, requires_grad=True), torch.randint(0, 2000, (3, 40))
     labels[0, 4] = -100
     opt = graphopt.optimize(model, (h, labels), passes="fuse", frontend=frontend)
     (call,) = [n for n in opt.graph.nodes if isinstance(n.target, ChunkedHeadLoss)]

@@ -44,6 +44,7 @@ from ..analysis.dropout_members import DrawnMask
 from ..analysis.epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
 from ..analysis.effects import written_values
 from ..analysis.fusion import FusionGroup, candidates, find_groups, memory_bound, traffic
+from ..analysis.memory import estimate_peak
 from ..analysis.meta import ANNOTATED, KEY, graph_device
 from ..analysis.row_members import StateInput, as_state, info_of
 from ..codegen.row_group import RowGroup
@@ -265,7 +266,8 @@ class Fuse(Pass):
                          "not_fused": group.not_fused})
             files.update(_kernel_files(call.name, group))
         # Step 5
-        heads, unchunked = chunk_heads(gm)
+        heads, unchunked = chunk_heads(gm, lambda module: estimate_peak(module, ctx.flat_inputs(module),
+                                                                        train=ctx.train).peak_bytes)
         by_name = {n.name: n for n in gm.graph.nodes}
         for reasons in [g["not_fused"] for g in done] + list(fusion.alone.values()):
             for name, reason in reasons.items():

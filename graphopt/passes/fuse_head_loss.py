@@ -8,26 +8,28 @@ Algorithm:
   2. The logits come from a linear (F.linear, an nn.Linear, or the bias-free linear a bias
      epilogue left) computing float32, through reshapes that keep the elements' order and the
      last dim, and float32 casts of float32 values (HF's logits.float()), so the group's rows
-     are the head's rows in order. The group's other inputs are made without the logits. It
-     pays: what it spares, the logits' gradient (and the logits, which the loss keeps for
-     backward, where the graph does not use them otherwise), outweighs what it makes in the
-     forward and keeps to the backward, the gradients of the head's input and weight.
+     are the head's rows in order. The group's other inputs are made without the logits.
   3. One call ChunkedHeadLoss(h, weight, bias, *the group's other inputs) replaces the group;
      where the head's output has users besides that path (a model returning its logits), the
      call returns the logits too and they read those: they and everything after them move
      after the call, which comes after the group's other inputs.
-  4. Rows per chunk: Liger's (chunk_rows: a chunk's logits about as large as the head's input);
-     with a budget the recompute pass takes the largest that fits it (recompute_pass.py).
+  4. It stays where the estimate (memory.estimate_peak) puts the step lower: what chunking
+     spares, the logits' gradient (and the logits, which the loss keeps for backward, where the
+     graph does not use them otherwise), against what it makes in the forward, the gradients of
+     the head's input and weight (a head of few classes: the corpus's 256). Rows per chunk:
+     Liger's (chunk_rows: a chunk's logits about as large as the head's input); with a budget
+     the recompute pass takes the largest that fits it (recompute_pass.py).
 """
 from __future__ import annotations
 
-import math
+import copy
 import operator
 
 import torch.fx
 
 from .. import ops
-from ..analysis.meta import KEY, TensorInfo, tensor_info
+from ..analysis.memory import size_text
+from ..analysis.meta import KEY, tensor_info
 from ..analysis.row_members import StateInput, as_state
 from ..codegen.row_group import FULL
 from ..dump import note, notes
@@ -86,31 +88,39 @@ def _chunkable(call: torch.fx.Node, gm: torch.fx.GraphModule):
     later = _cone(head)
     if any(a in later for i, a in enumerate(call.args) if i != full[0] and isinstance(a, torch.fx.Node)):
         return "the loss's other inputs are computed from its logits"
-    h, weight = tensor_info(ops.bind(head, gm).operands[0]), _info(ops.bind(head, gm).operands[1])
-    tokens, hidden, classes = math.prod(h.shape[:-1]), h.shape[-1], weight.shape[0]
-    spared = tokens * classes * (1 if _returns_logits(head, path, call, gm) else 2)
-    if spared <= tokens * hidden + classes * hidden:
-        return (f"its logits ({tokens} x {classes}) are smaller than the gradients a chunked head makes in the forward "
-                f"and keeps to the backward, its input's and its weight's ({tokens} x {hidden} + {classes} x {hidden})")
     return rows, full[0], head, path
 
 
-def chunk_heads(gm: torch.fx.GraphModule) -> tuple[list[dict], dict[str, str]]:
-    """Steps 1-3 over the graph the fuse pass made: (what was chunked, per loss left whole why)."""
+def chunk_heads(gm: torch.fx.GraphModule, peak) -> tuple[list[dict], dict[str, str]]:
+    """Steps 1-4 over the graph the fuse pass made: (what was chunked, per loss left whole why).
+    peak(module): the estimated peak of its step, which decides."""
     done, declined = [], {}
-    for call in [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, FusedRowOp)]:
+    for name in [n.name for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, FusedRowOp)]:
+        call = next(n for n in gm.graph.nodes if n.name == name)
         found = _chunkable(call, gm)
         if found is None:
             continue
         if isinstance(found, str):
-            declined[call.name] = found
+            declined[name] = found
             continue
-        rows, at, head, path = found
-        done.append(_rewrite(gm, call, rows, at, head, path))
-    if done:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
+        # Step 4, on a copy of the graph over the same state
+        trial = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        twin = next(n for n in trial.graph.nodes if n.name == name)
+        rows, at, head, path = _chunkable(twin, trial)
+        record = _rewrite(trial, twin, rows, at, head, path)
+        trial.graph.eliminate_dead_code()
+        trial.recompile()
+        whole, chunked = peak(gm), peak(trial)
+        if chunked >= whole:
+            declined[name] = (f"run with its head over chunks of rows the step would peak no lower ({size_text(chunked)}, "
+                              f"whole {size_text(whole)}): the logits it spares weigh no more than the gradients of the "
+                              "head's input and weight it makes in the forward")
+            continue
+        gm.graph = trial.graph
         gm.recompile()
+        done.append({**record, "peak_whole": whole, "peak_chunked": chunked})
+    if done:
+        gm.graph.lint()
     return done, declined
 
 
@@ -170,11 +180,6 @@ def _returns_logits(head: torch.fx.Node, path: list, call: torch.fx.Node, gm: to
     metadata aside: they check a tensor the chunked call makes only if asked)."""
     on_path = set(path) | {call}
     return any(u not in on_path and not _is_check(u, gm) for n in [head, *path] for u in n.users)
-
-
-def _info(value):
-    return value.info if isinstance(value, StateInput) else tensor_info(value) if isinstance(value, torch.fx.Node) \
-        else TensorInfo.of(value)
 
 
 def _is_check(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
