@@ -14,12 +14,14 @@ Algorithm:
      recompute cost: its time, estimated from FLOPs and bytes for the graph's device, or with
      profile=True measured (analysis/cost.py).
   3. Candidate plans (solver.py): the least recompute cost for each of CANDIDATES activation
-     allowances, from the least the solver can meet to none; and the plans that recompute
+     allowances, from the least the solver can meet to none, under three views of the cost
+     (_candidates), each plan then priced as it runs; and the plans that recompute
      each repeated block whole (_block_plans), as the model's own checkpointing would; the
      distinct plans by increasing cost. The solver's model ranks plans; it is not exact.
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
      rewrite.py, then undone) decides. When the costliest plan fits, a bisection over
-     the candidates, then a look at a few cheaper ones, finds the cheapest plan that fits;
+     the candidates, then a look at a few cheaper ones, finds the cheapest plan that fits, and
+     a plan within TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs takes its place;
      when it does not, every candidate is looked at, and if none fits, BudgetError names the
      smallest estimated peak (the step as it is included) as the least budget that works.
   5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 import torch
 import torch.fx
@@ -57,6 +60,12 @@ from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak,
 
 CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
 LOOK_BELOW = 3    # cheaper candidates checked after the bisection
+# Costs this close are a tie: the rates came within 10% to 20% of measured node times (analysis/cost.py),
+# and a selective segment's policy cost per op varies about as much; among tied plans the one that
+# reruns fewer matmul FLOPs (work that grows with the model's width, and a GPU's largest) wins.
+TIME_RESOLUTION = 0.10
+LOOK_LEAN = 3     # leaner plans checked against the budget
+LEAN_ALLOWANCES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)  # of the chosen plan's allowance, for leaner plans
 CALIBRATIONS = 3  # re-plans after a measured step over budget
 # On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
 # allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
@@ -75,30 +84,33 @@ def _least_allowance(atoms) -> int:
     return hi
 
 
-def _candidates(views: list, segment_cost: SegmentCost, recost) -> list:
+def _candidates(views: list, segment_cost: SegmentCost, priced) -> list:
     """The solver's plans for allowances from the least it can meet to what needs no recompute,
-    for each view of the atoms, distinct, each costed by recost, by increasing cost (and so,
-    roughly, decreasing peak). Two views: the rerun as it runs (stopping early) and every node
-    rerun. The solver's memory model is not the estimate: plans it holds equal in memory can
-    differ by a tenth in the estimate, so where one view ranks a plan that does not fit
-    first, the other's may fit (transformers' Llama at its own checkpointing's peak)."""
+    for each view of the atoms, distinct, each priced as it runs (priced(segments) -> plan), by
+    increasing cost (and so, roughly, decreasing peak). The views: the rerun as it runs
+    (stopping early), and every node rerun. The solver's memory model is not the estimate: plans
+    it holds equal in memory can differ by a tenth in the estimate, so where one view ranks a
+    plan that does not fit first, the other's may fit (transformers' Llama at its own
+    checkpointing's peak)."""
     plans = {}
     for atoms in views:
         low, high = _least_allowance(atoms), model_peak(atoms, [])
         for k in range(CANDIDATES):
             allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
             plan = solve(atoms, allowance, segment_cost=segment_cost)
-            if plan is not None and plan.segments:
-                plans.setdefault(tuple(plan.segments), RecomputePlan(plan.segments, recost(plan.segments),
-                                                                     plan.predicted_peak))
+            if plan is not None and plan.segments and tuple(plan.segments) not in plans:
+                plans[tuple(plan.segments)] = priced(plan.segments, plan.predicted_peak)
     return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
 
 
-def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int], recost) -> list[RecomputePlan]:
+_NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")
+
+
+def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int], priced) -> list[RecomputePlan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
-    numbered children in the module tree (`layers.3`, `stages.1.blocks.0`), from the nodes'
-    nn_module_stack. A block whose nodes are not contiguous, or hold one that cannot run
+    numbered children in the module tree (`layers.3`, `stages.1.blocks.0`; `layer2`,
+    `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block whose nodes are not contiguous, or hold one that cannot run
     twice, is left out. The solver's model ranks these plans less well than it ranks its own,
     and a one-line plan is the baseline a user compares with."""
     levels: dict[int, dict[str, list[int]]] = {}
@@ -110,6 +122,8 @@ def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[in
             parts = path.split(".")
             if parts[-1].isdigit():
                 levels.setdefault(sum(p.isdigit() for p in parts), {}).setdefault(path, []).append(i)
+            elif _NUMBERED.fullmatch(parts[-1]):  # timm's ResNet stages layer1..layer4, DenseNet's denselayer1..
+                levels.setdefault(("named", sum(bool(_NUMBERED.fullmatch(p)) for p in parts)), {}).setdefault(path, []).append(i)
     plans = []
     for blocks in levels.values():
         segments = []
@@ -137,7 +151,7 @@ def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[in
         for k in range(1, min(3, len(segments)) + 1):
             variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
         for chosen in variants:
-            plans.append(RecomputePlan(chosen, recost(chosen), 0))
+            plans.append(priced(chosen))
     return plans
 
 
@@ -318,23 +332,39 @@ class Recompute(Pass):
         sel_cost = [c if b else 0 for c, b in zip(cost, sel)]
         n_ops = [dispatches(n, gm) for n in nodes]
 
-        def recost(segments) -> int:
-            """A plan's recompute cost: each segment's rerun as it runs, and what a segment costs besides."""
-            return sum(rerun_cost(cost, saves, s.start, s.stop, sel_cost if s.selective else None) + segment_cost.fixed
-                       + (segment_cost.per_selective_op * sum(n_ops[s.start:s.stop]) if s.selective else 0)
-                       for s in segments)
-        blocks = _block_plans(nodes, ok, live_after, recost)
-        views = [make_atoms(kept, live_after, cost, ok, sel, sel_cost, param_grads=grads, ops=n_ops, saves=view,
-                            boundaries={k for p in blocks for s in p.segments for k in (s.start, s.stop)})
-                 for view in (saves, None)]
+        matmul_flops = [f if kept_sel else 0 for f, kept_sel in zip(flops, sel)]  # what a selective segment keeps
+
+        def ran(s: Segment) -> range:
+            return range(s.start, rerun_end(saves, s.start, s.stop))
+
+        def priced(segments, predicted_peak: int = 0) -> RecomputePlan:
+            """A plan with its recompute cost (each segment's rerun as it runs, and what a segment
+            costs besides) and the matmul FLOPs its reruns run (a selective one keeps them)."""
+            cost_ = sum(rerun_cost(cost, saves, s.start, s.stop, sel_cost if s.selective else None) + segment_cost.fixed
+                        + (segment_cost.per_selective_op * sum(n_ops[s.start:s.stop]) if s.selective else 0)
+                        for s in segments)
+            lean = sum(matmul_flops[i] for s in segments if not s.selective for i in ran(s))
+            return RecomputePlan(list(segments), cost_, predicted_peak, lean)
+        blocks = _block_plans(nodes, ok, live_after, priced)
+        bounds = {k for p in blocks for s in p.segments for k in (s.start, s.stop)}
+        heavy = [c + (sum(cost) if m else 0) for c, m in zip(cost, matmul_flops)]  # a matmul rerun: the whole step
+        views = [make_atoms(kept, live_after, c, ok, sel, [x if b else 0 for x, b in zip(c, sel)], param_grads=grads,
+                            ops=n_ops, saves=view, boundaries=bounds)
+                 for c, view in ((cost, saves), (cost, None), (heavy, saves))]
+
+        def leaner(plan: RecomputePlan) -> list[RecomputePlan]:
+            """Plans near plan's allowance that rerun as few matmul FLOPs as the memory allows: the
+            solver with a matmul's rerun priced as the whole step."""
+            found = (solve(views[2], int(plan.predicted_peak * f), segment_cost=segment_cost) for f in LEAN_ALLOWANCES)
+            return [priced(p.segments, p.predicted_peak) for p in found if p is not None and p.segments]
         # Step 3
-        candidates = _candidates(views, segment_cost, recost)
+        candidates = _candidates(views[:2], segment_cost, priced)
         seen = {tuple(p.segments) for p in candidates}
         candidates += [p for p in blocks if tuple(p.segments) not in seen]
         candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate)
+        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, leaner)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -402,9 +432,9 @@ class _Search:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
-                 saves: list[int], candidates: list, optimizer, accumulate: bool):
+                 saves: list[int], candidates: list, optimizer, accumulate: bool, leaner=lambda plan: []):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
-        self.saves = saves
+        self.saves, self.leaner = saves, leaner
         self.optimizer, self.accumulate = optimizer, accumulate
         self.annotated = False
         self.estimates: dict[int, Estimate] = {}
@@ -445,14 +475,27 @@ class _Search:
             fitting = [k for k in range(last) if fits(k)]
             if not fitting:
                 return None, min(self.estimates.values(), key=lambda e: e.peak_bytes)
-            return self.candidates[fitting[0]], self.estimates[fitting[0]]
-        lo, hi = 0, last  # candidates[hi] fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-        # The estimate falls with cost only roughly: a few cheaper plans get their own look.
-        for k in range(hi - 1, max(hi - 1 - LOOK_BELOW, -1), -1):
-            hi = k if fits(k) else hi
+            hi = fitting[0]
+        else:
+            lo, hi = 0, last  # candidates[hi] fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+            # The estimate falls with cost only roughly: a few cheaper plans get their own look.
+            for k in range(hi - 1, max(hi - 1 - LOOK_BELOW, -1), -1):
+                hi = k if fits(k) else hi
+        # Costs within the time model's resolution are a tie: the plan rerunning fewer matmul FLOPs wins
+        chosen = self.candidates[hi]
+        known = {tuple(p.segments) for p in self.candidates}
+        for plan in self.leaner(chosen):
+            if tuple(plan.segments) not in known:
+                known.add(tuple(plan.segments))
+                self.candidates.append(plan)
+        leaner = sorted((k for k, p in enumerate(self.candidates) if p.recompute_cost >= chosen.recompute_cost
+                         and p.matmul_flops < chosen.matmul_flops
+                         and p.recompute_cost <= chosen.recompute_cost * (1 + TIME_RESOLUTION)),
+                        key=lambda k: (self.candidates[k].matmul_flops, self.candidates[k].recompute_cost))
+        hi = next((k for k in leaner[:LOOK_LEAN] if fits(k)), hi)
         return self.candidates[hi], self.estimates[hi]
 
     def _decide(self, plan) -> None:

@@ -103,6 +103,7 @@ class RecomputePlan:
     segments: list[Segment]
     recompute_cost: int
     predicted_peak: int   # activation bytes by the model above
+    matmul_flops: int = 0  # FLOPs of the matmuls, convolutions and attention its reruns run
 
 
 def rerun_end(saves: list[int], start: int, stop: int) -> int:
