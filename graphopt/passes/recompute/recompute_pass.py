@@ -13,15 +13,16 @@ Algorithm:
      checkpoint's rerun stops once the last saving node has saved: solver.rerun_end), and its
      recompute cost: its time, estimated from FLOPs and bytes for the graph's device, or with
      profile=True measured (analysis/cost.py).
-  3. Candidate plans (solver.py): the least recompute cost for each of CANDIDATES activation
-     allowances, from the least the solver can meet to none, under three views of the cost
-     (_candidates), each plan then priced as it runs; and the plans that recompute
-     each repeated block whole (_block_plans), as the model's own checkpointing would; the
-     distinct plans by increasing cost. The solver's model ranks plans; it is not exact.
+  3. Candidate plans (candidates.py): the solver's least recompute cost at activation
+     allowances from the least it can meet to none, under two views of the cost, and the plans
+     that recompute each repeated block whole, as the model's own checkpointing would; each
+     priced as it runs, distinct, by increasing cost. The solver's model ranks plans; it is
+     not exact.
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
      rewrite.py, then undone) decides. When the costliest plan fits, a bisection over
-     the candidates, then a look at a few cheaper ones, finds the cheapest plan that fits, and
-     a plan within TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs takes its place;
+     the candidates, then a look at each cheaper one, finds the cheapest plan that fits, and
+     a plan within TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs (candidates.py
+     proposes some near it) takes its place;
      when it does not, every candidate is looked at, and if none fits, BudgetError names the
      smallest estimated peak (the step as it is included) as the least budget that works.
   5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 
 import torch
 import torch.fx
@@ -55,113 +55,21 @@ from ...trace import annotate
 from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
 from ..registry import register
+from .candidates import PlanSpace
 from .rewrite import checkpoint_segments, inline_segments, recomputable
-from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, rerun_cost, rerun_end, solve
+from .solver import SegmentCost, rerun_end
 
-CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
-LOOK_BELOW = 3    # cheaper candidates checked after the bisection
-# Costs this close are a tie: the rates came within 10% to 20% of measured node times (analysis/cost.py),
-# and a selective segment's policy cost per op varies about as much; among tied plans the one that
-# reruns fewer matmul FLOPs (work that grows with the model's width, and a GPU's largest) wins.
-TIME_RESOLUTION = 0.10
+# Costs this close are a tie, which the plan rerunning fewer matmul FLOPs (work that grows with
+# the model's width, and a GPU's largest) wins. Measured on this project's CPU: DenseNet-121's
+# plan with no matmul rerun, 2% dearer by the estimate, steps within the machine's noise (3%) of
+# the cheapest; Llama's with 15% fewer matmul FLOPs, 9% dearer, steps 13% slower.
+TIME_RESOLUTION = 0.05
+LOOK_BELOW = 16   # cheaper candidates the bisection did not look at, checked after it
 LOOK_LEAN = 3     # leaner plans checked against the budget
-LEAN_ALLOWANCES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)  # of the chosen plan's allowance, for leaner plans
 CALIBRATIONS = 3  # re-plans after a measured step over budget
 # On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
 # allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
 CUDA_HEADROOM = 0.05
-
-
-def _least_allowance(atoms) -> int:
-    """Smallest activation allowance the solver can meet, by bisection."""
-    lo, hi = 0, model_peak(atoms, [])
-    while hi - lo > max(hi // 256, 1):
-        mid = (lo + hi) // 2
-        if solve(atoms, mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
-def _candidates(views: list, segment_cost: SegmentCost, priced) -> list:
-    """The solver's plans for allowances from the least it can meet to what needs no recompute,
-    for each view of the atoms, distinct, each priced as it runs (priced(segments) -> plan), by
-    increasing cost (and so, roughly, decreasing peak). The views: the rerun as it runs
-    (stopping early), and every node rerun. The solver's memory model is not the estimate: plans
-    it holds equal in memory can differ by a tenth in the estimate, so where one view ranks a
-    plan that does not fit first, the other's may fit (transformers' Llama at its own
-    checkpointing's peak)."""
-    plans = {}
-    for atoms in views:
-        low, high = _least_allowance(atoms), model_peak(atoms, [])
-        for k in range(CANDIDATES):
-            allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
-            plan = solve(atoms, allowance, segment_cost=segment_cost)
-            if plan is not None and plan.segments and tuple(plan.segments) not in plans:
-                plans[tuple(plan.segments)] = priced(plan.segments, plan.predicted_peak)
-    return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
-
-
-_NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")
-
-
-def _block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int], priced) -> list[RecomputePlan]:
-    """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
-    does (transformers' decoder layers, timm's blocks or stages): one plan per level of
-    numbered children in the module tree (`layers.3`, `stages.1.blocks.0`; `layer2`,
-    `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block whose nodes are not contiguous, or hold one that cannot run
-    twice, is left out. The solver's model ranks these plans less well than it ranks its own,
-    and a one-line plan is the baseline a user compares with."""
-    levels: dict[int, dict[str, list[int]]] = {}
-    for i, n in enumerate(nodes):
-        if not n.op.startswith("call"):
-            continue
-        for entry in (n.meta.get("nn_module_stack") or {}).values():
-            path = entry[0] if isinstance(entry, tuple) else str(entry)
-            parts = path.split(".")
-            if parts[-1].isdigit():
-                levels.setdefault(sum(p.isdigit() for p in parts), {}).setdefault(path, []).append(i)
-            elif _NUMBERED.fullmatch(parts[-1]):  # timm's ResNet stages layer1..layer4, DenseNet's denselayer1..
-                levels.setdefault(("named", sum(bool(_NUMBERED.fullmatch(p)) for p in parts)), {}).setdefault(path, []).append(i)
-    plans = []
-    for blocks in levels.values():
-        segments = []
-        for members in blocks.values():
-            start, stop = min(members), max(members) + 1
-            inside = set(members)
-            if all(ok[k] and (k in inside or not nodes[k].op.startswith("call")) for k in range(start, stop)):
-                segments.append(Segment(start, stop, False))
-        if len(segments) < 2:
-            continue
-        segments.sort(key=lambda seg: seg.start)
-        # and the same with the runs between the blocks (embeddings, the head) recomputed too
-        between, start = [], None
-        bounds = {k for seg in segments for k in range(seg.start, seg.stop)}
-        for k in range(len(nodes) + 1):
-            free = k < len(nodes) and k not in bounds and ok[k] and nodes[k].op.startswith("call")
-            if free and start is None:
-                start = k
-            elif not free and start is not None:
-                between.append(Segment(start, k, False))
-                start = None
-        variants = [segments, sorted(segments + between, key=lambda seg: seg.start)]
-        # The first blocks' backward runs last, when every parameter gradient is alive: their
-        # rerun can set the peak. Halving them at their cheapest inner cut lowers it.
-        for k in range(1, min(3, len(segments)) + 1):
-            variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
-        for chosen in variants:
-            plans.append(priced(chosen))
-    return plans
-
-
-def _halves(seg: Segment, live_after: list[int]) -> list[Segment]:
-    """seg cut in two where the fewest bytes cross, nearest its middle among equals."""
-    if seg.stop - seg.start < 2:
-        return [seg]
-    cut = min(range(seg.start + 1, seg.stop),
-              key=lambda i: (live_after[i - 1], abs(2 * i - seg.start - seg.stop)))
-    return [Segment(seg.start, cut, seg.selective), Segment(cut, seg.stop, seg.selective)]
 
 
 def _size_chunks(gm: torch.fx.GraphModule, ctx: PassContext, target: int, optimizer, accumulate: bool) -> int | None:
@@ -328,43 +236,14 @@ class Recompute(Pass):
         cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings["profile"] else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
-        segment_cost = SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9))
-        sel_cost = [c if b else 0 for c, b in zip(cost, sel)]
-        n_ops = [dispatches(n, gm) for n in nodes]
-
-        matmul_flops = [f if kept_sel else 0 for f, kept_sel in zip(flops, sel)]  # what a selective segment keeps
-
-        def ran(s: Segment) -> range:
-            return range(s.start, rerun_end(saves, s.start, s.stop))
-
-        def priced(segments, predicted_peak: int = 0) -> RecomputePlan:
-            """A plan with its recompute cost (each segment's rerun as it runs, and what a segment
-            costs besides) and the matmul FLOPs its reruns run (a selective one keeps them)."""
-            cost_ = sum(rerun_cost(cost, saves, s.start, s.stop, sel_cost if s.selective else None) + segment_cost.fixed
-                        + (segment_cost.per_selective_op * sum(n_ops[s.start:s.stop]) if s.selective else 0)
-                        for s in segments)
-            lean = sum(matmul_flops[i] for s in segments if not s.selective for i in ran(s))
-            return RecomputePlan(list(segments), cost_, predicted_peak, lean)
-        blocks = _block_plans(nodes, ok, live_after, priced)
-        bounds = {k for p in blocks for s in p.segments for k in (s.start, s.stop)}
-        heavy = [c + (sum(cost) if m else 0) for c, m in zip(cost, matmul_flops)]  # a matmul rerun: the whole step
-        views = [make_atoms(kept, live_after, c, ok, sel, [x if b else 0 for x, b in zip(c, sel)], param_grads=grads,
-                            ops=n_ops, saves=view, boundaries=bounds)
-                 for c, view in ((cost, saves), (cost, None), (heavy, saves))]
-
-        def leaner(plan: RecomputePlan) -> list[RecomputePlan]:
-            """Plans near plan's allowance that rerun as few matmul FLOPs as the memory allows: the
-            solver with a matmul's rerun priced as the whole step."""
-            found = (solve(views[2], int(plan.predicted_peak * f), segment_cost=segment_cost) for f in LEAN_ALLOWANCES)
-            return [priced(p.segments, p.predicted_peak) for p in found if p is not None and p.segments]
+        space = PlanSpace(nodes, ok, kept, live_after, grads, cost, saves, sel,
+                          [dispatches(n, gm) for n in nodes], flops, SegmentCost(round(r.segment_s * 1e9),
+                                                                                 round(r.policy_op_s * 1e9)))
         # Step 3
-        candidates = _candidates(views[:2], segment_cost, priced)
-        seen = {tuple(p.segments) for p in candidates}
-        candidates += [p for p in blocks if tuple(p.segments) not in seen]
-        candidates.sort(key=lambda p: (p.recompute_cost, p.predicted_peak))
+        candidates = space.candidates()
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, leaner)
+        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, space.leaner)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -481,9 +360,10 @@ class _Search:
             while lo < hi:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-            # The estimate falls with cost only roughly: a few cheaper plans get their own look.
-            for k in range(hi - 1, max(hi - 1 - LOOK_BELOW, -1), -1):
-                hi = k if fits(k) else hi
+            # The estimate falls with cost only roughly (ResNet-18: a plan of a fifteenth of the cost of
+            # the bisection's fits, those between do not): cheaper plans get their own look, cheapest first.
+            unseen = [k for k in range(hi) if k not in self.estimates][:LOOK_BELOW]
+            hi = next((k for k in unseen if fits(k)), hi)
         # Costs within the time model's resolution are a tie: the plan rerunning fewer matmul FLOPs wins
         chosen = self.candidates[hi]
         known = {tuple(p.segments) for p in self.candidates}
@@ -491,7 +371,8 @@ class _Search:
             if tuple(plan.segments) not in known:
                 known.add(tuple(plan.segments))
                 self.candidates.append(plan)
-        leaner = sorted((k for k, p in enumerate(self.candidates) if p.recompute_cost >= chosen.recompute_cost
+        # (a cheaper plan the search has not looked at is one of those proposed just now)
+        leaner = sorted((k for k, p in enumerate(self.candidates) if k not in self.estimates
                          and p.matmul_flops < chosen.matmul_flops
                          and p.recompute_cost <= chosen.recompute_cost * (1 + TIME_RESOLUTION)),
                         key=lambda k: (self.candidates[k].matmul_flops, self.candidates[k].recompute_cost))

@@ -1,0 +1,159 @@
+"""The plans the recompute pass looks at, each priced as it runs.
+
+A plan's price: its recompute cost, each segment's rerun as it runs (to where
+torch.utils.checkpoint stops it: solver.rerun_end; less the matmuls a selective segment keeps)
+and what a segment costs besides (solver.SegmentCost); and the matmul FLOPs its reruns run.
+
+Where plans come from:
+  1. The solver (solver.py), at CANDIDATES activation allowances from the least it can meet
+     to what needs no recompute, under two views of the cost: the rerun as it runs, and every
+     node rerun. The solver's memory model is not the estimate: plans it holds equal in memory
+     can differ by a tenth in the estimate, so where one view ranks a plan that does not fit
+     first, the other's may fit (transformers' Llama at its own checkpointing's peak).
+  2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them.
+  3. Near a chosen plan's allowance (leaner), the solver with a matmul's rerun priced as the
+     whole step: plans that rerun as few matmul FLOPs as the memory allows.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, rerun_cost, rerun_end, solve
+
+CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
+LEAN_ALLOWANCES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)  # of a chosen plan's allowance, for leaner plans
+_NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")  # a child numbered by its name: layer2, denselayer3
+
+
+@dataclass
+class PlanSpace:
+    """Per node in graph order (recompute_pass._node_facts): the node, whether it may run twice,
+    the bytes it keeps for backward and those live after it, the parameter gradients its backward
+    makes first, its recompute cost, when it saves (analysis/saved.save_points), what a selective
+    segment keeps of it (bytes), the ops it dispatches and its FLOPs; what a segment costs."""
+
+    nodes: list[torch.fx.Node]
+    ok: list[bool]
+    kept: list[int]
+    live_after: list[int]
+    grads: list[int]
+    cost: list[int]
+    saves: list[int]
+    sel: list[int]
+    ops: list[int]
+    flops: list[int]
+    segment_cost: SegmentCost
+    views: list = field(init=False)
+    blocks: list = field(init=False)
+
+    def __post_init__(self):
+        self.sel_cost = [c if b else 0 for c, b in zip(self.cost, self.sel)]
+        self.matmul_flops = [f if b else 0 for f, b in zip(self.flops, self.sel)]  # what a selective segment keeps
+        self.blocks = block_plans(self.nodes, self.ok, self.live_after, self.priced)
+        bounds = {k for p in self.blocks for s in p.segments for k in (s.start, s.stop)}
+        heavy = [c + (sum(self.cost) if m else 0) for c, m in zip(self.cost, self.matmul_flops)]
+        self.views = [make_atoms(self.kept, self.live_after, c, self.ok, self.sel, [x if b else 0 for x, b in zip(c, self.sel)],
+                                 param_grads=self.grads, ops=self.ops, saves=saves, boundaries=bounds)
+                      for c, saves in ((self.cost, self.saves), (self.cost, None), (heavy, self.saves))]
+
+    def priced(self, segments, predicted_peak: int = 0) -> RecomputePlan:
+        cost = sum(rerun_cost(self.cost, self.saves, s.start, s.stop, self.sel_cost if s.selective else None)
+                   + self.segment_cost.fixed + (self.segment_cost.per_selective_op * sum(self.ops[s.start:s.stop])
+                                                if s.selective else 0)
+                   for s in segments)
+        lean = sum(self.matmul_flops[i] for s in segments if not s.selective
+                   for i in range(s.start, rerun_end(self.saves, s.start, s.stop)))
+        return RecomputePlan(list(segments), cost, predicted_peak, lean)
+
+    def candidates(self) -> list[RecomputePlan]:
+        """Steps 1 and 2: the distinct plans by increasing cost (and so, roughly, decreasing peak)."""
+        plans = {}
+        for atoms in self.views[:2]:
+            low, high = _least_allowance(atoms), model_peak(atoms, [])
+            for k in range(CANDIDATES):
+                allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
+                plan = solve(atoms, allowance, segment_cost=self.segment_cost)
+                if plan is not None and plan.segments and tuple(plan.segments) not in plans:
+                    plans[tuple(plan.segments)] = self.priced(plan.segments, plan.predicted_peak)
+        for plan in self.blocks:
+            plans.setdefault(tuple(plan.segments), plan)
+        return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
+
+    def leaner(self, plan: RecomputePlan) -> list[RecomputePlan]:
+        """Step 3."""
+        found = (solve(self.views[2], int(plan.predicted_peak * f), segment_cost=self.segment_cost)
+                 for f in LEAN_ALLOWANCES)
+        return [self.priced(p.segments, p.predicted_peak) for p in found if p is not None and p.segments]
+
+
+def _least_allowance(atoms) -> int:
+    """Smallest activation allowance the solver can meet, by bisection."""
+    lo, hi = 0, model_peak(atoms, [])
+    while hi - lo > max(hi // 256, 1):
+        mid = (lo + hi) // 2
+        if solve(atoms, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int], priced) -> list[RecomputePlan]:
+    """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
+    does (transformers' decoder layers, timm's blocks or stages): one plan per level of
+    numbered children in the module tree (`layers.3`, `stages.1.blocks.0`; `layer2`,
+    `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block
+    whose nodes are not contiguous, or hold one that cannot run twice, is left out. The solver's model ranks these plans less well than it ranks its own,
+    and a one-line plan is the baseline a user compares with."""
+    levels: dict[int, dict[str, list[int]]] = {}
+    for i, n in enumerate(nodes):
+        if not n.op.startswith("call"):
+            continue
+        for entry in (n.meta.get("nn_module_stack") or {}).values():
+            path = entry[0] if isinstance(entry, tuple) else str(entry)
+            parts = path.split(".")
+            if parts[-1].isdigit():
+                levels.setdefault(sum(p.isdigit() for p in parts), {}).setdefault(path, []).append(i)
+            elif _NUMBERED.fullmatch(parts[-1]):  # timm's ResNet stages layer1..layer4, DenseNet's denselayer1..
+                levels.setdefault(("named", sum(bool(_NUMBERED.fullmatch(p)) for p in parts)), {}).setdefault(path, []).append(i)
+    plans = []
+    for blocks in levels.values():
+        segments = []
+        for members in blocks.values():
+            start, stop = min(members), max(members) + 1
+            inside = set(members)
+            if all(ok[k] and (k in inside or not nodes[k].op.startswith("call")) for k in range(start, stop)):
+                segments.append(Segment(start, stop, False))
+        if len(segments) < 2:
+            continue
+        segments.sort(key=lambda seg: seg.start)
+        # and the same with the runs between the blocks (embeddings, the head) recomputed too
+        between, start = [], None
+        bounds = {k for seg in segments for k in range(seg.start, seg.stop)}
+        for k in range(len(nodes) + 1):
+            free = k < len(nodes) and k not in bounds and ok[k] and nodes[k].op.startswith("call")
+            if free and start is None:
+                start = k
+            elif not free and start is not None:
+                between.append(Segment(start, k, False))
+                start = None
+        variants = [segments, sorted(segments + between, key=lambda seg: seg.start)]
+        # The first blocks' backward runs last, when every parameter gradient is alive: their
+        # rerun can set the peak. Halving them at their cheapest inner cut lowers it.
+        for k in range(1, min(3, len(segments)) + 1):
+            variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
+        for chosen in variants:
+            plans.append(priced(chosen))
+    return plans
+
+
+def _halves(seg: Segment, live_after: list[int]) -> list[Segment]:
+    """seg cut in two where the fewest bytes cross, nearest its middle among equals."""
+    if seg.stop - seg.start < 2:
+        return [seg]
+    cut = min(range(seg.start + 1, seg.stop),
+              key=lambda i: (live_after[i - 1], abs(2 * i - seg.start - seg.stop)))
+    return [Segment(seg.start, cut, seg.selective), Segment(cut, seg.stop, seg.selective)]
