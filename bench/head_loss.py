@@ -23,30 +23,20 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import graphopt
 from graphopt.analysis.memory import GB, size_text
 from graphopt.runtime.chunked_loss import ChunkedHeadLoss
 from graphopt.runtime.step import step_peak
+from gpu_rows import LinearCrossEntropy
 from results_files import device_name, today
 
 SIZES = {"cpu": [(512, 256, 32000), (2048, 256, 32000)], "cuda": [(4096, 2048, 32000), (8192, 4096, 32000)]}
 
 
-class Head(nn.Module):
-    def __init__(self, hidden: int, vocab: int):
-        super().__init__()
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, x, target):
-        return F.cross_entropy(self.head(x), target)
-
-
 def measure(tokens: int, hidden: int, vocab: int, device: torch.device) -> dict:
     torch.manual_seed(0)
-    model = Head(hidden, vocab).to(device)
+    model = LinearCrossEntropy(hidden, vocab).to(device)
     x = torch.randn(tokens, hidden, device=device, requires_grad=True)
     target = torch.randint(0, vocab, (tokens,), device=device)
     args = (x, target)
