@@ -20,7 +20,7 @@ Algorithm:
      not exact.
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
      rewrite.py, then undone) decides. When the costliest plan fits, a bisection over
-     the candidates, then a look at each cheaper one, finds the cheapest plan that fits, and
+     the candidates, then a look at up to LOOK_BELOW cheaper ones it skipped, finds the cheapest plan that fits, and
      a plan within TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs (candidates.py
      proposes some near it) takes its place;
      when it does not, every candidate is looked at, and if none fits, BudgetError names the
