@@ -108,7 +108,7 @@ def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int
     `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block
     whose nodes are not contiguous, or hold one that cannot run twice, is left out. The solver's model ranks these plans less well than it ranks its own,
     and a one-line plan is the baseline a user compares with."""
-    levels: dict[int, dict[str, list[int]]] = {}
+    levels: dict[object, dict[str, list[int]]] = {}  # by depth, numbered by index or by name
     for i, n in enumerate(nodes):
         if not n.op.startswith("call"):
             continue
