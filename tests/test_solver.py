@@ -3,8 +3,8 @@ import itertools
 import random
 
 from graphopt.analysis.saved import SAVES_INPUTS, SAVES_NOTHING, SAVES_OWN
-from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, make_atoms, model_peak, rerun_cost, rerun_end,
-                                              solve)
+from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, RecomputePlan, Segment, make_atoms, model_peak,
+                                              rerun_cost, rerun_end, solve)
 
 
 def _segmentations(atoms):
@@ -115,3 +115,47 @@ def test_atoms_keep_unrecomputable_nodes_alone():
     atoms = make_atoms([5] * 6, [1] * 6, [1] * 6, [True, True, False, True, True, True], max_cuts=0)
     assert [(a.start, a.stop, a.recomputable) for a in atoms] == [(0, 2, True), (2, 3, False), (3, 6, True)]
     assert list(itertools.chain.from_iterable(range(a.start, a.stop) for a in atoms)) == list(range(6))
+
+
+class _Given:
+    """A search whose estimates are given: the peaks by candidate, and how many were asked for."""
+
+    def __init__(self, peaks: list[int], leaner: list = ()):
+        from types import SimpleNamespace
+
+        from graphopt.passes.recompute.recompute_pass import _Search
+        self.peaks, self.asked = peaks, []
+        search = _Search.__new__(_Search)
+        search.estimates = {}
+        search.leaner = lambda plan: list(leaner)
+
+        def estimate(k):
+            if k not in search.estimates:
+                self.asked.append(k)
+                search.estimates[k] = SimpleNamespace(peak_bytes=self.peaks[k])
+            return search.estimates[k]
+        search.estimate = estimate
+        self.search = search
+
+
+def _plan(name: int, cost: int, matmul: int) -> RecomputePlan:
+    return RecomputePlan([Segment(name, name + 1, False)], cost, 0, matmul)
+
+
+def test_a_fitting_plan_estimated_before_wins_a_tie_on_fewer_matmul_flops():
+    # Costs 100 and 102 are a tie (within the time model's resolution); the bisection estimated
+    # both, and both fit: the one rerunning no matmul wins, though it was estimated first.
+    given = _Given([200, 90, 90, 50])
+    given.search.candidates = [_plan(0, 90, 0), _plan(1, 100, 500), _plan(2, 102, 0), _plan(3, 300, 900)]
+    # bisection over [0, 3] at target 95: mid 1 fits, mid 0 does not: chosen 1; 2 was not estimated
+    given.search.estimate(2)
+    plan, est = given.search.cheapest_within(95)
+    assert plan.matmul_flops == 0 and plan.recompute_cost == 102 and est.peak_bytes == 90
+
+
+def test_a_leaner_plan_over_the_target_is_not_chosen():
+    given = _Given([200, 90, 120, 50])
+    given.search.candidates = [_plan(0, 90, 0), _plan(1, 100, 500), _plan(2, 102, 0), _plan(3, 300, 900)]
+    given.search.estimate(2)
+    plan, _ = given.search.cheapest_within(95)
+    assert plan.recompute_cost == 100

@@ -371,8 +371,8 @@ class _Search:
             if tuple(plan.segments) not in known:
                 known.add(tuple(plan.segments))
                 self.candidates.append(plan)
-        # (a cheaper plan the search has not looked at is one of those proposed just now)
-        leaner = sorted((k for k, p in enumerate(self.candidates) if k not in self.estimates
+        # (one already estimated is a contender only if it fit)
+        leaner = sorted((k for k, p in enumerate(self.candidates) if (k not in self.estimates or fits(k))
                          and p.matmul_flops < chosen.matmul_flops
                          and p.recompute_cost <= chosen.recompute_cost * (1 + TIME_RESOLUTION)),
                         key=lambda k: (self.candidates[k].matmul_flops, self.candidates[k].recompute_cost))
