@@ -20,7 +20,8 @@ Algorithm:
      not exact.
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
      rewrite.py, then undone) decides. When the costliest plan fits, a bisection over
-     the candidates, then a look at up to LOOK_BELOW cheaper ones it skipped, finds the cheapest plan that fits, and
+     the candidates, then a look at up to LOOK_BELOW cheaper ones it skipped (the cheapest, and
+     those just below its fit), finds the cheapest plan that fits, and
      a plan within TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs (candidates.py
      proposes some near it) takes its place;
      when it does not, every candidate is looked at, and if none fits, BudgetError names the
@@ -361,8 +362,12 @@ class _Search:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
             # The estimate falls with cost only roughly (ResNet-18: a plan of a fifteenth of the cost of
-            # the bisection's fits, those between do not): cheaper plans get their own look, cheapest first.
-            unseen = [k for k in range(hi) if k not in self.estimates][:LOOK_BELOW]
+            # the bisection's fits, those between do not): cheaper plans get their own look, cheapest
+            # first, from both ends of those skipped: the cheapest, and those just below the fit
+            # (transformers' GPT-NeoX: the one-line per-layer plan, two candidates below it, behind
+            # twenty cheaper ones that all miss).
+            unseen = [k for k in range(hi) if k not in self.estimates]
+            unseen = sorted(set(unseen[:LOOK_BELOW // 2] + unseen[-(LOOK_BELOW // 2):]))
             hi = next((k for k in unseen if fits(k)), hi)
         # Costs within the time model's resolution are a tie: the plan rerunning fewer matmul FLOPs wins
         chosen = self.candidates[hi]
