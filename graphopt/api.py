@@ -198,6 +198,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
                          f"({gm.meta['graphopt_static_why']})"
     else:
         report.runs_at = "any shapes the model takes (torch.fx)"
+    for check in ctx.call_checks:  # after the guards on shapes: a call they refuse gets their reason
+        gm.register_forward_pre_hook(check, with_kwargs=True)
     gm.graphopt_report = report
     return gm
 

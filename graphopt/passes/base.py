@@ -36,6 +36,9 @@ class PassResult:
     # inputs' shapes (optimize() then installs a shape guard that says so).
     compute_dtype: torch.dtype | None = None
     specialized: str | None = None
+    # Checks a call of the optimized module must pass first, forward pre-hooks (with kwargs):
+    # a rewrite decided at the example's sizes that other sizes must confirm.
+    call_checks: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class PassContext:
     # what the passes so far have made of the graph (the manager keeps these from PassResult)
     compute_dtype: torch.dtype = torch.float32
     specialized: str | None = None
+    call_checks: list = field(default_factory=list)
     analyses: Analyses = field(init=False, repr=False)
 
     def __post_init__(self):

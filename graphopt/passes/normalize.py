@@ -19,7 +19,10 @@ Algorithm:
      later readers of x read the result instead. Eager computes the same values either way, and
      later passes see a pure op: cse may merge it, fuse may take it in, recompute may run it
      again; the inplace pass puts writes back where autograd allows.
-  7. Grouped-query attention: scaled_dot_product_attention reading keys and values whose heads
+  7. Causal masks: an attention mask the graph builds from its inputs' sizes alone, causal at
+     the example's sizes, becomes is_causal=True (causal_masks.py says why, and how other sizes
+     are checked at call time).
+  8. Grouped-query attention: scaled_dot_product_attention reading keys and values whose heads
      were repeated in the graph (transformers' repeat_kv: unsqueeze at dim 2, expand that
      dim, reshape it into the heads) reads them unrepeated with enable_gqa=True, which repeats
      the heads the same way inside the kernel. Eager transformers models do this themselves
@@ -27,14 +30,14 @@ Algorithm:
      repeated keys and values, saves them for backward and sums their gradients back. Only
      where the kernel takes it: on CPU, and on CUDA without a mask (CUDA's kernels that take a
      mask do not take enable_gqa, and SDPA would fall back to its slow math path).
-  8. Identities: a dropout with p=0, or in eval mode, returns its input tensor itself and draws
+  9. Identities: a dropout with p=0, or in eval mode, returns its input tensor itself and draws
      nothing (ATen's dropout), an nn.Identity returns its input (timm's empty drop-block and
      anti-aliasing slots), and a reshape to the shape its input has (NFNet's `.view(-1)` of a
      vector) or a contiguous() of a contiguous tensor reads it as it is laid out (detach is
      kept: it cuts the gradient); where the FakeTensor run shows the result sharing the
      input's storage, offset, shape and strides, its uses read the input, and the node goes.
      Later passes then see the ops around it as neighbours (fuse, recompute).
-  9. Stochastic depth: torchvision's stochastic_depth (a function fx keeps whole) is spelled out
+  10. Stochastic depth: torchvision's stochastic_depth (a function fx keeps whole) is spelled out
      as the ops it runs, the ops timm's drop_path is traced into: in training with p > 0,
      x * torch.bernoulli(x.new_empty((N, 1, ..., 1)), 1 - p) / (1 - p) (ATen's functional
      bernoulli draws into an empty_like of its input: the same draws as the function's
@@ -58,6 +61,7 @@ from ..analysis import meta
 from ..analysis.aliases import Aliases, storage_key
 from ..analysis.effects import is_identity_dropout
 from .base import Pass, PassContext, PassResult
+from .causal_masks import causal_masks
 from .registry import register
 
 
@@ -201,22 +205,25 @@ class Normalize(Pass):
         # Step 6
         functional, in_place = _functionalize(gm)
         # Step 7
-        grouped = _grouped_query_attention(gm)
+        causal, check = causal_masks(gm, ctx)
         # Step 8
-        dropouts = _identity_dropouts(gm)
+        grouped = _grouped_query_attention(gm)
         # Step 9
+        dropouts = _identity_dropouts(gm)
+        # Step 10
         depths = _stochastic_depths(gm)
-        changed = bool(rewritten or functional or grouped or dropouts or depths)
+        changed = bool(rewritten or functional or causal or grouped or dropouts or depths)
         return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped,
                                         "functionalized": functional, "kept_in_place": in_place,
-                                        "grouped_query_attention": grouped, "identity_dropouts": dropouts,
-                                        "stochastic_depths": depths})
+                                        "causal_masks": causal, "grouped_query_attention": grouped,
+                                        "identity_dropouts": dropouts, "stochastic_depths": depths},
+                          call_checks=[check] if check else [])
 
 
 
 
 def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
-    """Step 8; the number of dropouts and identities removed."""
+    """Step 9; the number of dropouts and identities removed."""
     removed = 0
     for node in list(gm.graph.nodes):
         op = ops.lookup(node, gm) if node.op.startswith("call") else None
@@ -279,7 +286,7 @@ def _adds_dims(node: torch.fx.Node) -> bool:
 
 
 def _grouped_query_attention(gm: torch.fx.GraphModule) -> int:
-    """Step 7; the number of attention calls rewritten."""
+    """Step 8; the number of attention calls rewritten."""
     done = 0
     for node in list(gm.graph.nodes):
         if _op_name(node, gm) != "scaled_dot_product_attention":
@@ -330,7 +337,7 @@ def _stochastic_depth_args(node: torch.fx.Node):
 
 
 def _stochastic_depths(gm: torch.fx.GraphModule) -> int:
-    """Step 9; the number of stochastic depth calls spelled out or removed."""
+    """Step 10; the number of stochastic depth calls spelled out or removed."""
     done = 0
     graph = gm.graph
     for node in list(graph.nodes):
