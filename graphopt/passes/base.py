@@ -126,6 +126,7 @@ class PassContext:
     compute_dtype: torch.dtype = torch.float32
     specialized: str | None = None
     call_checks: list = field(default_factory=list)
+    pipeline: frozenset = frozenset()  # the names of the passes in the pipeline
     analyses: Analyses = field(init=False, repr=False)
 
     def __post_init__(self):

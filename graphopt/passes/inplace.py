@@ -14,6 +14,9 @@ Algorithm:
        c. in training, autograd saves nothing in x's storage: no node's backward, this
           node's included, needs the values the write would destroy. Measured, not guessed:
           sigmoid saves its output, so relu on sigmoid's output stays out of place.
+       d. nothing reads x's storage again after the forward: with a budget, the recompute
+          pass runs these steps within its plan, where a segment's rerun reads its inputs again
+          in backward (recompute/in_place.py).
      In inference (train=False) nothing is saved for backward, so c does not apply: ops whose
      backward would need their input (mul, silu, sigmoid's output read by a later op...) may
      write in place too. Unless the pass runs by default (optimize() given no passes): a model
@@ -64,7 +67,7 @@ class _Step:
                    {n.name for n in nodes if n.op == "placeholder"})
 
 
-def _why_not(n: torch.fx.Node, gm: torch.fx.GraphModule, step: _Step, train: bool):
+def _why_not(n: torch.fx.Node, gm: torch.fx.GraphModule, step: _Step, train: bool, reread: dict):
     """(None, call) when node n may write into its first operand; (reason, None) otherwise."""
     if state_effect(n, gm):
         return "changes state", None
@@ -89,6 +92,8 @@ def _why_not(n: torch.fx.Node, gm: torch.fx.GraphModule, step: _Step, train: boo
     # Step 2b
     if step.last_use.get(key, -1) > step.order[n] or key in step.returned:
         return f"{x.name} (or a view of it) is used later", None
+    if key in reread:
+        return f"{x.name} (or a view of it) {reread[key]}", None
     others = [o for o in bound.operands[1:] if isinstance(o, torch.fx.Node)]
     if any(k == key for o in others for k, _ in step.facts.storages.get(o.name, [])):
         return "another operand shares its first operand's storage", None
@@ -96,6 +101,47 @@ def _why_not(n: torch.fx.Node, gm: torch.fx.GraphModule, step: _Step, train: boo
     if train and key in step.saved:
         return f"autograd saves {x.name} (or a view of it) for backward", None
     return None, call
+
+
+def plan_writes(gm: torch.fx.GraphModule, facts: StepFacts, train: bool, reread: dict | None = None):
+    """Step 2: ([(node, op, in-place call)] to rewrite, {node name: why not}). reread: storages
+    read again after the forward, by key, each with the reason (a recompute segment's inputs)."""
+    step = _Step.record(gm, facts)
+    rewrites, skipped = [], {}
+    for n in list(gm.graph.nodes):
+        if n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        op = ops.lookup(n, gm)
+        if op is None or op.kind != "elementwise" or not op.inplace:
+            continue
+        why, call = _why_not(n, gm, step, train, reread or {})
+        if why:
+            skipped[n.name] = why
+            note(n, "inplace", f"no: {why}")
+        else:
+            rewrites.append((n, op, call))
+    return rewrites, skipped
+
+
+def write_in_place(gm: torch.fx.GraphModule, rewrites: list) -> dict:
+    """Step 3: each rewrite done, in graph order, each node replaced where it stands; {name: how}."""
+    done, replaced = {}, {}
+    for n, op, (target, args, kwargs) in rewrites:
+        # arguments were bound before earlier rewrites replaced their nodes
+        current = lambda a: replaced.get(a, a)  # noqa: E731
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(target, torch.fx.map_arg(args, current),
+                                         torch.fx.map_arg(kwargs, current))
+        replaced[n] = new
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+        new.name = n.name
+        note(new, "inplace", f"{op.name} -> {op.inplace}")
+        done[new.name] = f"{op.name} -> {op.inplace}"
+    gm.graph.lint()
+    gm.recompile()
+    return done
 
 
 @register
@@ -109,48 +155,22 @@ class Inplace(Pass):
     def skip_by_default(self, gm, ctx, pipeline):
         # Measured: the least budget of transformers' Llama rises from 2.8 to 4.1 MB with inplace
         # before recompute (a value written in place is no longer there to run a segment again).
-        if "recompute" in pipeline or "pipeline" in pipeline:
+        if "recompute" in pipeline:
+            return ("a budget is planned: the recompute pass writes in place within its plan, as this pass would "
+                    "but for the values its segments recompute from")
+        if "pipeline" in pipeline:
             return ("a budget is planned, and values written in place cannot be recomputed from, which can raise "
                     "the least budget; name it in passes= to run it anyway")
         return None
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        # Step 1
-        step = _Step.record(gm, ctx.analysis(record_step, gm))
-        # Step 2
-        rewrites, skipped = [], {}
-        for n in list(gm.graph.nodes):
-            if n.op not in ("call_function", "call_method", "call_module"):
-                continue
-            op = ops.lookup(n, gm)
-            if op is None or op.kind != "elementwise" or not op.inplace:
-                continue
-            why, call = _why_not(n, gm, step, ctx.train or self.by_default)
-            if why:
-                skipped[n.name] = why
-                note(n, "inplace", f"no: {why}")
-            else:
-                rewrites.append((n, op, call))
+        # Steps 1 and 2
+        rewrites, skipped = plan_writes(gm, ctx.analysis(record_step, gm), ctx.train or self.by_default)
         if not rewrites:
             return PassResult(gm, False, {"rewritten": {}, "skipped": skipped})
         before = ctx.analysis(estimate_peak, gm, train=ctx.train).peak_bytes
         # Step 3
-        done, replaced = {}, {}
-        for n, op, (target, args, kwargs) in rewrites:
-            # arguments were bound before earlier rewrites replaced their nodes
-            current = lambda a: replaced.get(a, a)  # noqa: E731
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(target, torch.fx.map_arg(args, current),
-                                             torch.fx.map_arg(kwargs, current))
-            replaced[n] = new
-            new.meta = dict(n.meta)
-            n.replace_all_uses_with(new)
-            gm.graph.erase_node(n)
-            new.name = n.name
-            note(new, "inplace", f"{op.name} -> {op.inplace}")
-            done[new.name] = f"{op.name} -> {op.inplace}"
-        gm.graph.lint()
-        gm.recompile()
+        done = write_in_place(gm, rewrites)
         # Step 4
         after = ctx.analysis(estimate_peak, gm, train=ctx.train).peak_bytes
         return PassResult(gm, True, {

@@ -42,6 +42,7 @@ class PassManager:
         if self.dumper:
             self.dumper.graph(0, "trace", gm)
         names = {p.name for p in self.passes}
+        ctx.pipeline = frozenset(names)
         index = 0  # dumps are numbered by the passes that ran
         for p in self.passes:
             if p.by_default:

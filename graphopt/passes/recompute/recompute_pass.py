@@ -29,7 +29,11 @@ Algorithm:
   5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
      model state restored) and, while it measures over budget, plan again for a budget
      lowered by the overshoot (at most CALIBRATIONS times).
-  6. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
+  6. Where the pipeline has the inplace pass (a budget skips it by default), write elementwise
+     ops in place within the plan: decided on the graph before its segments are cut, by the
+     inplace pass's rules and the plan's (in_place.py: a segment's inputs are read again by its
+     rerun), then cut again; the estimate is made again. Also when the budget needs no plan.
+  7. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
      before and after, recompute FLOPs, time and its share of the step, and a picture of
      predicted memory through the step, before and after (kk-recompute.memory.png).
 """
@@ -57,6 +61,7 @@ from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
 from ..registry import register
 from .candidates import PlanSpace
+from .in_place import write_within
 from .rewrite import checkpoint_segments, inline_segments, recomputable
 from .solver import SegmentCost, rerun_end
 
@@ -225,8 +230,12 @@ class Recompute(Pass):
             stats["loss_chunk_rows"] = chunk
             before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
-            return PassResult(gm, chunk is not None, {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0},
-                              _pictures({"as traced": before}, limit))
+            written = self._write_in_place(gm, ctx, inputs, None, None)
+            if written:
+                before = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
+            return PassResult(gm, chunk is not None or bool(written),
+                              {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0,
+                               "written_in_place": written}, _pictures({"as traced": before}, limit))
         # Step 2
         if _attributes_first(gm) + _hoist_state_writes(gm):
             gm.recompile()
@@ -270,6 +279,10 @@ class Recompute(Pass):
                     raise self._error(budget_gb, stats["measured_peak_bytes"], after.breakdown,
                                       inference=False, measured=True)
         # Step 6
+        written = self._write_in_place(gm, ctx, inputs, search, plan)
+        if written:
+            after = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
+        # Step 7
         for n in gm.graph.nodes:
             if isinstance(n.target, SegmentCall):
                 note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
@@ -288,9 +301,26 @@ class Recompute(Pass):
             "recompute_overhead_pct": round(100 * plan.recompute_cost / max(STEP_FORWARDS * sum(cost), 1), 1),
             "cost_by": "measured time" if self.settings["profile"] else f"estimated time ({device})",
             "recompute_ms": round(plan.recompute_cost / 1e6, 3),
+            "written_in_place": written,
         })
         return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
                           specialized=f"its recompute plan fits budget_gb={budget_gb:g} for them")
+
+    def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, inputs: list, search: _Search | None,
+                        plan) -> dict:
+        """Step 6, where the pipeline has the inplace pass (which a budget skips by default): the
+        ops written in place within the plan, by name (in_place.py)."""
+        if "inplace" not in ctx.pipeline:
+            return {}
+        if search is not None:
+            search.undo()  # the writes are decided on the graph before its segments are cut
+        nodes = list(gm.graph.nodes)
+        sel = search.sel if search is not None else [0] * len(nodes)
+        written, _ = write_within(gm, nodes, plan, record_step(gm, inputs), sel)
+        if search is not None:
+            search.nodes[:] = list(gm.graph.nodes)  # each write replaced its node where it stood
+            search.rewrite(plan)
+        return written
 
     def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
                measured: bool = False) -> BudgetError:

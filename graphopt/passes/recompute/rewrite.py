@@ -7,9 +7,10 @@ a plain callable, not registered as a submodule, so the model's parameters(), st
 and optimizers are unchanged.
 
 Nodes that change state must run exactly once and cannot be recomputed: in-place writes and
-calls the registry does not know. BatchNorm in training is the exception: in a segment it
-becomes batch_norm_once (runtime/checkpoint.py), which updates the running statistics on its
-first run only.
+calls the registry does not know. Two exceptions: BatchNorm in training becomes, in a segment,
+batch_norm_once (runtime/checkpoint.py), which updates the running statistics on its first run
+only; and an in-place elementwise op writing a tensor the segment itself made (not an input of
+it, nor a view of one) writes the same values on each run.
 """
 from __future__ import annotations
 
@@ -57,6 +58,24 @@ def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     return why
 
 
+def _writes_inside(node: torch.fx.Node, gm: torch.fx.GraphModule, inside: set) -> bool:
+    """Whether node is an in-place elementwise op writing a tensor made in the segment `inside`,
+    through views of such a tensor at most."""
+    op = ops.lookup(node, gm)
+    bound = ops.bind(node, gm) if op is not None and op.inplace_of and op.kind == "elementwise" else None
+    x = bound.operands[0] if bound is not None and bound.operands else None
+    while isinstance(x, torch.fx.Node) and x in inside and x.op in CALLS:
+        made = ops.lookup(x, gm)
+        if made is None:
+            return False
+        if made.inplace_of:  # its result is the storage it wrote: where that came from
+            return _writes_inside(x, gm, inside)
+        if not made.aliases:
+            return True  # a fresh tensor
+        x = x.all_input_nodes[0] if x.all_input_nodes else None
+    return False
+
+
 def _segment_module(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]):
     """A GraphModule computing `nodes`, with its inputs and the outputs used outside it."""
     inside = set(nodes)
@@ -95,9 +114,10 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         nodes = [n for n in sorted(nodes, key=order.__getitem__) if n.op != "get_attr"]
         if not nodes:
             continue
+        inside = set(nodes)
         for n in nodes:
             why = recomputable(n, gm)
-            if why:
+            if why and not _writes_inside(n, gm, inside):
                 raise ValueError(f"node {n.name} cannot be recomputed: {why}")
         module, inputs, outputs = _segment_module(gm, nodes)
         inside, last = set(nodes), nodes[-1]

@@ -1,0 +1,80 @@
+"""Writes in place within a recompute plan: where the plan's segments read a value again in
+backward, nothing writes it (recompute/in_place.py)."""
+import torch
+import torch.nn as nn
+
+import graphopt
+from graphopt.analysis.memory import GB, estimate_peak, measure_step
+from graphopt.analysis.saved import record_step
+from graphopt.passes.recompute.in_place import REREAD, write_within
+from graphopt.passes.recompute.rewrite import checkpoint_segments
+from graphopt.passes.recompute.solver import RecomputePlan, Segment
+from graphopt.testing import zoo
+from graphopt.testing.baselines import budget_at
+from graphopt.trace import annotate, placeholder_values
+
+from conftest import assert_same_step, step
+
+
+class Reread(nn.Module):
+    """h feeds a segment (tanh, second linear) and, last, a neg: without recompute neg may write
+    h in place; with the segment, its rerun reads h again in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        return (self.second(torch.tanh(h)) + torch.neg(h)).sum()
+
+
+def _planned(model, args, reread: bool):
+    """model's graph with tanh..second in one segment, written in place with the plan's rule or without."""
+    gm = graphopt.trace(model, args)
+    inputs = placeholder_values(gm, args, {})
+    annotate(gm, inputs)
+    nodes = list(gm.graph.nodes)
+    names = [n.name for n in nodes]
+    segment = Segment(names.index("tanh"), names.index("second") + 1, False)
+    plan = RecomputePlan([segment], 0, 0)
+    written, skipped = write_within(gm, nodes, plan if reread else None, record_step(gm, inputs), [0] * len(nodes))
+    nodes = list(gm.graph.nodes)
+    checkpoint_segments(gm, [nodes[segment.start:segment.stop]])
+    return gm, written, skipped
+
+
+def test_a_segment_input_is_not_written_and_the_gradients_hold():
+    model, args = Reread(), (torch.randn(4, 8),)
+    gm, written, skipped = _planned(model, args, reread=True)
+    assert "neg" not in written and REREAD in skipped["neg"]
+    assert_same_step(model, gm, args, {}, exact=False)
+
+
+def test_the_rule_is_what_keeps_the_gradients():
+    # Without it, neg_ writes h, and the segment's rerun reads -h: autograd may catch the write,
+    # or the gradients come out wrong; never what eager gives.
+    model, args = Reread(), (torch.randn(4, 8),)
+    gm, written, _ = _planned(model, args, reread=False)
+    assert "neg" in written
+    _, want = step(model, args, {})
+    try:
+        _, got = step(gm, args, {})
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    else:
+        assert not torch.allclose(want["first.weight"], got["first.weight"])
+
+
+def test_a_budgeted_convnet_writes_in_place_within_its_plan():
+    model, args, kwargs = zoo.convnet(batch=16, size=32, blocks=6)
+    gm = graphopt.trace(model, args)
+    budget = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
+    plain = graphopt.optimize(model, args, passes=f"normalize,recompute{{budget_gb={budget}}}")
+    opt = graphopt.optimize(model, args, budget_gb=budget)
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["segments"] and stats["written_in_place"]
+    assert "recompute" in opt.graphopt_report.skipped["inplace"]
+    assert not plain.graphopt_report.passes[-1].stats["written_in_place"]  # not in the pipeline: no writes
+    assert measure_step(opt, args, kwargs) <= budget * GB
+    assert_same_step(model, opt, args, kwargs, exact=False)
