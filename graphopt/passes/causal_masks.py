@@ -16,16 +16,18 @@ Soundness: the rewrite holds only where the mask is a function of sizes:
   3. A call at other sizes than those checked runs the masks' subgraph once for those sizes
      (CausalMaskCheck, a forward pre-hook optimize() installs) and raises a graphopt error if a
      mask is not causal there, before anything runs: the rewrite never holds silently wrong.
+     A staged graph (the pipeline pass, microbatches) runs its stages where no such check
+     sees them, so it keeps its masks.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .. import ops
 from ..analysis import meta
 from ..analysis.effects import pure_op, size_arithmetic
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from ..dump import note
 from ..runtime.causal_check import CausalMaskCheck, is_causal_mask
 
@@ -85,7 +87,6 @@ def _without_mask(node: torch.fx.Node) -> None:
             args[position] = value
         else:
             kwargs[name] = value
-    kwargs.pop("attn_mask", None) if len(args) > 3 else None
     node.args, node.kwargs = tuple(args), kwargs
 
 
@@ -109,8 +110,8 @@ def _subgraph(gm: torch.fx.GraphModule, masks: list[torch.fx.Node]) -> torch.fx.
 def causal_masks(gm: torch.fx.GraphModule, ctx) -> tuple[int, CausalMaskCheck | None]:
     """Rewrite each attention whose mask is causal and made from sizes alone (points 1 and 2);
     the number rewritten, and the check for other sizes (point 3)."""
-    if ctx.microbatches:
-        return 0, None  # the stages run at microbatch sizes, which a check on the whole call would not see
+    if ctx.microbatches or "pipeline" in ctx.pipeline:
+        return 0, None  # stages run at microbatch sizes, through PipelineRunner: a check on calls of the whole would not see them
     found, subgraphs = {}, {}  # mask -> the attentions reading it, the nodes computing it
     for node in gm.graph.nodes:
         if _op_name(node, gm) not in ATTENTION:
