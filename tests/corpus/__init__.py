@@ -46,8 +46,9 @@ REGRESSIONS = (
 )
 
 # Models whose memory promise once broke, also in the quick run: graphopt refused the budget
-# their own checkpointing meets (segments cut at every attribute read; atoms too coarse early on).
-MEMORY_REGRESSIONS = ("timm_densenet121", "timm_mobilevit_xxs")
+# their own checkpointing meets (segments cut at every attribute read; atoms too coarse early on);
+# GPT-NeoX overshot it by 9% (writes in place within its plan that raised the peak).
+MEMORY_REGRESSIONS = ("timm_densenet121", "timm_mobilevit_xxs", "hf_gpt_neox")
 
 
 def build(name: str, seed: int = 0) -> Case:
