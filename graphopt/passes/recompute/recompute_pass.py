@@ -32,7 +32,8 @@ Algorithm:
   6. Where the pipeline has the inplace pass (a budget skips it by default), write elementwise
      ops in place within the plan: decided on the graph before its segments are cut, by the
      inplace pass's rules and the plan's (in_place.py: a segment's inputs are read again by its
-     rerun), then cut again; the estimate is made again. Also when the budget needs no plan.
+     rerun), then cut again; the estimate is made again, and writes that raise it are undone.
+     Also when the budget needs no plan.
   7. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
      before and after, recompute FLOPs, time and its share of the step, and a picture of
      predicted memory through the step, before and after (kk-recompute.memory.png).
