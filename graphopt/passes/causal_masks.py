@@ -40,10 +40,11 @@ def _reads_metadata(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     """Whether node reads its input's sizes (or dtype, device), not its values."""
     if node.op == "call_function" and node.target is getattr:
         return len(node.args) > 1 and node.args[1] in METADATA
-    return _op_name(node, gm) in SIZE_READS
+    return op_name(node, gm) in SIZE_READS
 
 
-def _op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
+def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
+    """The registry's name for a call node's op; None for other nodes and unknown ops."""
     op = ops.lookup(node, gm) if node.op.startswith("call") else None
     return op.name if op is not None else None
 
@@ -114,7 +115,7 @@ def causal_masks(gm: torch.fx.GraphModule, ctx) -> tuple[int, CausalMaskCheck | 
         return 0, None  # stages run at microbatch sizes, through PipelineRunner: a check on calls of the whole would not see them
     found, subgraphs = {}, {}  # mask -> the attentions reading it, the nodes computing it
     for node in gm.graph.nodes:
-        if _op_name(node, gm) not in ATTENTION:
+        if op_name(node, gm) not in ATTENTION:
             continue
         bound = ops.bind(node, gm)
         if bound is None or bound.params.get("is_causal") or not isinstance(bound["attn_mask"], torch.fx.Node):

@@ -61,7 +61,7 @@ from ..analysis import meta
 from ..analysis.aliases import Aliases, storage_key
 from ..analysis.effects import is_identity_dropout
 from .base import Pass, PassContext, PassResult
-from .causal_masks import causal_masks
+from .causal_masks import causal_masks, op_name
 from .registry import register
 
 
@@ -250,22 +250,17 @@ def _same_tensor(a, b) -> bool:
             and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
-def _op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
-    op = ops.lookup(node, gm) if node.op.startswith("call") else None
-    return op.name if op is not None else None
-
-
 def _repeated_heads(node, gm: torch.fx.GraphModule):
     """(the tensor whose heads `node` repeats as repeat_kv does, (batch, kv heads, seq, dim) ->
     (batch, kv heads * r, seq, dim) with each head r times in a row, and the nodes that repeat
     them); None for anything else."""
-    if not isinstance(node, torch.fx.Node) or _op_name(node, gm) not in ("reshape", "view"):
+    if not isinstance(node, torch.fx.Node) or op_name(node, gm) not in ("reshape", "view"):
         return None
     expanded = node.all_input_nodes[0] if node.all_input_nodes else None
-    if expanded is None or _op_name(expanded, gm) != "expand":
+    if expanded is None or op_name(expanded, gm) != "expand":
         return None
     unsqueezed = expanded.all_input_nodes[0]
-    if _op_name(unsqueezed, gm) != "unsqueeze" and not _adds_dims(unsqueezed):
+    if op_name(unsqueezed, gm) != "unsqueeze" and not _adds_dims(unsqueezed):
         return None
     base = unsqueezed.all_input_nodes[0]
     shapes = [getattr(meta.tensor_info(n), "shape", None) for n in (base, unsqueezed, expanded, node)]
@@ -289,7 +284,7 @@ def _grouped_query_attention(gm: torch.fx.GraphModule) -> int:
     """Step 8; the number of attention calls rewritten."""
     done = 0
     for node in list(gm.graph.nodes):
-        if _op_name(node, gm) != "scaled_dot_product_attention":
+        if op_name(node, gm) != "scaled_dot_product_attention":
             continue
         bound = ops.bind(node, gm)
         if bound is None or bound.params.get("enable_gqa"):
