@@ -88,6 +88,39 @@ def test_broadcast_and_later_views_block_the_rewrite():
     assert torch.equal(opt(a, b), model(a, b))
 
 
+class Residual(torch.nn.Module):
+    """A transformer's residual add into a linear's output: for a 3-d input, that output is a
+    view of the 2-d matmul's, which autograd tracks."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return (torch.add(self.proj(x), x) * 2.0).sum()
+
+
+def test_a_write_into_a_view_autograd_tracks_is_left_alone_in_training():
+    # Written, autograd rebases the matmul's history (CopySlices), whose backward copies its whole
+    # gradient and the view's: GPT-NeoX's peak rose, 2.89 -> 3.15 MB, within a recompute plan.
+    model, x = Residual(), torch.randn(4, 8, 16)
+    opt = graphopt.optimize(model, (x,), passes=PIPELINE)
+    stats = _record(opt).stats
+    assert "view autograd tracks" in stats["skipped"]["add"], stats
+    assert_same_step(model, opt, (x,), {}, exact=True)
+    gm = graphopt.trace(model, (x,))
+    forced = graphopt.trace(model, (x,))
+    for n in forced.graph.nodes:
+        if n.target in (torch.add, torch.ops.aten.add.Tensor):
+            n.target = torch.ops.aten.add_.Tensor
+    forced.recompile()
+    assert measure_step(forced, (x,), {}) > measure_step(gm, (x,), {})  # what the rule spares
+    # In inference nothing tracks the view: the add writes into it.
+    model.eval()
+    infer = graphopt.optimize(model, (x,), passes=PIPELINE)
+    assert "add" in _record(infer).stats["rewritten"]
+
+
 class Chain(torch.nn.Module):
     def forward(self, x):
         return torch.tanh(torch.relu(torch.exp(x * 2.0)) + 1.0)

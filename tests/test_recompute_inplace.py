@@ -1,5 +1,7 @@
 """Writes in place within a recompute plan: where the plan's segments read a value again in
 backward, nothing writes it (recompute/in_place.py)."""
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -7,6 +9,7 @@ import graphopt
 from graphopt.analysis.memory import GB, estimate_peak, measure_step
 from graphopt.analysis.saved import record_step
 from graphopt.passes.recompute.in_place import REREAD, write_within
+from graphopt.analysis.segments import SegmentCall
 from graphopt.passes.recompute.rewrite import checkpoint_segments
 from graphopt.passes.recompute.solver import RecomputePlan, Segment
 from graphopt.testing import zoo
@@ -76,5 +79,41 @@ def test_a_budgeted_convnet_writes_in_place_within_its_plan():
     assert stats["segments"] and stats["written_in_place"]
     assert "recompute" in opt.graphopt_report.skipped["inplace"]
     assert not plain.graphopt_report.passes[-1].stats["written_in_place"]  # not in the pipeline: no writes
+    assert measure_step(opt, args, kwargs) <= budget * GB
+    assert_same_step(model, opt, args, kwargs, exact=False)
+
+
+def test_writes_that_raise_the_estimate_are_undone(monkeypatch):
+    # The rules cannot foresee every cost of a write (a write into a view autograd tracks once
+    # raised GPT-NeoX's plan over its budget): a rise measured by the estimate takes them all back.
+    import graphopt.passes.recompute.recompute_pass as rp
+    model, args, kwargs = zoo.convnet(batch=16, size=32, blocks=6)
+    gm = graphopt.trace(model, args)
+    budget = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
+    unwritten = graphopt.optimize(model, args, passes=f"normalize,recompute{{budget_gb={budget}}}")
+    written, real_estimate = {}, rp.estimate_peak
+
+    def writes(*a, **k):
+        out = real_write(*a, **k)
+        written["now"] = bool(out[0])
+        return out
+
+    def estimate(*a, **k):  # the first estimate after the writes reads one byte over
+        e = real_estimate(*a, **k)
+        if written.pop("now", False):
+            e = dataclasses.replace(e, peak_bytes=e.peak_bytes + 1)
+        return e
+
+    real_write = rp.write_within
+    monkeypatch.setattr(rp, "write_within", writes)
+    monkeypatch.setattr(rp, "estimate_peak", estimate)
+    opt = graphopt.optimize(model, args, budget_gb=budget)
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["written_in_place"] == {}
+    assert stats["predicted_peak_bytes"] == unwritten.graphopt_report.passes[-1].stats["predicted_peak_bytes"]
+    graphs = [opt.graph] + [n.target.module.graph for n in opt.graph.nodes if isinstance(n.target, SegmentCall)]
+    ops = [getattr(n.target, "__name__", str(n.target)).split(".")[0] for g in graphs for n in g.nodes
+           if n.op == "call_function"]
+    assert len(graphs) > 1 and "relu" in ops and not any(op.endswith("_") for op in ops)
     assert measure_step(opt, args, kwargs) <= budget * GB
     assert_same_step(model, opt, args, kwargs, exact=False)

@@ -16,7 +16,7 @@ The answer depends on the device the fakes claim (CPU and CUDA kernels save diff
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -52,6 +52,9 @@ class StepFacts:
     segments: dict[str, "StepFacts"]             # recompute segment -> facts of its own forward
     policy_bytes: dict[str, int]                 # node -> bytes a selective segment keeps of it
     policy_storages: set[int]                    # the storages those bytes are
+    # nodes whose output is a view autograd tracks: a write into one makes autograd rebase its
+    # base's history (CopySlices), whose backward copies the base's whole gradient
+    tracked_views: set[str] = field(default_factory=set)
 
     def lifetimes(self, nodes: list[torch.fx.Node]) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
         """For each storage a node makes: (its maker's index in `nodes`, bytes); and for every
@@ -123,6 +126,7 @@ class _Recorder(torch.fx.Interpreter):
         self.segments: dict[str, StepFacts] = {}
         self.policy_outputs: dict[str, dict[int, torch.Tensor]] = {}
         self.policy_mode: _PolicyOutputs | None = None
+        self.tracked_views: set[str] = set()
 
     def run_node(self, n: torch.fx.Node):
         self.current = n
@@ -135,6 +139,8 @@ class _Recorder(torch.fx.Interpreter):
             self.keep.append(t)
         self.storages[n.name] = [(storage_key(t), t.untyped_storage().nbytes()) for t in tensors]
         self.grad_bytes[n.name] = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
+        if any(t.requires_grad and t._is_view() for t in tensors):
+            self.tracked_views.add(n.name)
         # A kernel that saves its own result (relu, sigmoid, ...) does so before the result is
         # known as this node's output: that tensor is the output kept alive, not extra memory.
         mine = {key for key, _ in self.storages[n.name]}
@@ -175,7 +181,7 @@ class _Recorder(torch.fx.Interpreter):
                         for name, outputs in self.policy_outputs.items()}
         policy_storages = {key for outputs in self.policy_outputs.values() for key in outputs}
         return StepFacts(self.storages, self.owner, saved, self.grad_bytes, self.segments, policy_bytes,
-                         policy_storages)
+                         policy_storages, self.tracked_views)
 
     def pack(self, t: torch.Tensor):
         if t.device.type == "meta" and not isinstance(t, FakeTensor):
