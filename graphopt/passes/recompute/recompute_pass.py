@@ -310,7 +310,8 @@ class Recompute(Pass):
         """Step 6, where the pipeline has the inplace pass (which a budget skips by default): the
         ops written in place within the plan, by name (in_place.py), and the step's estimate.
         Measured, not assumed: where the writes raise the estimate, the graph goes back to
-        the plan without them (GPT-NeoX's per-layer plan: 2.89 -> 3.15 MB)."""
+        the plan without them (GPT-NeoX's per-layer plan, before the inplace rules left views
+        autograd tracks alone: 2.89 -> 3.15 MB)."""
         if "inplace" not in ctx.pipeline:
             return {}, estimate
         if search is not None:
