@@ -8,8 +8,8 @@ import torch.nn as nn
 import graphopt
 from graphopt.analysis.memory import GB, estimate_peak, measure_step
 from graphopt.analysis.saved import record_step
-from graphopt.passes.recompute.in_place import REREAD, write_within
 from graphopt.analysis.segments import SegmentCall
+from graphopt.passes.recompute.in_place import REREAD, write_within
 from graphopt.passes.recompute.rewrite import checkpoint_segments
 from graphopt.passes.recompute.solver import RecomputePlan, Segment
 from graphopt.testing import zoo
