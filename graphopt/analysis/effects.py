@@ -10,10 +10,11 @@ change), recompute may run them again (torch.utils.checkpoint replays the RNG st
 from __future__ import annotations
 
 import torch.fx
+from torch.fx.operator_schemas import normalize_function
 
 from .. import ops
 from .aliases import Aliases
-from .meta import tensor_info
+from .meta import TensorInfo, tensor_info
 
 CALLS = ("call_function", "call_method", "call_module")
 
@@ -66,7 +67,44 @@ def is_impure(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if node.op == "get_attr":
         return False
     op = pure_op(node, gm)
-    return op is None or op.is_check or node.is_impure()
+    if op is not None and op.is_check:  # torch.fx calls every assertion impure
+        return not settled_check(node, gm)
+    return op is None or node.is_impure()
+
+
+def settled_check(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether the check node is a metadata assertion that holds on every call the module takes,
+    so that dead-code elimination may drop it with what it alone reads.
+
+    torch.export writes `aten._assert_tensor_metadata` before each `.to()`, also on tensors the
+    graph computes from its inputs alone: GPT-NeoX's causal mask, built from `cumsum` and
+    `index`, stays alive for them only after the mask goes from attention. An export graph's
+    every call passes a guard on its inputs' dtypes and devices first (api.py installs one), so
+    the dtype of a tensor computed from those inputs alone, through known ops, is the traced
+    one. Not for floating results (autocast, around the call, changes those), nor for tensors
+    that read a parameter or buffer (`model.half()` changes those), nor for size or stride
+    checks (a dynamic batch changes sizes)."""
+    if gm.meta.get("graphopt_frontend") != "export" or ops.lookup(node, gm).name != "assert_tensor_metadata":
+        return False
+    bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    asserted = bound.kwargs if bound is not None else {}
+    checked = asserted.get("a")
+    info = tensor_info(checked) if isinstance(checked, torch.fx.Node) else None
+    if (not isinstance(info, TensorInfo) or info.dtype.is_floating_point or info.dtype.is_complex
+            or asserted.get("size") is not None or asserted.get("stride") is not None
+            or asserted.get("dtype") not in (None, info.dtype) or asserted.get("device") not in (None, info.device)
+            or asserted.get("layout") not in (None, torch.strided)):
+        return False
+    seen, todo = set(), [checked]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" or (n.op in CALLS and ops.lookup(n, gm) is None and not size_arithmetic(n)):
+            return False
+        todo.extend(n.all_input_nodes)
+    return True
 
 
 def size_arithmetic(node: torch.fx.Node) -> bool:

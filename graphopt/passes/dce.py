@@ -3,7 +3,8 @@
 Algorithm:
   1. Walk the graph backwards (torch.fx's eliminate_dead_code does this).
   2. Remove a node when it has no users and the registry calls it pure (analysis/effects.py):
-     opaque, random, mutating and asserting ops stay even when unused.
+     opaque, random, mutating and asserting ops stay even when unused, but for an export
+     graph's metadata assertions that its input guards already settle (effects.settled_check).
   3. Report the removed nodes by op.
 """
 from __future__ import annotations
