@@ -120,7 +120,7 @@ def test_atoms_keep_unrecomputable_nodes_alone():
 class _Given:
     """A search whose estimates are given: the peaks by candidate, and how many were asked for."""
 
-    def __init__(self, peaks: list[int], leaner: list = ()):
+    def __init__(self, peaks: list[int], leaner: list = (), grown: list = ()):
         from types import SimpleNamespace
 
         from graphopt.passes.recompute.recompute_pass import _Search
@@ -128,6 +128,7 @@ class _Given:
         search = _Search.__new__(_Search)
         search.estimates = {}
         search.leaner = lambda plan: list(leaner)
+        search.grown = lambda plan: list(grown)
 
         def estimate(k):
             if k not in search.estimates:
@@ -184,3 +185,27 @@ def test_a_leaner_plan_over_the_target_is_not_chosen():
     given.search.estimate(2)
     plan, _ = given.search.cheapest_within(95)
     assert plan.recompute_cost == 100
+
+
+def test_the_dearest_plan_over_the_target_grown_can_fit_for_less():
+    # transformers' BERT at its own checkpointing's peak: two per-layer segments over by 1.5%,
+    # the second grown by one node fits, for less than the four-segment plan the bisection found
+    grown = [_plan(4, 105, 0), _plan(5, 110, 0), _plan(6, 160, 0)]
+    given = _Given([200, 120, 90, 50, 100, 93, 10], grown=grown)
+    given.search.candidates = [_plan(0, 90, 0), _plan(1, 100, 0), _plan(2, 150, 0), _plan(3, 300, 0)]
+    plan, est = given.search.cheapest_within(95)
+    assert plan.recompute_cost == 110 and est.peak_bytes == 93
+    assert 6 not in given.asked  # dearer than what fits already: not looked at
+
+
+def test_growing_a_segment_keeps_to_nodes_that_may_run_twice_and_apart_from_the_others():
+    from types import SimpleNamespace
+
+    from graphopt.passes.recompute.candidates import PlanSpace
+    ok = [True] * 8 + [False] + [True] * 3
+    space = SimpleNamespace(nodes=list(range(12)), ok=ok, priced=lambda segs: RecomputePlan(
+        segs, sum(s.stop - s.start for s in segs), 0, 0))
+    plan = RecomputePlan([Segment(2, 4, False), Segment(5, 7, False)], 4, 0, 0)
+    found = [[(s.start, s.stop) for s in p.segments] for p in PlanSpace.grown(space, plan)]
+    # node 8 may not run twice; a segment may end where the next one starts
+    assert found == [[(1, 4), (5, 7)], [(2, 5), (5, 7)], [(2, 4), (4, 7)], [(2, 4), (5, 8)], [(0, 4), (5, 7)]]

@@ -21,7 +21,9 @@ Algorithm:
   4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
      rewrite.py, then undone) decides. When the costliest plan fits, a bisection over
      the candidates, then a look at up to LOOK_BELOW cheaper ones it skipped (the cheapest, and
-     those just below its fit), finds the cheapest plan that fits, and
+     those just below its fit), finds the cheapest plan that fits; the dearest plan looked at
+     that is cheaper but over the target, grown by a few nodes (candidates.py), may fit for less
+     and take its place; then
      a plan within TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs (candidates.py
      proposes some near it) takes its place;
      when it does not, every candidate is looked at, and if none fits, BudgetError names the
@@ -75,6 +77,7 @@ from .solver import SegmentCost, rerun_end
 TIME_RESOLUTION = 0.05
 LOOK_BELOW = 16   # cheaper candidates the bisection did not look at, checked after it
 LOOK_LEAN = 3     # leaner plans checked against the budget
+LOOK_GROWN = 8    # grown plans checked against the budget
 CALIBRATIONS = 3  # re-plans after a measured step over budget
 # On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
 # allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
@@ -254,7 +257,8 @@ class Recompute(Pass):
         candidates = space.candidates()
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, space.leaner)
+        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, space.leaner,
+                         space.grown)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -361,9 +365,10 @@ class _Search:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
-                 saves: list[int], candidates: list, optimizer, accumulate: bool, leaner=lambda plan: []):
+                 saves: list[int], candidates: list, optimizer, accumulate: bool, leaner=lambda plan: [],
+                 grown=lambda plan: []):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
-        self.saves, self.leaner = saves, leaner
+        self.saves, self.leaner, self.grown = saves, leaner, grown
         self.optimizer, self.accumulate = optimizer, accumulate
         self.annotated = False
         self.estimates: dict[int, Estimate] = {}
@@ -418,6 +423,7 @@ class _Search:
             unseen = [k for k in range(hi) if k not in self.estimates]
             unseen = sorted(set(unseen[:LOOK_BELOW // 2] + unseen[-(LOOK_BELOW // 2):]))
             hi = next((k for k in unseen if fits(k)), hi)
+        hi = self._grow(hi, fits)
         # Costs within the time model's resolution are a tie: the plan rerunning fewer matmul FLOPs wins
         chosen = self.candidates[hi]
         known = {tuple(p.segments) for p in self.candidates}
@@ -433,6 +439,22 @@ class _Search:
                         key=lambda k: (self.candidates[k].matmul_flops, self.candidates[k].recompute_cost))
         hi = next((k for k in leaner[:LOOK_LEAN] if fits(k)), hi)
         return self.candidates[hi], self.estimates[hi]
+
+    def _grow(self, hi: int, fits) -> int:
+        """The cheapest of the dearest plan over the target grown (candidates.PlanSpace.grown)
+        that fits and costs less than candidates[hi]; hi when none does."""
+        cost = self.candidates[hi].recompute_cost
+        over = [k for k in self.estimates if not fits(k) and self.candidates[k].recompute_cost < cost]
+        if not over:
+            return hi
+        known = {tuple(p.segments) for p in self.candidates}
+        grown = [p for p in self.grown(self.candidates[max(over, key=lambda k: self.candidates[k].recompute_cost)])
+                 if p.recompute_cost < cost and tuple(p.segments) not in known]
+        for plan in grown[:LOOK_GROWN]:
+            self.candidates.append(plan)
+            if fits(len(self.candidates) - 1):
+                return len(self.candidates) - 1
+        return hi
 
     def _decide(self, plan) -> None:
         """Per node: kept, recomputed, or in a segment but past where its rerun stops; noted on
