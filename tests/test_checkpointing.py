@@ -72,6 +72,37 @@ def test_state_writes_are_not_recomputed():
         checkpoint_segments(gm, [[count]])
 
 
+class PositionIds(torch.nn.Module):
+    """RoBERTa's position ids: an int32 mask's running count, `.long()`, plus the padding index."""
+
+    def __init__(self, cast_to=torch.int64):
+        super().__init__()
+        self.cast_to = cast_to
+        self.embed = torch.nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        mask = ids.ne(1).int()
+        position = (mask.cumsum(1).type_as(mask) * mask).to(self.cast_to)
+        position.add_(1)
+        return self.embed(position.long()).sum(-1)
+
+
+@pytest.mark.parametrize("cast_to", [torch.int64, torch.int32])
+def test_a_write_into_a_cast_is_recomputed_where_the_cast_copies(cast_to):
+    model, ids = PositionIds(cast_to), torch.tensor([[2, 3, 1, 4, 5], [6, 1, 1, 7, 8]])
+    gm = graphopt.trace(model, (ids,), {})
+    cast = next(n for n in gm.graph.nodes if n.target == "to")
+    body = [n for n in gm.graph.nodes if n.op != "placeholder" and n.op != "output"]
+    segment = body[body.index(cast):-1]  # from the cast: the mask it casts is made outside
+    if cast_to == torch.int32:  # a cast to the dtype it has returns its input: the write would reach it
+        with pytest.raises(ValueError, match="cannot be recomputed"):
+            checkpoint_segments(gm, [segment])
+        return
+    gm = checkpoint_segments(gm, [segment])
+    assert sum(isinstance(n.target, RecomputeSegment) for n in gm.graph.nodes) == 1
+    assert_same_step(model, gm, (ids,), {}, exact=True)
+
+
 def test_selective_segments_keep_matmul_outputs_and_give_exact_gradients():
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=2)
     full = graphopt.trace(model, args, kwargs)  # nothing recomputed

@@ -327,6 +327,7 @@ class Recompute(Pass):
         sel = search.sel if search is not None else [0] * len(nodes)
         written, _ = write_within(gm, nodes, plan, record_step(gm, inputs), sel)
         if written:
+            annotate(gm, inputs)  # the writes' storage, for the segments' check (rewrite._writes_inside)
             self._cut(gm, search, plan)
             after = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
             if after.peak_bytes <= estimate.peak_bytes:

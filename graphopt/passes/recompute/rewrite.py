@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from ... import ops
+from ...analysis.aliases import Aliases
 from ...analysis.effects import CALLS, may_draw, size_arithmetic, state_effect
 from ...analysis.segments import SegmentCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
@@ -58,9 +59,11 @@ def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     return why
 
 
-def _writes_inside(node: torch.fx.Node, gm: torch.fx.GraphModule, inside: set) -> bool:
+def _writes_inside(node: torch.fx.Node, gm: torch.fx.GraphModule, inside: set, aliases: Aliases) -> bool:
     """Whether node is an in-place elementwise op writing a tensor made in the segment `inside`,
-    through views of such a tensor at most."""
+    through views of such a tensor at most. An op that may return its input (a cast) made a
+    tensor of its own where the FakeTensor run says so: RoBERTa's position ids, `.long()` of an
+    int32 tensor, then `+ padding_idx` written in place."""
     op = ops.lookup(node, gm)
     bound = ops.bind(node, gm) if op is not None and op.inplace_of and op.kind == "elementwise" else None
     x = bound.operands[0] if bound is not None and bound.operands else None
@@ -69,8 +72,8 @@ def _writes_inside(node: torch.fx.Node, gm: torch.fx.GraphModule, inside: set) -
         if made is None:
             return False
         if made.inplace_of:  # its result is the storage it wrote: where that came from
-            return _writes_inside(x, gm, inside)
-        if not made.aliases:
+            return _writes_inside(x, gm, inside, aliases)
+        if not made.aliases or (aliases.complete and not set(aliases.sharing(x)) & set(x.all_input_nodes)):
             return True  # a fresh tensor
         x = x.all_input_nodes[0] if x.all_input_nodes else None
     return False
@@ -114,10 +117,10 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         nodes = [n for n in sorted(nodes, key=order.__getitem__) if n.op != "get_attr"]
         if not nodes:
             continue
-        inside = set(nodes)
+        inside, aliases = set(nodes), Aliases(gm)
         for n in nodes:
             why = recomputable(n, gm)
-            if why and not _writes_inside(n, gm, inside):
+            if why and not _writes_inside(n, gm, inside, aliases):
                 raise ValueError(f"node {n.name} cannot be recomputed: {why}")
         module, inputs, outputs = _segment_module(gm, nodes)
         inside, last = set(nodes), nodes[-1]
