@@ -84,7 +84,8 @@ def settled_check(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     one. Not for floating results (autocast, around the call, changes those), nor for tensors
     that read a parameter or buffer (`model.half()` changes those), nor for size or stride
     checks (a dynamic batch changes sizes)."""
-    if gm.meta.get("graphopt_frontend") != "export" or ops.lookup(node, gm).name != "assert_tensor_metadata":
+    op = ops.lookup(node, gm)
+    if gm.meta.get("graphopt_frontend") != "export" or op is None or op.name != "assert_tensor_metadata":
         return False
     bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
     asserted = bound.kwargs if bound is not None else {}
