@@ -16,7 +16,8 @@ Where plans come from:
   4. Next to a plan just over the budget (grown): each of its segments grown by a few nodes at
      one end. The solver's model can miss a plan by one node: transformers' BERT at its own
      checkpointing's peak, two per-layer segments over by 1.5%, fit with the second one node
-     longer (its output's dropout), for 12% less cost than the four-segment plan the search had.
+     longer (over its attention's output projection), for 12% less estimated cost than the
+     four-segment plan the search had.
 """
 from __future__ import annotations
 
