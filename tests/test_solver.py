@@ -2,13 +2,15 @@
 import itertools
 import random
 
+import pytest
+
 from graphopt.analysis.saved import SAVES_INPUTS, SAVES_NOTHING, SAVES_OWN
 from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, RecomputePlan, Segment, make_atoms, model_peak,
                                               rerun_cost, rerun_end, solve)
 
 
-def _segmentations(atoms):
-    """Every way to mark runs of recomputable atoms as checkpointed segments, full or selective."""
+def _segmentations(atoms, kinds=(FULL, SELECTIVE)):
+    """Every way to mark runs of recomputable atoms as checkpointed segments of the given kinds."""
     n = len(atoms)
 
     def rec(i):
@@ -22,8 +24,8 @@ def _segmentations(atoms):
                 if not atoms[j - 1].recomputable:
                     break
                 for rest in rec(j):
-                    yield [(i, j, FULL)] + rest
-                    yield [(i, j, SELECTIVE)] + rest
+                    for kind in kinds:
+                        yield [(i, j, kind)] + rest
 
     yield from rec(0)
 
@@ -40,15 +42,16 @@ def _cost(atoms, segments):
     return total
 
 
-def _brute(atoms, allowance):
+def _brute(atoms, allowance, kinds=(FULL, SELECTIVE)):
     """The least cost over every segmentation that the solver's cost model says fits."""
-    costs = [_cost(atoms, segs) for segs in _segmentations(atoms) if model_peak(atoms, segs) <= allowance]
+    costs = [_cost(atoms, segs) for segs in _segmentations(atoms, kinds) if model_peak(atoms, segs) <= allowance]
     return min(costs, default=None)
 
 
-def test_matches_brute_force_on_small_instances():
+@pytest.mark.parametrize("selective", [True, False])
+def test_matches_brute_force_on_small_instances(selective):
     rng = random.Random(0)
-    checked = selective = stopped_early = 0
+    checked = with_selective = stopped_early = 0
     for _ in range(300):
         n = rng.randint(2, 6)
         atoms = []
@@ -61,8 +64,8 @@ def test_matches_brute_force_on_small_instances():
                               lead_sel=None if lead is None else max(lead - sel_cost, 0), saves=rng.random() > 0.2))
         total = sum(a.kept for a in atoms)
         allowance = rng.randint(total // 2, total)
-        expected = _brute(atoms, allowance)
-        plan = solve(atoms, allowance, buckets=10**6)  # one-byte units: exact
+        expected = _brute(atoms, allowance, (FULL, SELECTIVE) if selective else (FULL,))
+        plan = solve(atoms, allowance, buckets=10**6, selective=selective)  # one-byte units: exact
         if expected is None:
             assert plan is None
             continue
@@ -72,9 +75,10 @@ def test_matches_brute_force_on_small_instances():
         assert plan.recompute_cost == expected == _cost(atoms, chosen), (atoms, allowance, plan)
         assert model_peak(atoms, chosen) <= allowance
         checked += 1
-        selective += any(s.selective for s in plan.segments)
+        with_selective += any(s.selective for s in plan.segments)
         stopped_early += _cost(atoms, chosen) < sum(atoms[k].cost for a, b, _ in chosen for k in range(a, b))
-    assert checked > 30 and selective > 5 and stopped_early > 5
+    assert checked > 30 and stopped_early > 5
+    assert with_selective > 5 if selective else with_selective == 0
 
 
 def test_rerun_stops_at_the_last_node_that_saves():
@@ -209,3 +213,27 @@ def test_growing_a_segment_keeps_to_nodes_that_may_run_twice_and_apart_from_the_
     found = [[(s.start, s.stop) for s in p.segments] for p in PlanSpace.grown(space, plan)]
     # node 8 may not run twice; a segment may end where the next one starts
     assert found == [[(1, 4), (5, 7)], [(2, 5), (5, 7)], [(2, 4), (4, 7)], [(2, 4), (5, 8)], [(0, 4), (5, 7)]]
+
+
+def test_candidates_hold_plans_of_full_segments_where_selective_ones_are_priced_lower():
+    from types import SimpleNamespace
+
+    from graphopt.passes.recompute.candidates import CANDIDATES, PlanSpace, _least_allowance
+    from graphopt.passes.recompute.solver import SegmentCost
+    n = 12
+    nodes = [SimpleNamespace(op="call_function", meta={}) for _ in range(n)]
+    matmul = [i % 2 == 0 for i in range(n)]  # a matmul, then what reads it
+    space = PlanSpace(nodes, [True] * n, kept=[100] * n, live_after=[100] * n, grads=[0] * n,
+                      cost=[50 if m else 10 for m in matmul], saves=[SAVES_OWN] * n,
+                      sel=[10 if m else 0 for m in matmul], ops=[1] * n, flops=[1000 if m else 0 for m in matmul],
+                      segment_cost=SegmentCost(fixed=5, per_selective_op=1))
+    atoms = space.views[0]
+    low, high = _least_allowance(atoms), model_peak(atoms, [])
+    allowances = [int(low * (high / low) ** (k / (CANDIDATES - 1))) for k in range(CANDIDATES)]
+
+    def proposed(selective):
+        return {tuple(p.segments) for p in (solve(atoms, a, segment_cost=space.segment_cost, selective=selective)
+                                            for a in allowances) if p is not None and p.segments}
+    only_full = proposed(False) - proposed(True)
+    assert only_full  # the solver, free to cut selective segments, never proposes these
+    assert only_full <= {tuple(p.segments) for p in space.candidates()}

@@ -9,15 +9,18 @@ batch norm or a 3x3 max pool is bound by its arithmetic on CPU, not by its bytes
 rank a plan that reruns two hundred small elementwise ops below one that reruns two matmuls;
 on the corpus's transformers the first is the slower step. A checkpointed segment adds a fixed
 cost (torch.utils.checkpoint's hooks, and its RNG state where the segment draws), and a
-selective one a cost per op (its policy runs as a dispatch mode on every op, in the forward and
-again in the rerun). The rates rank plans; they do not predict time.
+selective one a cost per aten call (its policy runs as a dispatch mode on every call below
+autograd, in the forward and again in the rerun: a batch norm that updates its statistics once
+is five calls, a linear on a 3-d input four; analysis/saved.py counts them). The rates rank
+plans; they do not predict time.
 
 On CPU the rates come from wall time measured on this project's 2-core machine: about 6 us
 per small elementwise op with autograd recording (5 taken), 1 us per view (1.5 taken); a
 checkpointed segment that reruns one op, forward and backward against no checkpoint, about
-115 us (110 taken); a selective segment against a full one of the same ops, 27 us per op on a
-chain of small elementwise ops and 51 us on DenseNet-121's (batch norms, concatenations of
-many tensors; 50 taken); 13 GB/s for ReLU and concatenation over timm DenseNet-121's
+115 us (110 taken); a selective segment whose policy keeps nothing against a full one of the
+same ops, 15 to 19 us per aten call on the segments of DenseNet-121's plan (4.4 calls per
+graph node there) and 16 us on a chain of small elementwise ops (20 taken; on a chain of
+64K-element ones, 41 us); 13 GB/s for ReLU and concatenation over timm DenseNet-121's
 activations, 3.4 GFLOP/s for its training-mode batch norms (five FLOPs per element,
 ops/flops.py); its convolutions' FLOPs at 1e11 per second came within 10% and 20% of their
 measured time in two runs. On CUDA the FLOP rates and bandwidth are round figures (an H100
@@ -53,12 +56,12 @@ class Rates:
     op_s: float         # dispatching one op that computes
     view_s: float       # one view or metadata op
     segment_s: float    # one checkpointed segment, forward and rerun
-    policy_op_s: float  # each op of a selective segment, through its policy's dispatch mode
+    policy_op_s: float  # each aten call in a selective segment, through its policy's dispatch mode
 
 
 RATES = {
-    "cpu": Rates(flops_per_s=1e11, vector_flops_per_s=3.4e9, bytes_per_s=1.3e10, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=5e-5),
-    "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=5e-5),
+    "cpu": Rates(flops_per_s=1e11, vector_flops_per_s=3.4e9, bytes_per_s=1.3e10, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=4e-5),
+    "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=4e-5),
 }
 
 

@@ -23,6 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from .aliases import storage_key
 from .fake_state import fake_run
@@ -52,6 +53,7 @@ class StepFacts:
     segments: dict[str, "StepFacts"]             # recompute segment -> facts of its own forward
     policy_bytes: dict[str, int]                 # node -> bytes a selective segment keeps of it
     policy_storages: set[int]                    # the storages those bytes are
+    policy_calls: dict[str, int]                 # node -> aten calls a selective segment's policy sees
     # nodes whose output is a view autograd tracks: a write into one makes autograd rebase its
     # base's history (CopySlices), whose backward copies the base's whole gradient
     tracked_views: set[str] = field(default_factory=set)
@@ -125,6 +127,7 @@ class _Recorder(torch.fx.Interpreter):
         self.grad_bytes: dict[str, int] = {}
         self.segments: dict[str, StepFacts] = {}
         self.policy_outputs: dict[str, dict[int, torch.Tensor]] = {}
+        self.policy_calls: dict[str, int] = {}
         self.policy_mode: _PolicyOutputs | None = None
         self.tracked_views: set[str] = set()
 
@@ -181,7 +184,7 @@ class _Recorder(torch.fx.Interpreter):
                         for name, outputs in self.policy_outputs.items()}
         policy_storages = {key for outputs in self.policy_outputs.values() for key in outputs}
         return StepFacts(self.storages, self.owner, saved, self.grad_bytes, self.segments, policy_bytes,
-                         policy_storages, self.tracked_views)
+                         policy_storages, dict(self.policy_calls), self.tracked_views)
 
     def pack(self, t: torch.Tensor):
         if t.device.type == "meta" and not isinstance(t, FakeTensor):
@@ -196,7 +199,9 @@ class _Recorder(torch.fx.Interpreter):
 
 
 class _PolicyOutputs(TorchDispatchMode):
-    """Collects, per graph node, the outputs of the kernels a selective checkpoint keeps."""
+    """Collects, per graph node, the outputs of the kernels a selective checkpoint keeps, and
+    counts the calls its policy sees: every op below autograd but the metadata queries
+    checkpoint leaves alone (a batch norm written in Python is several calls)."""
 
     def __init__(self, recorder: _Recorder):
         super().__init__()
@@ -205,7 +210,10 @@ class _PolicyOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         node = self.recorder.current
-        if node is not None and not isinstance(node.target, SegmentCall) and keeps_output(func):
+        if node is None or isinstance(node.target, SegmentCall) or func in SAC_IGNORED_OPS:
+            return out
+        self.recorder.policy_calls[node.name] = self.recorder.policy_calls.get(node.name, 0) + 1
+        if keeps_output(func):
             kept = self.recorder.policy_outputs.setdefault(node.name, {})
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):

@@ -9,7 +9,13 @@ Where plans come from:
      to what needs no recompute, under two views of the cost: the rerun as it runs, and every
      node rerun. The solver's memory model is not the estimate: plans it holds equal in memory
      can differ by a tenth in the estimate, so where one view ranks a plan that does not fit
-     first, the other's may fit (transformers' Llama at its own checkpointing's peak).
+     first, the other's may fit (transformers' Llama at its own checkpointing's peak). And
+     with full segments only, under the first view: a selective segment's price is the least
+     certain part of the cost (its policy's dispatch, the FLOP rate of the matmuls it keeps),
+     and where it is priced a little low the solver fills every allowance with selective plans.
+     On timm's DenseNet-121 at its own checkpointing's peak, a plan of 26 full segments, the
+     cheapest that fits by the price as well, was never proposed: the search took 6 segments,
+     5 of them selective, priced 17% dearer.
   2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them.
   3. Near a chosen plan's allowance (leaner), the solver with a matmul's rerun priced as the
      whole step: plans that rerun as few matmul FLOPs as the memory allows.
@@ -39,7 +45,8 @@ class PlanSpace:
     """Per node in graph order (recompute_pass._node_facts): the node, whether it may run twice,
     the bytes it keeps for backward and those live after it, the parameter gradients its backward
     makes first, its recompute cost, when it saves (analysis/saved.save_points), what a selective
-    segment keeps of it (bytes), the ops it dispatches and its FLOPs; what a segment costs."""
+    segment keeps of it (bytes), the aten calls a selective segment's policy sees in it
+    (analysis/saved.StepFacts.policy_calls) and its FLOPs; what a segment costs."""
 
     nodes: list[torch.fx.Node]
     ok: list[bool]
@@ -77,13 +84,14 @@ class PlanSpace:
     def candidates(self) -> list[RecomputePlan]:
         """Steps 1 and 2: the distinct plans by increasing cost (and so, roughly, decreasing peak)."""
         plans = {}
-        for atoms in self.views[:2]:
+        for atoms, kinds in ((self.views[0], (True, False)), (self.views[1], (True,))):
             low, high = _least_allowance(atoms), model_peak(atoms, [])
-            for k in range(CANDIDATES):
-                allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
-                plan = solve(atoms, allowance, segment_cost=self.segment_cost)
-                if plan is not None and plan.segments and tuple(plan.segments) not in plans:
-                    plans[tuple(plan.segments)] = self.priced(plan.segments, plan.predicted_peak)
+            for selective in kinds:
+                for k in range(CANDIDATES):
+                    allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
+                    plan = solve(atoms, allowance, segment_cost=self.segment_cost, selective=selective)
+                    if plan is not None and plan.segments and tuple(plan.segments) not in plans:
+                        plans[tuple(plan.segments)] = self.priced(plan.segments, plan.predicted_peak)
         for plan in self.blocks:
             plans.setdefault(tuple(plan.segments), plan)
         return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))

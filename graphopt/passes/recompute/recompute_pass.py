@@ -49,7 +49,7 @@ import torch
 import torch.fx
 
 from ... import ops
-from ...analysis.cost import STEP_FORWARDS, dispatches, forward_costs, node_times, rates
+from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
 from ...analysis.memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
 from ...analysis.meta import graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
@@ -251,7 +251,7 @@ class Recompute(Pass):
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
         space = PlanSpace(nodes, ok, kept, live_after, grads, cost, saves, sel,
-                          [dispatches(n, gm) for n in nodes], flops, SegmentCost(round(r.segment_s * 1e9),
+                          [facts.policy_calls.get(n.name, 0) for n in nodes], flops, SegmentCost(round(r.segment_s * 1e9),
                                                                                  round(r.policy_op_s * 1e9)))
         # Step 3
         candidates = space.candidates()

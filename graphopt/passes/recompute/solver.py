@@ -71,7 +71,7 @@ class Atom:
     sel_cost: int = 0   # cost of those outputs' nodes, which a selective checkpoint does not rerun
     grads: int = 0      # parameter gradients alive when its backward runs (made by it or later atoms)
     out: int = 0        # bytes live across its end: the gradient flowing into its backward is as large
-    ops: int = 0        # ops it dispatches
+    ops: int = 0        # aten calls a selective segment's policy sees in it
     lead: int | None = None      # rerun cost when the segment's last saving node is in it: its nodes up
                                  # to that point (rerun_end); None: its whole cost
     lead_sel: int | None = None  # the same less what a selective checkpoint keeps
@@ -88,7 +88,7 @@ class Atom:
 class SegmentCost:
     """What a checkpointed segment costs beyond rerunning its nodes."""
     fixed: int = 0             # per segment
-    per_selective_op: int = 0  # per op of a selective segment
+    per_selective_op: int = 0  # per aten call a selective segment's policy sees
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def make_atoms(kept: list[int], live_after: list[int], cost: list[int], recomput
     sel[i], sel_cost[i]: output bytes and cost of node i when a selective checkpoint keeps it;
     param_grads[i]: bytes of the parameter gradients node i's backward makes first;
     boundaries: node indices where an atom starts, besides those chosen here (blocks' starts);
-    ops[i]: 1 when node i dispatches an op; saves[i]: node i's save point (rerun_end), None
+    ops[i]: the aten calls node i makes, each of which a selective segment's policy sees; saves[i]: node i's save point (rerun_end), None
     for a rerun that runs every node."""
     n = len(kept)
     sel, sel_cost = sel or [0] * n, sel_cost or [0] * n
@@ -184,8 +184,10 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
     return max(peak, held)
 
 
-def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost()) -> RecomputePlan | None:
-    """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does."""
+def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost(),
+          selective: bool = True) -> RecomputePlan | None:
+    """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does.
+    selective False: full segments only."""
     as_is = model_peak(atoms, [])
     if as_is <= allowance:
         return RecomputePlan([], 0, as_is)
@@ -234,7 +236,7 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
                 break
             _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept + grads),
                    rerun + segment_cost.fixed, (i, FULL))
-            if sel:
+            if sel and selective:
                 _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept + grads),
                        rerun_sel + segment_cost.fixed + segment_cost.per_selective_op * n_ops, (i, SELECTIVE))
     # Step 3
