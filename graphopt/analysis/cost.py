@@ -18,9 +18,9 @@ On CPU the rates come from wall time measured on this project's 2-core machine: 
 per small elementwise op with autograd recording (5 taken), 1 us per view (1.5 taken); a
 checkpointed segment that reruns one op, forward and backward against no checkpoint, about
 115 us (110 taken); a selective segment whose policy keeps nothing against a full one of the
-same ops, 15 to 19 us per aten call on the segments of DenseNet-121's plan (4.4 calls per
-graph node there) and 16 us on a chain of small elementwise ops (20 taken; on a chain of
-64K-element ones, 41 us); 13 GB/s for ReLU and concatenation over timm DenseNet-121's
+same ops, 34 to 60 us per aten call on the seven selective segments of DenseNet-121's plan
+(about two calls per graph node), 16 us on a chain of 1K-element elementwise ops and 41 us on
+one of 64K-element ones (40 taken); 13 GB/s for ReLU and concatenation over timm DenseNet-121's
 activations, 3.4 GFLOP/s for its training-mode batch norms (five FLOPs per element,
 ops/flops.py); its convolutions' FLOPs at 1e11 per second came within 10% and 20% of their
 measured time in two runs. On CUDA the FLOP rates and bandwidth are round figures (an H100
