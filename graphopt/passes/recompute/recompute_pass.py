@@ -72,8 +72,9 @@ from .solver import SegmentCost, rerun_end
 # the model's width, and a GPU's largest) wins, unless it is the dearer and cuts more segments: a
 # segment's own cost (its hooks, its rerun's dispatch) is what the time model knows least. On this
 # project's CPU: Llama's plan with 15% fewer matmul FLOPs, 9% dearer, steps 13% slower; Phi's
-# with 4 segments for the cheapest's 2, 4% dearer, 5% slower; DenseNet-121's, with 22 segments
-# for 7 and no convolution rerun, is also the cheaper, and wins.
+# with 4 segments for the cheapest's 2, 4% dearer, 5% slower. A leaner plan that is also the
+# cheaper wins whatever its segments (DenseNet-121's, when selective segments were priced per
+# graph node: 22 segments for 7, no convolution rerun).
 TIME_RESOLUTION = 0.05
 LOOK_BELOW = 16   # cheaper candidates the bisection did not look at, checked after it
 LOOK_LEAN = 3     # leaner plans checked against the budget
