@@ -11,7 +11,7 @@ on the corpus's transformers the first is the slower step. A checkpointed segmen
 cost (torch.utils.checkpoint's hooks, and its RNG state where the segment draws), and a
 selective one a cost per aten call (its policy runs as a dispatch mode on every call below
 autograd, in the forward and again in the rerun: a batch norm that updates its statistics once
-is five calls, a linear on a 3-d input four; analysis/saved.py counts them). The rates rank
+is six calls, a linear on a 3-d input four; analysis/saved.py counts them). The rates rank
 plans; they do not predict time.
 
 On CPU the rates come from wall time measured on this project's 2-core machine: about 6 us

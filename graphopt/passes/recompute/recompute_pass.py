@@ -251,9 +251,9 @@ class Recompute(Pass):
         cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings["profile"] else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
-        space = PlanSpace(nodes, ok, kept, live_after, grads, cost, saves, sel,
-                          [facts.policy_calls.get(n.name, 0) for n in nodes], flops, SegmentCost(round(r.segment_s * 1e9),
-                                                                                 round(r.policy_op_s * 1e9)))
+        policy_calls = [facts.policy_calls.get(n.name, 0) for n in nodes]
+        space = PlanSpace(nodes, ok, kept, live_after, grads, cost, saves, sel, policy_calls, flops,
+                          SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9)))
         # Step 3
         candidates = space.candidates()
         if not candidates:  # nothing may be recomputed: the step as it is is the least
