@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def sweep_model(name: str, points: int, device: str) -> dict:
     import graphopt
-    from corpus.memory import memory_case, optimized_point, own_checkpointing, user_step, user_step_peak
+    from corpus.memory import memory_case, optimized_point, own_checkpointing, step_flops, user_step, user_step_peak
     from graphopt.runtime.step import step_seconds
     from graphopt.analysis.memory import GB
 
@@ -77,18 +77,6 @@ def sweep_model(name: str, points: int, device: str) -> dict:
                    "recompute_gflops": round((own_flops - eager_flops) / 1e9, 4), "recomputed": "", "refused": ""}
         rows += [at_own, own_row]
     return {"name": name, "eager_peak": eager_peak, "least": least, "rows": rows, "own": own_row}
-
-
-def step_flops(module, case) -> int:
-    """Matmul and convolution FLOPs of one user step (torch.utils.flop_counter): the step's
-    FLOPs less eager's are what recompute adds."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        case.loss(module(*case.args, **case.kwargs)).backward()
-    for p in case.model.parameters():
-        p.grad = None
-    return counter.get_total_flops()
 
 
 def _to(value, device):

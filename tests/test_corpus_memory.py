@@ -105,3 +105,19 @@ def test_roberta_holds_its_least_budget():
     refused, _ = optimized_point(case, "none", 1)
     point, opt = optimized_point(case, "least", refused.least)
     assert opt is not None and not point_problems(point), point
+
+
+def test_densenet_at_its_own_checkpointings_peak_reruns_no_convolution():
+    # timm's DenseNet checkpoints each dense layer's concatenation, norm1 and conv1: the rerun
+    # stops before conv1 (a convolution saves only its input). graphopt's block plans once lost
+    # every dense layer (the BatchNorms' num_batches_tracked writes, hoisted to the top, counted
+    # among a layer's nodes), and at that budget its plan reran 0.56 GFLOPs of convolutions.
+    from corpus.memory import optimized_point, own_checkpointing, own_checkpointing_peak, step_flops
+
+    case = memory_case("timm_densenet121")
+    _, own_peak = own_checkpointing_peak(case)
+    with own_checkpointing(case.model):
+        own_flops = step_flops(case.model, case)
+    point, opt = optimized_point(case, "own", own_peak)
+    assert opt is not None and point.measured <= own_peak
+    assert step_flops(opt, case) <= own_flops

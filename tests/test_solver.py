@@ -237,3 +237,21 @@ def test_candidates_hold_plans_of_full_segments_where_selective_ones_are_priced_
     only_full = proposed(False) - proposed(True)
     assert only_full  # the solver, free to cut selective segments, never proposes these
     assert only_full <= {tuple(p.segments) for p in space.candidates()}
+
+
+def test_block_plans_keep_blocks_whose_state_writes_moved_and_cut_them_after_their_first_matmul():
+    from types import SimpleNamespace
+
+    from graphopt.passes.recompute.candidates import block_plans
+
+    def node(block):
+        return SimpleNamespace(op="call_function", meta={"nn_module_stack": {block: (block, None)}})
+    # each block's BatchNorm counter write, moved to the top (it cannot run twice), then per
+    # block: a concatenation, a norm, its activation, a convolution, what reads it
+    nodes = [node("layers.0"), node("layers.1")] + [node(f"layers.{b}") for b in (0, 1) for _ in range(5)]
+    ok = [False, False] + [True] * 10
+    sel = [0, 0] + [0, 0, 0, 8, 0] * 2
+    plans = block_plans(nodes, ok, [1] * 12, sel, lambda segs: RecomputePlan(segs, 0, 0, 0))
+    found = [[(s.start, s.stop) for s in p.segments] for p in plans]
+    assert [(2, 7), (7, 12)] in found  # the blocks whole
+    assert [(2, 6), (7, 11)] in found  # up to and with each one's first matmul

@@ -49,6 +49,17 @@ def user_step(module: torch.nn.Module, case: Case, context=contextlib.nullcontex
     return step
 
 
+def step_flops(module, case) -> int:
+    """Matmul and convolution FLOPs of one user step (torch.utils.flop_counter): the step's
+    FLOPs less eager's are what recompute adds."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        case.loss(module(*case.args, **case.kwargs)).backward()
+    clear_grads(case.model)
+    return counter.get_total_flops()
+
+
 @contextlib.contextmanager
 def own_checkpointing(model: torch.nn.Module):
     """The model's own one-line checkpointing, on while the context is open: transformers'

@@ -16,7 +16,8 @@ Where plans come from:
      On timm's DenseNet-121 at its own checkpointing's peak, a plan of 26 full segments, the
      cheapest that fits by the price as well, was never proposed: the search took 6 segments,
      5 of them selective, priced 17% dearer.
-  2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them.
+  2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them,
+     and cut after their first matmul, as timm's DenseNet checkpoints its dense layers.
   3. Near a chosen plan's allowance (leaner), the solver with a matmul's rerun priced as the
      whole step: plans that rerun as few matmul FLOPs as the memory allows.
   4. Next to a plan just over the budget (grown): each of its segments grown by a few nodes at
@@ -65,7 +66,7 @@ class PlanSpace:
     def __post_init__(self):
         self.sel_cost = [c if b else 0 for c, b in zip(self.cost, self.sel)]
         self.matmul_flops = [f if b else 0 for f, b in zip(self.flops, self.sel)]  # what a selective segment keeps
-        self.blocks = block_plans(self.nodes, self.ok, self.live_after, self.priced)
+        self.blocks = block_plans(self.nodes, self.ok, self.live_after, self.sel, self.priced)
         bounds = {k for p in self.blocks for s in p.segments for k in (s.start, s.stop)}
         heavy = [c + (sum(self.cost) if m else 0) for c, m in zip(self.cost, self.matmul_flops)]
         self.views = [make_atoms(self.kept, self.live_after, c, self.ok, self.sel, [x if b else 0 for x, b in zip(c, self.sel)],
@@ -129,16 +130,23 @@ def _least_allowance(atoms) -> int:
     return hi
 
 
-def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int], priced) -> list[RecomputePlan]:
+def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int], sel: list[int],
+                priced) -> list[RecomputePlan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`; `layer2`,
     `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block
-    whose nodes are not contiguous, or hold one that cannot run twice, is left out. The solver's model ranks these plans less well than it ranks its own,
-    and a one-line plan is the baseline a user compares with."""
+    whose nodes are not contiguous, or hold one that cannot run twice, is left out; its state
+    writes, which run once wherever they are (BatchNorm's num_batches_tracked, moved to the top:
+    recompute_pass._hoist_state_writes), are not among its nodes. The solver's model ranks these
+    plans less well than it ranks its own, and a one-line plan is the baseline a user compares
+    with. Each plan also with its blocks cut after their first matmul: that matmul saves only its
+    input, so the rerun stops before it and reruns no matmul, while the block's first values (a
+    concatenation, a norm and its activation) are not kept, as timm's DenseNet checkpoints each
+    dense layer's concatenation, norm1 and conv1."""
     levels: dict[object, dict[str, list[int]]] = {}  # by depth, numbered by index or by name
     for i, n in enumerate(nodes):
-        if not n.op.startswith("call"):
+        if not n.op.startswith("call") or not ok[i]:
             continue
         for entry in (n.meta.get("nn_module_stack") or {}).values():
             path = entry[0] if isinstance(entry, tuple) else str(entry)
@@ -169,13 +177,22 @@ def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int
                 between.append(Segment(start, k, False))
                 start = None
         variants = [segments, sorted(segments + between, key=lambda seg: seg.start)]
+        variants += [[cut for seg in chosen for cut in _to_first_matmul(seg, sel)] for chosen in variants]
         # The first blocks' backward runs last, when every parameter gradient is alive: their
         # rerun can set the peak. Halving them at their cheapest inner cut lowers it.
         for k in range(1, min(3, len(segments)) + 1):
             variants.append([half for seg in segments[:k] for half in _halves(seg, live_after)] + segments[k:])
         for chosen in variants:
-            plans.append(priced(chosen))
+            if chosen:
+                plans.append(priced(chosen))
     return plans
+
+
+def _to_first_matmul(seg: Segment, sel: list[int]) -> list[Segment]:
+    """seg up to and with its first matmul (what a selective segment keeps: sel), where
+    something runs before it; none otherwise."""
+    first = next((i for i in range(seg.start, seg.stop) if sel[i]), None)
+    return [Segment(seg.start, first + 1, False)] if first is not None and first > seg.start else []
 
 
 def _halves(seg: Segment, live_after: list[int]) -> list[Segment]:
