@@ -135,10 +135,10 @@ def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`; `layer2`,
-    `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block
-    whose nodes are not contiguous, or hold one that cannot run twice, is left out; its state
-    writes, which run once wherever they are (BatchNorm's num_batches_tracked, moved to the top:
-    recompute_pass._hoist_state_writes), are not among its nodes. The solver's model ranks these
+    `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block's
+    nodes are those that may run twice: a state write runs once wherever it is (BatchNorm's
+    num_batches_tracked, moved to the top: recompute_pass._hoist_state_writes). A block whose
+    nodes are not contiguous, or hold between them one that cannot run twice, is left out. The solver's model ranks these
     plans less well than it ranks its own, and a one-line plan is the baseline a user compares
     with. Each plan also with its blocks cut after their first matmul: that matmul saves only its
     input, so the rerun stops before it and reruns no matmul, while the block's first values (a
