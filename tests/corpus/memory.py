@@ -98,6 +98,8 @@ class Point:
     refused: str = ""            # the BudgetError, when the budget was refused
     least: int | None = None     # the least budget the BudgetError names
     recomputed: int = 0          # nodes
+    flops: int | None = None      # matmul and convolution FLOPs of the step, at own's peak
+    own_flops: int | None = None  # the same, of the step with the model's own checkpointing
 
     @property
     def error(self) -> float | None:
@@ -121,31 +123,34 @@ def optimized_point(case: Case, label: str, budget: int | None, frontend: str = 
     return Point(label, budget, predicted, user_step_peak(opt, case), recomputed=recomputed), opt
 
 
-def own_checkpointing_peak(case: Case) -> tuple[str | None, int | None]:
-    """(its name, the measured peak of the user's step with it) or (None, None)."""
-    with own_checkpointing(case.model) as name:
-        return (name, user_step_peak(case.model, case)) if name else (None, None)
-
-
-def memory_points(case: Case, fractions=FRACTIONS, own: bool = True, frontend: str = "auto") -> list[Point]:
+def memory_points(case: Case, fractions=FRACTIONS, own: bool = True, frontend: str = "auto",
+                  flops: bool = False) -> list[Point]:
     """No recompute, then budgets of parameters + gradients + f of the rest of the predicted
-    step, then the measured peak of the model's own checkpointing."""
+    step, then the measured peak of the model's own checkpointing (and, with flops, the FLOPs
+    of both steps at that peak)."""
     first, plain = optimized_point(case, "no recompute", None, frontend)
     points = [first]
     estimate = estimate_peak(plain, placeholder_values(plain, case.args, case.kwargs))
     budgets = [(f"f={f}", int(budget_at(estimate, f) * GB)) for f in fractions]
-    if own:
-        name, peak = own_checkpointing_peak(case)
-        if name:
-            budgets.append((f"own: {name}", peak))
     points += [optimized_point(case, label, budget, frontend)[0] for label, budget in budgets]
+    if own:
+        with own_checkpointing(case.model) as name:
+            if name:
+                own_peak = user_step_peak(case.model, case)
+                own_flops = step_flops(case.model, case) if flops else None
+        if name:
+            point, opt = optimized_point(case, f"own: {name}", own_peak, frontend)
+            if flops and opt is not None:
+                point.flops, point.own_flops = step_flops(opt, case), own_flops
+            points.append(point)
     return points
 
 
 def point_problems(point: Point) -> list[str]:
     """What breaks the memory promise at one point: a fitted plan over its budget, an estimate
     off by more than WITHIN or under by more than UNDER, a refusal whose least budget is not
-    above the budget asked for, or of the budget the model's own checkpointing meets."""
+    above the budget asked for, or of the budget the model's own checkpointing meets; at that
+    budget, a step that runs more matmul and convolution FLOPs than own's."""
     problems = []
     if point.refused:
         if point.least is None or point.least <= point.budget:
@@ -159,4 +164,7 @@ def point_problems(point: Point) -> list[str]:
     if abs(point.error) > WITHIN or point.error < -UNDER:
         problems.append(f"{point.label}: predicted {point.predicted} vs measured {point.measured} "
                         f"({100 * point.error:+.2f}%)")
+    if point.flops is not None and point.flops > point.own_flops:
+        problems.append(f"{point.label}: the step runs {point.flops} matmul and convolution FLOPs, "
+                        f"more than own checkpointing's {point.own_flops}")
     return problems
