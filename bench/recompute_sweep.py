@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def sweep_model(name: str, points: int, device: str) -> dict:
     import graphopt
-    from corpus.memory import memory_case, optimized_point, own_checkpointing, step_flops, user_step, user_step_peak
+    from corpus.memory import (memory_case, optimized_point, own_checkpointing, own_checkpointing_step, step_flops,
+                               user_step, user_step_peak)
     from graphopt.runtime.step import step_seconds
     from graphopt.analysis.memory import GB
 
@@ -59,10 +60,7 @@ def sweep_model(name: str, points: int, device: str) -> dict:
     budgets = [int(least + (eager_peak - least) * k / (points - 1)) for k in range(points)]
     for k, budget in enumerate(budgets):
         rows.append(row("graphopt", *optimized_point(case, f"{k}", budget)))
-    with own_checkpointing(case.model) as own:
-        own_peak = user_step_peak(case.model, case) if own else None
-        if own:
-            own_flops = step_flops(case.model, case)
+    own, own_peak, own_flops = own_checkpointing_step(case)
     own_row = None
     if own:
         point, opt = optimized_point(case, "at own", own_peak)

@@ -98,8 +98,8 @@ class Point:
     refused: str = ""            # the BudgetError, when the budget was refused
     least: int | None = None     # the least budget the BudgetError names
     recomputed: int = 0          # nodes
-    flops: int | None = None      # matmul and convolution FLOPs of the step, at own's peak
-    own_flops: int | None = None  # the same, of the step with the model's own checkpointing
+    flops: int | None = None     # matmul and convolution FLOPs of the step, at own's peak
+    own_flops: int | None = None # the same, of the step with the model's own checkpointing
 
     @property
     def error(self) -> float | None:
@@ -123,6 +123,15 @@ def optimized_point(case: Case, label: str, budget: int | None, frontend: str = 
     return Point(label, budget, predicted, user_step_peak(opt, case), recomputed=recomputed), opt
 
 
+def own_checkpointing_step(case: Case, flops: bool = True) -> tuple[str | None, int | None, int | None]:
+    """The user's step with the model's own checkpointing on: (its name, measured peak, matmul and
+    convolution FLOPs, or None without flops); (None, None, None) for a model without one."""
+    with own_checkpointing(case.model) as name:
+        if not name:
+            return None, None, None
+        return name, user_step_peak(case.model, case), step_flops(case.model, case) if flops else None
+
+
 def memory_points(case: Case, fractions=FRACTIONS, own: bool = True, frontend: str = "auto",
                   flops: bool = False) -> list[Point]:
     """No recompute, then budgets of parameters + gradients + f of the rest of the predicted
@@ -134,10 +143,7 @@ def memory_points(case: Case, fractions=FRACTIONS, own: bool = True, frontend: s
     budgets = [(f"f={f}", int(budget_at(estimate, f) * GB)) for f in fractions]
     points += [optimized_point(case, label, budget, frontend)[0] for label, budget in budgets]
     if own:
-        with own_checkpointing(case.model) as name:
-            if name:
-                own_peak = user_step_peak(case.model, case)
-                own_flops = step_flops(case.model, case) if flops else None
+        name, own_peak, own_flops = own_checkpointing_step(case, flops)
         if name:
             point, opt = optimized_point(case, f"own: {name}", own_peak, frontend)
             if flops and opt is not None:
