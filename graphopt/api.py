@@ -11,6 +11,7 @@ import torch.fx
 from . import passes as passes_pkg
 from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
+from .input_aliases import WriteAliasCheck, distinct
 from .lazy import LazyOptimized
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
@@ -139,7 +140,8 @@ def optimize(
 
 def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir):
     """Trace `model` in its current mode and run `pipeline` over it."""
-    args, kwargs = check_inputs(model, example_inputs, example_kwargs)
+    given = check_inputs(model, example_inputs, example_kwargs)
+    args, kwargs = distinct(*given)  # what the passes plan for is what the frontend traced
     rows = batch_rows(args, kwargs)
     microbatches = next((m for m in (p.microbatches_of(rows) for p in pipeline) if m), None)
     batch = args, kwargs
@@ -147,6 +149,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         args, kwargs = first_microbatch(args, kwargs, microbatches)
     start = time.perf_counter()
     gm = trace(model, args, kwargs, frontend=frontend)
+    writes = WriteAliasCheck(model, gm, gm.meta["graphopt_written_inputs"])
+    writes.check(gm, *given, "the example")
     if microbatches and gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is None \
             and not splits_evenly(*batch, microbatches):
         raise UsageError(
@@ -166,6 +170,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         dumper.svg(gm)
     install_mode_guard(gm, model.training)
     install_call_guard(gm, model)
+    if writes.written:
+        gm.register_forward_pre_hook(writes, with_kwargs=True)
     refuse_pickling(gm)
     if microbatches:
         # called with the example batch, the staged graph runs its microbatches as PipelineRunner would

@@ -28,6 +28,7 @@ from .analysis import meta
 from .analysis.fake_state import fake_run
 from .errors import TraceError, UsageError
 from .fx_state import StateWatch, Unreplayable, check_write_backs
+from .input_aliases import distinct
 
 FRONTENDS = ("auto", "fx", "export")
 
@@ -212,12 +213,17 @@ class _Annotator(FakeTensorProp):
         return result
 
 
-def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> None:
-    """Record a TensorInfo on every node by running the graph on FakeTensors."""
+def annotate(gm: torch.fx.GraphModule, flat_inputs: list) -> list[str]:
+    """Record a TensorInfo on every node by running the graph on FakeTensors; return the
+    placeholders the run wrote in place (their fakes' version counters moved), the model's
+    own writes into its arguments, measured whatever op makes them."""
     for node in gm.graph.nodes:
         node.meta.pop(meta.ANNOTATED, None)
     with fake_run(gm, flat_inputs) as (mode, fake_inputs), torch.enable_grad():
+        versions = [t._version if isinstance(t, torch.Tensor) else None for t in fake_inputs]
         _Annotator(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return [name for name, t, v in zip(placeholders, fake_inputs, versions) if v is not None and t._version != v]
 
 
 _FRONTENDS = {"fx": _trace_fx, "export": _trace_export}
@@ -232,19 +238,21 @@ def trace(
     """Capture `model` as a GraphModule whose nodes carry shape, dtype, device, stride and bytes.
 
     The GraphModule shares the model's Parameters and buffers and takes the same arguments.
+    Inputs that share storage are traced as distinct tensors (input_aliases.py); the graph's
+    meta["graphopt_written_inputs"] names the placeholders the model writes in place.
     Raises TraceError with each frontend's reason when none can capture the model.
     """
     if frontend not in FRONTENDS:
         from .errors import OptionError
 
         raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
-    args, kwargs = check_inputs(model, example_inputs, example_kwargs)
+    args, kwargs = distinct(*check_inputs(model, example_inputs, example_kwargs))
     order = ("fx", "export") if frontend == "auto" else (frontend,)
     reasons: dict[str, str] = {}
     for name in order:
         try:
             gm = _FRONTENDS[name](model, args, kwargs)
-            annotate(gm, placeholder_values(gm, args, kwargs))
+            written = annotate(gm, placeholder_values(gm, args, kwargs))
             check_write_backs(gm)
         except Exception as e:  # each frontend's failure is reported, the next one tried
             reasons[name] = str(e) if isinstance(e, TraceError) else _first_line(e)
@@ -253,6 +261,7 @@ def trace(
             continue
         gm.meta["graphopt_frontend"] = name
         gm.meta["graphopt_training"] = model.training
+        gm.meta["graphopt_written_inputs"] = written
         return gm
     raise TraceError(
         f"graphopt could not trace {type(model).__name__} with the given example inputs "

@@ -2,7 +2,9 @@
 
 Both run on the same inputs from the same RNG seed (so dropout draws the same mask),
 forward and, in training, backward with the same random cotangents. Gradients and
-buffers are restored afterwards: verifying never changes the user's model.
+buffers are restored afterwards: verifying never changes the user's model. verify=True holds
+each pass's graph to eager on the example and on a second batch drawn apart from it
+(second_batch.py), one `Reference` each.
 """
 from __future__ import annotations
 
@@ -135,3 +137,29 @@ def autocast_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: 
     the yardstick of a graph computing in half precision."""
     with torch.autocast(device_type=device, dtype=dtype):
         return run_step(module, args, kwargs, train=train, seed=seed)
+
+
+class Reference:
+    """What a rewritten graph is held to on one batch: eager's step, and, only where the graph is
+    further from it than its dtype's tolerance, float64's step (float32 graphs: no further from
+    float64 than eager is passes) or torch.autocast's (half precision: within tolerance of
+    autocast, or no further from float32 than autocast is, passes)."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, label: str):
+        self.model, self.args, self.kwargs, self.train, self.label = model, args, kwargs, train, label
+        self.eager = run_step(model, args, kwargs, train=train, seed=0)
+        self._truth = self._autocast = None
+
+    def errors(self, gm: torch.nn.Module, dtype: torch.dtype, device: str) -> Errors:
+        got = run_step(gm, self.args, self.kwargs, train=self.train, seed=0)
+        errors = compare(self.eager, got)
+        if errors.within(dtype):
+            return errors
+        if dtype == torch.float32:
+            if self._truth is None:
+                self._truth = float64_step(self.model, self.args, self.kwargs, train=self.train, seed=0)
+            return compare(self.eager, got, self._truth, TOLERANCE[dtype])
+        if self._autocast is None:
+            self._autocast = autocast_step(self.model, self.args, self.kwargs, train=self.train, seed=0,
+                                           device=device, dtype=dtype)
+        return compare(self._autocast, got, self.eager, TOLERANCE[dtype])

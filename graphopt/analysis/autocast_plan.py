@@ -16,6 +16,13 @@ indices or boolean masks.
 
 plan() runs the graph on FakeTensors, the planned casts applied to the fake values only, so
 every node's new output dtype comes from torch itself, not from rules of thumb.
+
+Constants of the traced dtype: a model writes `x.masked_fill(mask, torch.finfo(x.dtype).min)`,
+and the trace keeps float32's minimum as a number. Under autocast x is bf16 and Python asks
+finfo again; in the graph the number stays, and float32's minimum overflows bf16 (masked_fill
+raises, where gives -inf). A number argument of a node whose result the plan narrows is
+therefore read as what finfo said of the result's traced dtype when it equals one of finfo's
+limits (max, min, tiny, eps), and becomes what finfo says of the new one (`dtype_constants`).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.fx.node import map_arg
 
 from .. import ops
@@ -92,6 +100,8 @@ class AutocastPlan:
     modes: dict[torch.fx.Node, str] = field(default_factory=dict)
     casts: dict[torch.fx.Node, dict[torch.fx.Node, torch.dtype]] = field(default_factory=dict)  # consumer -> {input: dtype}
     infos: dict[torch.fx.Node, object] = field(default_factory=dict)  # TensorInfo(s) of each node after the casts
+    # node -> {number in the trace: the number for the node's new dtype} (finfo's limits)
+    constants: dict[torch.fx.Node, dict[float, float]] = field(default_factory=dict)
     declined: dict[str, str] = field(default_factory=dict)  # node -> why it keeps its original input dtypes
 
 
@@ -143,6 +153,11 @@ class _Planner(torch.fx.Interpreter):
         self.plan.modes[n], self.plan.infos[n] = mode, describe(value)
         if casts:
             self.plan.casts[n] = casts
+        traced, now = self.original.get(n), value.dtype if isinstance(value, torch.Tensor) else None
+        if traced in ELIGIBLE and now in ELIGIBLE and now != traced:
+            constants = dtype_constants(n, traced, now)
+            if constants:
+                self.plan.constants[n] = constants
         return value
 
     def _call(self, n, casts):
@@ -152,6 +167,19 @@ class _Planner(torch.fx.Interpreter):
 
         args, kwargs = map_arg(n.args, fetch), map_arg(n.kwargs, fetch)
         return getattr(self, n.op)(n.target, args, kwargs)
+
+
+def _limits(dtype: torch.dtype) -> list[float]:
+    info = torch.finfo(dtype)
+    return [info.max, info.min, info.tiny, info.eps, -info.tiny, -info.eps]
+
+
+def dtype_constants(node: torch.fx.Node, traced: torch.dtype, now: torch.dtype) -> dict[float, float]:
+    """The number arguments of `node` that equal one of finfo(traced)'s limits, each mapped to
+    finfo(now)'s same limit: what `torch.finfo(x.dtype).min` evaluates to when x is `now`."""
+    new = dict(zip(_limits(traced), _limits(now)))
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return {a: new[a] for a in flat if type(a) is float and a in new}
 
 
 def plan(gm: torch.fx.GraphModule, flat_inputs: list, low: torch.dtype, modes: dict, device: str) -> AutocastPlan:
@@ -191,9 +219,25 @@ def autocast_dtypes(gm: torch.fx.GraphModule, flat_inputs: list, dtype: torch.dt
 
     class Record(torch.fx.Interpreter):
         def run_node(self, n):
-            value = None if n in checks else super().run_node(n)
+            value = None if n in checks else self._run(n)
             seen[n.name] = dtypes_of(value)
             return value
+
+        def _run(self, n):
+            try:
+                return super().run_node(n)
+            except RuntimeError:
+                # a number the trace took from finfo of a float32 input that autocast narrowed
+                # (eager asks finfo again): the dtypes, all this records, are the same with either
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                traced = dtypes_of(tensor_info(n))
+                now = next((t.dtype for t in pytree.tree_leaves((args, kwargs))
+                            if isinstance(t, torch.Tensor) and t.dtype in ELIGIBLE), None)
+                constants = dtype_constants(n, traced, now) if traced in ELIGIBLE and now in ELIGIBLE else {}
+                if not constants:
+                    raise
+                args, kwargs = pytree.tree_map_only(float, lambda v: constants.get(v, v), (args, kwargs))
+                return getattr(self, n.op)(n.target, args, kwargs)
 
     checks = {n for n in gm.graph.nodes if (op := ops.lookup(n, gm)) is not None and op.is_check}
     with torch.autocast(device, dtype=dtype):

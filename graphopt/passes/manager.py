@@ -2,8 +2,9 @@
 
 The order of the passes is checked first (Pass.runs_after). For each pass: run it, then lint
 and recompile the graph it returns (re-annotating it when it has nodes without metadata), time
-it, optionally verify its numbers against the eager model, and record a report row and the
-dumps. Passes themselves only rewrite and report stats.
+it, optionally verify its numbers against the eager model (on the example and on a second batch
+drawn apart from it: a graph right on its example only is caught here), and record a report row
+and the dumps. Passes themselves only rewrite and report stats.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from ..analysis.meta import graph_device, is_annotated
 from ..dump import Dumper
 from ..errors import GraphoptError, VerifyError
 from ..report import PassRecord, Report
+from ..second_batch import second_batch
 from ..trace import annotate
-from ..verify import TOLERANCE, autocast_step, compare, float64_step, run_step
+from ..verify import TOLERANCE, Reference
 from .base import Pass, PassContext
 from .registry import check_order
 
@@ -34,11 +36,10 @@ class PassManager:
         self.dumper = dumper
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, report: Report) -> torch.fx.GraphModule:
-        reference = truth = autocast = None
-        if self.verify:
-            if ctx.reference is None:
-                raise ValueError("verify=True needs the reference model in the pass context")
-            reference = run_step(ctx.reference, ctx.example_args, ctx.example_kwargs, train=ctx.train, seed=0)
+        references = self._references(ctx, report) if self.verify else []
+        if references:  # what the frontend traced, before any pass is blamed for it
+            self._verify(f"the trace (frontend {gm.meta.get('graphopt_frontend')!r})", "trace", gm, ctx, references,
+                         report)
         if self.dumper:
             self.dumper.graph(0, "trace", gm)
         names = {p.name for p in self.passes}
@@ -83,35 +84,9 @@ class PassManager:
                 peak_bytes=result.stats.get("predicted_peak_bytes"),
             )
             report.passes.append(record)
-            if reference is not None:
-                got = run_step(gm, ctx.example_args, ctx.example_kwargs, train=ctx.train, seed=0)
-                errors = compare(reference, got)
-                dtype = ctx.compute_dtype
-                if not errors.within(dtype) and dtype == torch.float32:
-                    # beyond float32's tolerance: no further from float64 than eager is passes too
-                    if truth is None:
-                        truth = float64_step(ctx.reference, ctx.example_args, ctx.example_kwargs, train=ctx.train,
-                                             seed=0)
-                    errors = compare(reference, got, truth, TOLERANCE[dtype])
-                elif not errors.within(dtype):
-                    # half precision: within tolerance of torch.autocast, or no further from float32
-                    # than autocast is, passes too
-                    if autocast is None:
-                        autocast = autocast_step(ctx.reference, ctx.example_args, ctx.example_kwargs,
-                                                 train=ctx.train, seed=0, device=graph_device(gm), dtype=dtype)
-                    errors = compare(autocast, got, reference, TOLERANCE[dtype])
+            if references:
+                errors = self._verify(f"pass {p.spec()!r}", p.name, gm, ctx, references, report)
                 record.max_abs_err, record.max_rel_err = errors.max_abs, errors.max_rel
-                if not errors.within(dtype):
-                    if self.dumper:
-                        self.dumper.summary(report)
-                    raise VerifyError(
-                        f"pass {p.spec()!r} changed the numbers: max relative error {errors.max_rel:.3g} "
-                        f"(max abs {errors.max_abs:.3g}, worst in {errors.worst}) exceeds the {dtype} "
-                        f"tolerance {TOLERANCE.get(dtype, TOLERANCE[torch.float32]):g}. It is the first pass "
-                        "to do so: leave it out of the pipeline and report the model to graphopt.",
-                        pass_name=p.name,
-                        errors={"max_abs": errors.max_abs, "max_rel": errors.max_rel, "worst": errors.worst},
-                    )
             if self.dumper and result.changed:
                 self.dumper.graph(index, p.name, gm)
             if self.dumper and result.artifacts:
@@ -119,3 +94,51 @@ class PassManager:
         if self.dumper:
             self.dumper.summary(report)
         return gm
+
+    @staticmethod
+    def _references(ctx: PassContext, report: Report) -> list[Reference]:
+        """Eager's step on the example, and on a second batch where eager runs on one."""
+        if ctx.reference is None:
+            raise ValueError("verify=True needs the reference model in the pass context")
+        references = [Reference(ctx.reference, ctx.example_args, ctx.example_kwargs, train=ctx.train,
+                                label="the example")]
+        args, kwargs = second_batch(ctx.example_args, ctx.example_kwargs)
+        try:
+            references.append(Reference(ctx.reference, args, kwargs, train=ctx.train,
+                                        label="a second batch drawn apart from the example"))
+        except Exception as e:  # values the model refuses (an index its example never reached): eager's call
+            report.notes.append(f"verify: the model raised on a second batch drawn from the example's ranges "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                                "verified on the example only")
+        return references
+
+    def _verify(self, what: str, pass_name: str, gm, ctx: PassContext, references: list[Reference],
+                report: Report):
+        """The worst errors of gm against eager over the batches; VerifyError naming `what` (a pass,
+        or the trace) when they exceed its dtype's tolerance, or when gm raises where eager runs."""
+        dtype = ctx.compute_dtype
+        advice = ("try the other frontend (frontend='fx' or 'export') and report the model to graphopt"
+                  if pass_name == "trace" else "leave it out of the pipeline and report the model to graphopt")
+        worst = None
+        for reference in references:
+            try:
+                errors = reference.errors(gm, dtype, graph_device(gm))
+            except Exception as e:
+                raise VerifyError(
+                    f"after {what} the graph raises on {reference.label}, where the model runs: "
+                    f"{type(e).__name__}: {e}. It is the first step to do so: {advice}.", pass_name=pass_name, errors={"worst": reference.label}) from e
+            if worst is None or errors.max_rel > worst[0].max_rel:
+                worst = errors, reference
+        errors, reference = worst
+        if not errors.within(dtype):
+            if self.dumper:
+                self.dumper.summary(report)
+            raise VerifyError(
+                f"{what} changed the numbers on {reference.label}: max relative error "
+                f"{errors.max_rel:.3g} (max abs {errors.max_abs:.3g}, worst in {errors.worst}) exceeds the {dtype} "
+                f"tolerance {TOLERANCE.get(dtype, TOLERANCE[torch.float32]):g}. It is the first step "
+                f"to do so: {advice}.",
+                pass_name=pass_name,
+                errors={"max_abs": errors.max_abs, "max_rel": errors.max_rel, "worst": errors.worst},
+            )
+        return errors

@@ -21,7 +21,9 @@ Algorithm:
      that lose nothing, so back-to-back casts fold; a source that already has the dtype is
      used as it is. Casts the user wrote stay; outputs keep the dtype their op produced.
      Assertions the trace recorded about a tensor's dtype are restated for its new dtype;
-     calls in autocast mode become calls under torch.autocast.
+     numbers the trace took from finfo of a node's old dtype become finfo of its new one
+     (AutocastPlan.constants: a masked_fill's float32 minimum overflows bf16); calls in
+     autocast mode become calls under torch.autocast.
   5. Mark each node's dtype in the dumps, invalidate the metadata of nodes whose dtype
      changed, tell the verifier the compute dtype, and report casts, ops per dtype and the
      activation bytes before and after.
@@ -34,6 +36,7 @@ from collections import Counter
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from .. import ops
 from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, plan
@@ -241,6 +244,8 @@ class Precision(Pass):
             for value, dtype in wanted.items():
                 node.replace_input_with(value, casts.get(value, dtype, node))
         restated = sum(_restate_assertion(gm, n, dtypes) for n, m in p.modes.items() if m == "check")
+        for node, constants in p.constants.items():
+            node.args, node.kwargs = pytree.tree_map_only(float, lambda v: constants.get(v, v), (node.args, node.kwargs))
         autocast = [n for n, m in p.modes.items() if m == "autocast"]
         for node in autocast:
             under_autocast(node, gm, device, low)
@@ -260,14 +265,15 @@ class Precision(Pass):
             "param_casts": casts.counts["params"], "activation_casts": casts.counts["activations"],
             "casts_reused": casts.counts["reused"], "casts_folded": casts.counts["folded"],
             "modules_as_functions": as_functions, "under_autocast": [n.name for n in autocast],
-            "assertions_restated": restated,
+            "assertions_restated": restated, "constants_of_the_new_dtype": len(p.constants),
             "ops_by_dtype": by_dtype, "modes": dict(Counter(p.modes.values())),
             "activation_bytes_before": act_before, "activation_bytes_after": act_after,
             "bytes_saved": act_before - act_after, "declined": declined,
         }
         if policy:
             stats["policy"] = self.settings["policy"]
-        return PassResult(gm, bool(inserted or as_functions or restated or autocast), stats, compute_dtype=low)
+        changed = inserted or as_functions or restated or autocast or p.constants
+        return PassResult(gm, bool(changed), stats, compute_dtype=low)
 
 
 def _nbytes(info) -> int:
