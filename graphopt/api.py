@@ -169,7 +169,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     if dumper:
         dumper.svg(gm)
     install_mode_guard(gm, model.training)
-    install_call_guard(gm, model)
+    install_call_guard(gm, model, *given)
     if writes.written:
         gm.register_forward_pre_hook(writes, with_kwargs=True)
     refuse_pickling(gm)

@@ -60,13 +60,31 @@ REPLAN = ("call it with inputs of those shapes, or use graphopt.optimize(model) 
           "which plans again for each new input signature.")
 
 
+def _one(value) -> str:
+    """A value of a call, short: 'float32[4, 8]', '(int64[2], float32[2])', 'None', '3'."""
+    leaves = pytree.tree_leaves(value)
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}[{', '.join(map(str, value.shape))}]"
+    if any(isinstance(t, torch.Tensor) for t in leaves):
+        return "(" + ", ".join(_one(t) for t in leaves) + ")"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{type(value).__name__}"
+
+
+def _arguments(args: tuple, kwargs: dict) -> dict[str, str]:
+    return {**{f"argument {i + 1}": _one(a) for i, a in enumerate(args)}, **{k: _one(v) for k, v in kwargs.items()}}
+
+
 def describe(args: tuple, kwargs: dict) -> str:
-    """The tensors of a call, short: 'float32[4, 8], input_ids=int64[4, 16]'."""
-    def one(value):
-        leaves = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-        return " ".join(f"{str(t.dtype).replace('torch.', '')}[{', '.join(map(str, t.shape))}]" for t in leaves)
-    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
-    return ", ".join(p for p in parts if p and not p.endswith("="))
+    """The arguments of a call, short: 'float32[4, 8], input_ids=int64[4, 16], labels=None'."""
+    return ", ".join([_one(a) for a in args] + [f"{k}={_one(v)}" for k, v in kwargs.items()])
+
+
+def changes(before: tuple[tuple, dict], after: tuple[tuple, dict]) -> str:
+    """What differs between two calls, argument by argument: 'labels: int64[2, 16] -> None'."""
+    a, b = _arguments(*before), _arguments(*after)
+    diffs = [f"{k}: {a.get(k, 'not given')} -> {b.get(k, 'not given')}" for k in {**a, **b} if a.get(k) != b.get(k)]
+    return "; ".join(diffs) or "the same shapes, another structure"
 
 
 def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, reason: str, advice: str = REPLAN,
@@ -81,7 +99,8 @@ def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, rea
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) not in expected:
             raise UsageError(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
-                             f"{describe(call_args, call_kwargs)}; {advice}")
+                             f"{describe(call_args, call_kwargs)} ({changes((args, kwargs), (call_args, call_kwargs))}); "
+                             f"{advice}")
 
     gm.register_forward_pre_hook(check, with_kwargs=True)
 
@@ -96,8 +115,8 @@ def install_batch_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, bat
 
     def refuse(call_args, call_kwargs, why=""):
         return UsageError(f"this graphopt module runs at {batch} with the other dimensions of the example inputs "
-                          f"{shapes} (torch.export traced it so{why}), and got {describe(call_args, call_kwargs)}; "
-                          f"{REPLAN}")
+                          f"{shapes} (torch.export traced it so{why}), and got {describe(call_args, call_kwargs)} "
+                          f"({changes((args, kwargs), (call_args, call_kwargs))}); {REPLAN}")
 
     def check(module, call_args, call_kwargs):
         got = batch_rows(call_args, call_kwargs)
@@ -123,21 +142,63 @@ def install_batch_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, bat
     type(gm).forward = forward
 
 
-def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
-    """Raise UsageError, naming the model's signature, when gm is called with arguments the
-    model's forward() would not take (the graph's own forward has other parameter names)."""
+def _kinds(bound: dict, values: bool) -> dict[str, tuple]:
+    """Per argument, its containers and, per leaf, whether it is a tensor (with values: the
+    value of each other leaf too; without: only None told apart from other values)."""
+    def kind(leaf):
+        if isinstance(leaf, torch.Tensor):
+            return "tensor"
+        if values:
+            try:
+                hash(leaf)
+                return ("value", leaf)
+            except TypeError:
+                return ("value", repr(leaf))
+        return "None" if leaf is None else "value"
+
+    kinds = {}
+    for name, value in bound.items():
+        leaves, spec = pytree.tree_flatten(value)
+        kinds[name] = (str(spec), tuple(kind(leaf) for leaf in leaves))
+    return kinds
+
+
+def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raise UsageError when gm is called with arguments the model's forward() would not take
+    (naming its signature: the graph's own forward has other parameter names), or with other
+    kinds of arguments than the example's, defaults filled in: a tensor where it gave None
+    (`labels=None`), another container, and for an export graph, whose every other value is a
+    constant of the trace, another value."""
     try:
         expected = inspect.signature(model.forward)
     except (TypeError, ValueError):  # a builtin or C++ forward: nothing to compare with
         return
     name = type(model).__name__
+    values = gm.meta.get("graphopt_frontend") == "export"
+
+    def bound(call_args, call_kwargs) -> dict:
+        b = expected.bind(*call_args, **call_kwargs)
+        b.apply_defaults()
+        return b.arguments
+
+    example = _kinds(bound(args, kwargs), values)
 
     def check(module, call_args, call_kwargs):
         try:
-            expected.bind(*call_args, **call_kwargs)
+            got = bound(call_args, call_kwargs)
         except TypeError as e:
             raise UsageError(f"this graphopt module takes the arguments of {name}.forward{expected}, "
                              f"and this call does not fit: {e}. Call it as you call the model.") from None
+        kinds = _kinds(got, values)
+        if kinds != example:
+            names = [k for k in example if kinds.get(k) != example[k]]
+            was = bound(args, kwargs)
+            diff = "; ".join(f"{k}: {_one(was[k])} -> {_one(got[k])}" for k in names)
+            raise UsageError(
+                f"this graphopt module was traced for {name}.forward called with {describe((), was)}, and this "
+                f"call gives other kinds of arguments ({diff}): the graph computes what the model does with the "
+                "example's kinds only. Call it with arguments of those kinds, or use graphopt.optimize(model) "
+                "without example inputs, which builds a graph for each kind of call.")
 
     gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
