@@ -315,3 +315,44 @@ def test_fp16_training_with_grad_scaler(float32_loss):
     fp16 = train("fp16", 300, scaler)
     assert 0 < scaler.get_scale() < float("inf")
     assert abs(fp16 - float32_loss) <= 0.05 * float32_loss, (fp16, float32_loss)
+
+
+class Promotions(nn.Module):
+    """What autocast leaves to type promotion: Python scalars, a float32 buffer and constant, a
+    masked_fill and a where filled with finfo of the scores' dtype (DeBERTa's and most attention
+    masks' idiom), whose float32 value overflows bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("temperature", torch.tensor(4.0))
+        self.register_buffer("bias", torch.randn(8, 8))
+
+    def forward(self, x, mask):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) * 0.25
+        scores = scores / torch.sqrt(self.temperature)  # bf16 over a float32 scalar tensor: bf16
+        filled = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        kept = torch.where(mask, scores, torch.finfo(scores.dtype).min)
+        return (filled.softmax(-1) + kept.softmax(-1) + self.bias).sum()  # float32 again
+
+
+def test_type_promotion_and_finfo_fills_equal_autocast():
+    model, frontend = Promotions(), "export"  # fx cannot ask finfo of a traced dtype
+    x, mask = torch.randn(2, 8, 16), torch.rand(2, 8, 8) > 0.3
+    mask[:, :, 0] = True
+    opt = graphopt.optimize(model, (x, mask), frontend=frontend, passes=f"{BEFORE},precision{{dtype=bf16}}")
+    assert _precision_row(opt).stats["constants_of_the_new_dtype"] == 2
+    given = graphopt.optimize(model, (x, mask), frontend=frontend, passes=BEFORE)
+    reference = autocast_dtypes(given, placeholder_values(given, (x, mask), {}), torch.bfloat16, "cpu")
+    for node in opt.graph.nodes:
+        if node.name in reference and not is_cast(node):
+            assert dtypes_of(tensor_info(node)) == reference[node.name], node.name
+    for batch in ((x, mask), (torch.randn(2, 8, 16), torch.rand(2, 8, 8) > 0.5)):
+        x_ = batch[0].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x_, batch[1])
+        expected.backward()
+        got_x = batch[0].clone().requires_grad_()
+        got = opt(got_x, batch[1])
+        got.backward()
+        assert torch.equal(got, expected) and torch.equal(got_x.grad, x_.grad)
