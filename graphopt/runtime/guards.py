@@ -142,24 +142,26 @@ def install_batch_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, bat
     type(gm).forward = forward
 
 
-def _kinds(bound: dict, values: bool) -> dict[str, tuple]:
-    """Per argument, its containers and, per leaf, whether it is a tensor (with values: the
-    value of each other leaf too; without: only None told apart from other values)."""
-    def kind(leaf):
-        if isinstance(leaf, torch.Tensor):
-            return "tensor"
-        if values:
-            try:
-                hash(leaf)
-                return ("value", leaf)
-            except TypeError:
-                return ("value", repr(leaf))
+def _kind(leaf, value: bool):
+    """A tensor's dtype and device (the passes plan for them); with value, any other leaf's value,
+    else only None told apart from other values."""
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", leaf.dtype, leaf.device.type)
+    if not value:
         return "None" if leaf is None else "value"
+    try:
+        hash(leaf)
+        return ("value", leaf)
+    except TypeError:
+        return ("value", repr(leaf))
 
+
+def _kinds(bound: dict, constants: set[str]) -> dict[str, tuple]:
+    """Per argument, its containers and the kind of each leaf (_kind); the values of `constants`."""
     kinds = {}
     for name, value in bound.items():
         leaves, spec = pytree.tree_flatten(value)
-        kinds[name] = (str(spec), tuple(kind(leaf) for leaf in leaves))
+        kinds[name] = (str(spec), tuple(_kind(leaf, name in constants) for leaf in leaves))
     return kinds
 
 
@@ -167,21 +169,27 @@ def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: t
     """Raise UsageError when gm is called with arguments the model's forward() would not take
     (naming its signature: the graph's own forward has other parameter names), or with other
     kinds of arguments than the example's, defaults filled in: a tensor where it gave None
-    (`labels=None`), another container, and for an export graph, whose every other value is a
-    constant of the trace, another value."""
+    (`labels=None`), a tensor of another dtype or device, another container, and another value
+    where the graph holds the example's as a constant: every non-tensor of an export graph, and
+    the arguments the example left at their default in an fx graph (which bakes those in and
+    takes them no more: a call that gives one its default has it dropped)."""
     try:
         expected = inspect.signature(model.forward)
     except (TypeError, ValueError):  # a builtin or C++ forward: nothing to compare with
         return
     name = type(model).__name__
-    values = gm.meta.get("graphopt_frontend") == "export"
+    given = expected.bind(*args, **kwargs).arguments
+    export = gm.meta.get("graphopt_frontend") == "export"
+    baked = set() if export else {k for k in expected.parameters if k not in given}
 
     def bound(call_args, call_kwargs) -> dict:
         b = expected.bind(*call_args, **call_kwargs)
         b.apply_defaults()
         return b.arguments
 
-    example = _kinds(bound(args, kwargs), values)
+    was = bound(args, kwargs)
+    constants = set(was) if export else baked
+    example = _kinds(was, constants)
 
     def check(module, call_args, call_kwargs):
         try:
@@ -189,16 +197,19 @@ def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: t
         except TypeError as e:
             raise UsageError(f"this graphopt module takes the arguments of {name}.forward{expected}, "
                              f"and this call does not fit: {e}. Call it as you call the model.") from None
-        kinds = _kinds(got, values)
+        kinds = _kinds(got, constants)
         if kinds != example:
             names = [k for k in example if kinds.get(k) != example[k]]
-            was = bound(args, kwargs)
             diff = "; ".join(f"{k}: {_one(was[k])} -> {_one(got[k])}" for k in names)
             raise UsageError(
                 f"this graphopt module was traced for {name}.forward called with {describe((), was)}, and this "
                 f"call gives other kinds of arguments ({diff}): the graph computes what the model does with the "
                 "example's kinds only. Call it with arguments of those kinds, or use graphopt.optimize(model) "
                 "without example inputs, which builds a graph for each kind of call.")
+        named = expected.bind(*call_args, **call_kwargs).arguments
+        if baked & set(named):  # the example's defaults, given again: the fx graph holds them already
+            return (), {k: v for k, v in named.items() if k not in baked}
+        return None
 
     gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
