@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import graphopt
 from graphopt.analysis.memory import GB, measure_peak
 from graphopt.runtime.microbatch import split_batch
-from graphopt.runtime.step import clear_grads, run_step, step_peak
+from graphopt.runtime.step import clear_grads, run_step, step_loss, step_peak
 from graphopt.testing import zoo
 from graphopt.verify import compare, float64_copy
 
@@ -51,14 +51,19 @@ def no_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def eager_step(model, args, kwargs, loss_fn=None, seed=0):
-    """(loss, {parameter: grad}) of eager's full-batch step; grads None before and after."""
+def eager_step(model, args, kwargs, loss_fn=None, seed=0, microbatches=1):
+    """(loss, {parameter: grad}) of eager's full-batch step, or of its microbatches one after
+    another, each loss scaled by 1/k (train_step's reduction="mean"); grads None before and after."""
     clear_grads(model)
     torch.manual_seed(seed)
-    loss = run_step(model, args, kwargs, loss_fn)
+    losses = []
+    for a, k in split_batch(args, kwargs, microbatches):
+        loss = step_loss(model, a, k, loss_fn) / microbatches
+        loss.backward()
+        losses.append(loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     clear_grads(model)
-    return loss, grads
+    return sum(losses), grads
 
 
 def train_step_grads(step, model, args, kwargs):
@@ -381,13 +386,16 @@ def _cross_entropy(out, x, targets):
     return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), targets)
 
 
-def corpus_step_case(name: str, dropout: bool = False):
+def corpus_step_case(name: str, dropout: bool = False, second: bool = False):
     """(model, args, kwargs, loss_fn) of a corpus model on 8 rows, dropout off unless asked for;
-    an image model takes its targets as an argument (bench/train_step_corpus.py uses it too)."""
+    an image model takes its targets as an argument (bench/train_step_corpus.py uses it too).
+    second: the rows of a second batch drawn apart from the example (corpus Case.second)."""
     from corpus import build
     from corpus.case import cross_entropy
 
     case = build(name).repeated(CORPUS_REPEAT)
+    if second:
+        case = case.second()
     if not dropout:
         no_dropout(case.model)
     if isinstance(case.loss, cross_entropy):
@@ -424,4 +432,12 @@ def test_corpus_train_step_holds_a_quarter_budget(train_step_model):
     # ignores it) sums otherwise in microbatches: there the float64 step decides, as in every
     # corpus check (verify.compare).
     _, truth = eager_step(*float64_copy(model, args, kwargs), loss_fn)
+    assert compare(want, got, truth, EXACT).max_rel <= EXACT
+    # A second batch (other tokens, labels apart from them with -100 here and there): against eager
+    # on the same microbatches, whose losses average over their own unmasked tokens as train_step's do.
+    _, args, kwargs, _ = corpus_step_case(train_step_model, second=True)
+    k = step.microbatches
+    _, want = eager_step(model, args, kwargs, loss_fn, microbatches=k)
+    _, got = train_step_grads(step, model, args, kwargs)
+    _, truth = eager_step(*float64_copy(model, args, kwargs), loss_fn, microbatches=k)
     assert compare(want, got, truth, EXACT).max_rel <= EXACT
