@@ -167,6 +167,29 @@ def test_verify_names_the_first_pass_that_changes_numbers():
     assert info.value.errors["max_rel"] > 1e-3
 
 
+def test_verify_catches_a_pass_right_on_its_example_only():
+    from graphopt.passes import Pass, PassResult
+
+    class BakeExample(Pass):
+        """Reads the first input's example values as a constant: a rewrite of the kind that is right
+        on the batch it was planned on and wrong on every other."""
+
+        name = "bake_example"
+
+        def run(self, gm, ctx):
+            x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+            gm.register_buffer("baked_example", ctx.example_args[0].clone())
+            with gm.graph.inserting_after(x):
+                baked = gm.graph.get_attr("baked_example")
+            x.replace_all_uses_with(baked, delete_user_cb=lambda user: user is not baked)
+            return PassResult(gm, True, {})
+
+    model, args, _ = zoo.mlp()
+    with pytest.raises(graphopt.VerifyError, match="'bake_example' changed the numbers on a second batch") as info:
+        graphopt.optimize(model, args, passes=["cse", BakeExample(), "dce"], verify=True)
+    assert info.value.pass_name == "bake_example"
+
+
 def test_verify_leaves_model_state_alone():
     model, args, kwargs = zoo.convnet()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -205,3 +205,23 @@ def test_tracing_leaves_a_modules_cache_as_it_found_it(frontend):
     assert model.cache == {}  # no Proxy, no FakeTensor left in it
     copy.deepcopy(model)
     torch.testing.assert_close(model(x), x @ (model.table * 2.0).t())
+
+
+class BranchesOnValues(torch.nn.Module):
+    """Python that reads an input's values: an all-ones mask takes a shortcut, as padding checks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        if mask.all():
+            return self.lin(x).sum()
+        return (self.lin(x) * mask[..., None]).sum()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_branch_on_an_inputs_values_is_refused_not_taken_for_every_batch(frontend):
+    # traced on an all-ones mask, a graph of the shortcut alone would be wrong on a padded batch
+    with pytest.raises(graphopt.TraceError, match=frontend):
+        graphopt.trace(BranchesOnValues(), (torch.randn(2, 3, 4), torch.ones(2, 3)), frontend=frontend)

@@ -3,7 +3,10 @@
 Every check optimizes the model one way and compares one training step (the case's loss,
 backward, every parameter gradient) with eager's, from the same RNG seed: dropout and
 drop-path draw the same masks. Buffers (BatchNorm's running statistics) are put back after
-each step, so the runs see the same state.
+each step, so the runs see the same state. Each comparison is made twice: on the example the
+graph was built from, and on a second batch drawn independently of it (Case.second: other
+token ids, labels apart from the inputs with -100 at random positions, padded attention masks,
+other images and targets); the worse of the two is the check's result.
 
   trace      graphopt.trace with the automatic frontend (fx, then export)
   identity   passes=[]: bitwise equal
@@ -23,8 +26,8 @@ each step, so the runs see the same state.
              error <= 1e-5 or no further from a float64 step than it is (each group rounds its values
              where eager's bf16 ops round them)
   inplace    passes="inplace": relative error <= 1e-5
-  precision  precision="bf16": every op in the dtype torch.autocast gives it, loss within 1e-2 of
-             autocast's
+  precision  precision="bf16": every op in the dtype torch.autocast gives it, loss (forward and
+             backward run) within 1e-2 of autocast's
   recompute  budget at f = 0.5 (parameters, gradients and half of the rest of the predicted step),
              or where that is refused, just above the least budget the BudgetError names:
              relative error <= 1e-5
