@@ -24,15 +24,18 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(PY) -m graphopt demo
 
-# Unit tests (the real-model corpus's quick subset included), then the benchmark suite in
-# quick mode so it cannot rot. Property tests draw the same examples every run (tests/hypothesis_profiles.py).
+# Within 20 minutes on a 2-core machine: unit and property tests, the real-model corpus's quick
+# subset (tests/corpus/__init__.py: QUICK, REGRESSIONS, MEMORY_QUICK), then the benchmark suite
+# in quick mode so it cannot rot. Tests marked slow wait for test-real. Property tests draw the
+# same examples every run (tests/hypothesis_profiles.py).
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -q
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "not slow"
 	$(PY) -m pytest bench -q --benchmark-disable -p no:cacheprovider -o testpaths=bench --quick
 
-# Every check on every model of the real-model corpus, and every pair of passes on more of them.
+# Every check on every model of the real-model corpus, every pair of passes on six of them, the
+# memory promise through both frontends, and the tests too slow for make test (hours).
 test-real: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m realmodels --corpus=all
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "realmodels or slow" --corpus=all
 
 # Property tests with new draws (SEED=N for a given one), 5x as many; failures replay from .hypothesis/.
 fuzz: $(STAMP)

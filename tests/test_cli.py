@@ -2,11 +2,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from graphopt.__main__ import main
 
 SUMMARY_KEYS = {"eager_peak_bytes", "optimized_peak_bytes", "budget_bytes", "eager_step_ms", "optimized_step_ms"}
 
 
+@pytest.mark.slow  # two minutes: the demo measures four training steps in turns
 def test_demo_measures_the_story(tmp_path, capsys):
     assert main(["demo", "--dump", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -1,8 +1,9 @@
 """Every pass exact on the real-model corpus (tests/corpus): transformers, timm and torchvision
 models nobody on the project wrote, trained the way their users train them.
 
-`make test` runs the checks on corpus.QUICK; `make test-real` (pytest --corpus=all -m realmodels)
-on every model. What each check compares, and how, is in corpus/checks.py.
+`make test` runs the checks on corpus.QUICK and corpus.REGRESSIONS; `make test-real` (pytest
+--corpus=all -m "realmodels or slow") every check on every model, every pair of passes on six,
+and the slow tests. What each check compares, and how, is in corpus/checks.py.
 """
 import pytest
 import torch
@@ -36,8 +37,8 @@ def test_the_check_that_once_failed(regression):
     assert result.passed, f"{name} {check}: {result.cell()}: {result.detail}"
 
 
-# The pairs run on one model of each kind (export and fx frontends); test-real adds more.
-PAIR_MODELS = {"quick": ("hf_gpt2", "timm_mobilenetv3_small_100"),
+# The pairs (56 per model) run in make test-real alone, on models of each frontend.
+PAIR_MODELS = {"quick": (),
                "all": ("hf_gpt2", "hf_t5", "hf_llama", "timm_mobilenetv3_small_100", "timm_levit_128s", "tv_swin_t")}
 PAIRS = [(a, b) for a in PAIR_PASSES for b in PAIR_PASSES if a != b]
 
@@ -80,6 +81,7 @@ def test_inplace_with_bf16_computes_what_precision_alone_does():
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
 def test_verify_holds_fused_kernels_to_float32s_own_accuracy():
     # BatchNorm biases in front of another BatchNorm have gradients of pure rounding noise:
     # compared plainly, a fused SE block "changed" them 140%; against float64 it is as close as eager
@@ -88,7 +90,7 @@ def test_verify_holds_fused_kernels_to_float32s_own_accuracy():
     assert opt.graphopt_report.passes[-1].max_rel_err <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["hf_bert", "hf_t5", "timm_resnet18"])
+@pytest.mark.parametrize("name", ["hf_bert", "hf_t5", pytest.param("timm_resnet18", marks=pytest.mark.slow)])
 def test_verify_holds_bf16_to_autocasts_accuracy(name):
     # compared with float32 eager, bf16 BERT, T5 and a BatchNorm convnet "changed the numbers"
     # although they equal torch.autocast; against autocast they pass

@@ -6,13 +6,13 @@ budget above it; and the budget the model's own checkpointing meets is never ref
 it graphopt's step runs no more matmul and convolution FLOPs than own's (where the sweep
 measured it: the auto frontend).
 
-`make test` runs corpus.QUICK and corpus.MEMORY_REGRESSIONS; `make test-real` every model,
-through the export frontend too.
+`make test` runs corpus.MEMORY_QUICK; `make test-real` every model, through the export frontend
+too, and the cases below.
 """
 import pytest
 import torch
 
-from corpus import MEMORY_REGRESSIONS
+from corpus import CORPUS, MEMORY_QUICK
 from corpus.memory import memory_case, memory_points, point_problems
 
 pytestmark = pytest.mark.realmodels
@@ -22,8 +22,8 @@ def pytest_generate_tests(metafunc):
     all_ = metafunc.config.getoption("--corpus") == "all"
     if "memory_frontend" in metafunc.fixturenames:
         metafunc.parametrize("memory_frontend", ["auto", "export"] if all_ else ["auto"])
-    if "memory_regression" in metafunc.fixturenames:
-        metafunc.parametrize("memory_regression", [] if all_ else MEMORY_REGRESSIONS)
+    if "memory_model" in metafunc.fixturenames:
+        metafunc.parametrize("memory_model", list(CORPUS) if all_ else list(MEMORY_QUICK))
 
 
 def _promise(name: str, frontend: str = "auto") -> None:
@@ -32,12 +32,8 @@ def _promise(name: str, frontend: str = "auto") -> None:
     assert not problems, problems
 
 
-def test_memory_promise_holds(corpus_model, memory_frontend):
-    _promise(corpus_model, memory_frontend)
-
-
-def test_memory_promise_that_once_broke(memory_regression):
-    _promise(memory_regression)
+def test_memory_promise_holds(memory_model, memory_frontend):
+    _promise(memory_model, memory_frontend)
 
 
 # The cases the memory issue was filed with, each of which once overshot its budget silently:
@@ -97,6 +93,7 @@ def test_an_lstm_holds_its_budget_or_says_it_cannot(f):
     assert measure_step(opt, (x,)) <= budget
 
 
+@pytest.mark.slow
 def test_roberta_holds_its_least_budget():
     # RoBERTa's position ids: `.long()` of an int32 count, then `+ padding_idx` written in place.
     # At its least budget a segment starts at that cast, and the segments' check once took the

@@ -69,6 +69,7 @@ def test_budget_above_peak_recomputes_nothing_and_writes_in_place_as_without_it(
     assert not record.changed and record.peak_bytes == record.stats["peak_before_bytes"]
 
 
+@pytest.mark.slow
 def test_infeasible_budget_names_the_minimum():
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
     with pytest.raises(graphopt.BudgetError) as info:
@@ -107,7 +108,7 @@ ZOO = {
 
 
 @pytest.mark.parametrize("f", [0.3, 0.5, 0.7])
-@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("name", [n if not n.startswith("hf_") else pytest.param(n, marks=pytest.mark.slow) for n in ZOO])
 def test_zoo_fits_or_says_why(name, f):
     if name.startswith("hf_"):
         pytest.importorskip("transformers")
@@ -163,6 +164,7 @@ def test_profiled_costs_and_calibration_keep_the_step_within_budget(tmp_path):
     assert {line.split(",")[0] for line in curves[1:]} == {"as traced", "with recompute"}
 
 
+@pytest.mark.slow
 def test_calibration_tightens_a_plan_the_estimate_lets_over_budget():
     # No headroom: plans aim at the budget itself, so the estimate's few percent of error
     # can put the real step over; calibration must then re-plan under a measured budget.
