@@ -8,11 +8,10 @@ given the example with each tensor that shares storage with an earlier one repla
 
 What the copy changes is a forward that writes into one of its inputs: eager's write shows
 through every argument sharing that storage, the graph's does not. Which inputs the model
-writes is measured on the traced graph (trace.annotate: the fakes' version counters);
-`WriteAliasCheck` refuses an example,
-and then every call, that gives such an input storage another input shares. Python identity
-tests in forward (`labels is input_ids`) are traced as false, as for two tensors, which is what
-the graph then computes on every call.
+writes is measured on the traced graph (trace.annotate: the fakes' version counters), and
+`WriteAliasCheck` refuses an example, and then any call, that gives such an input a storage
+another input shares. Python identity tests in forward (`labels is input_ids`) are traced as
+false, as for two tensors, which is what the graph then computes on every call.
 """
 from __future__ import annotations
 
@@ -44,21 +43,6 @@ def input_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple
 
 def _key(t: torch.Tensor):
     return storage_key(t) if t.layout == torch.strided and t.untyped_storage().nbytes() else None
-
-
-def shared_storage(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
-    """Each input that shares its storage with an earlier input (the same tensor given twice, or
-    views of one tensor), mapped to the first input's name."""
-    first, shared = {}, {}
-    for name, t in input_names(model, args, kwargs):
-        key = _key(t)
-        if key is None:
-            continue
-        if key in first:
-            shared[name] = first[key]
-        else:
-            first[key] = name
-    return shared
 
 
 def distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -51,6 +51,23 @@ def _optimized(**kwargs):
     return graphopt.optimize(mlp(), (X,), **kwargs)
 
 
+class WithTargets(nn.Module):
+    """A model whose loss is computed when targets are given, and a scale left at its default."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, targets=None, scale=1.0):
+        out = self.lin(x) * scale
+        return out if targets is None else nn.functional.cross_entropy(out, targets)
+
+
+def _with_targets(frontend="fx"):
+    return graphopt.optimize(WithTargets(), (X,), example_kwargs={"targets": torch.randint(0, 4, (4,))},
+                             frontend=frontend)
+
+
 def _planned():
     """A deep MLP with a recompute plan at a budget just above the least one, batch 2048."""
     torch.manual_seed(0)
@@ -125,6 +142,14 @@ ERRORS = {
     "dump_dir=42": (lambda tmp: _optimized(dump_dir=42), UsageError),
     "called with too many arguments": (lambda tmp: _optimized()(X, X), UsageError),
     "called with an unknown keyword": (lambda tmp: _optimized()(X, mask=X), UsageError),
+    "fx graph traced with targets, called with targets=None": (lambda tmp: _with_targets()(X, targets=None),
+                                                                UsageError),
+    "fx graph traced with targets, called without": (lambda tmp: _with_targets()(X), UsageError),
+    "fx graph, float64 inputs": (lambda tmp: _optimized()(X.double()), UsageError),
+    "fx graph, a default it baked in given another value": (
+        lambda tmp: _with_targets()(X, targets=torch.zeros(4, dtype=torch.long), scale=2.0), UsageError),
+    "export graph traced with targets, called with targets=None": (
+        lambda tmp: _with_targets("export")(X, targets=None), UsageError),
     "export graph, another feature size": (lambda tmp: _optimized(frontend="export")(torch.randn(4, 9)), UsageError),
     "export graph, a batch it was not proved for": (lambda tmp: _optimized(frontend="export")(X[:1]), UsageError),
     "export graph on one row, another batch size": (lambda tmp: graphopt.optimize(mlp(), (X[:1],),
@@ -265,3 +290,11 @@ def test_devices_that_are_not_there(device):
         pytest.skip("a CUDA device is there")
     with pytest.raises(UsageError):
         check_device(device)
+
+
+def test_a_baked_default_given_again_is_taken():
+    # the fx graph bakes scale=1.0 in (its forward takes no scale): the same value given is dropped
+    model, targets = WithTargets(), torch.randint(0, 4, (4,))
+    opt = graphopt.optimize(model, (X,), example_kwargs={"targets": targets}, frontend="fx")
+    assert torch.equal(opt(X, targets, 1.0), model(X, targets, 1.0))
+    assert torch.equal(opt(X, targets=targets, scale=1.0), model(X, targets=targets))

@@ -124,9 +124,9 @@ class PassManager:
             try:
                 errors = reference.errors(gm, dtype, graph_device(gm))
             except Exception as e:
-                raise VerifyError(
-                    f"after {what} the graph raises on {reference.label}, where the model runs: "
-                    f"{type(e).__name__}: {e}. It is the first step to do so: {advice}.", pass_name=pass_name, errors={"worst": reference.label}) from e
+                raise VerifyError(f"after {what} the graph raises on {reference.label}, where the model runs: "
+                                  f"{type(e).__name__}: {e}. It is the first step to do so: {advice}.",
+                                  pass_name=pass_name, errors={"worst": reference.label}) from e
             if worst is None or errors.max_rel > worst[0].max_rel:
                 worst = errors, reference
         errors, reference = worst

@@ -165,6 +165,15 @@ def _kinds(bound: dict, constants: set[str]) -> dict[str, tuple]:
     return kinds
 
 
+def _without(signature: inspect.Signature, names: set[str], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call without the arguments `names` (the example's defaults, given again: the fx graph
+    holds them already); positional arguments after the first dropped one go by keyword."""
+    positional = list(signature.parameters)[:len(args)]
+    first = next((i for i, p in enumerate(positional) if p in names), len(args))
+    moved = {p: a for p, a in zip(positional[first:], args[first:]) if p not in names}
+    return args[:first], {**moved, **{k: v for k, v in kwargs.items() if k not in names}}
+
+
 def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Raise UsageError when gm is called with arguments the model's forward() would not take
     (naming its signature: the graph's own forward has other parameter names), or with other
@@ -206,9 +215,8 @@ def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: t
                 f"call gives other kinds of arguments ({diff}): the graph computes what the model does with the "
                 "example's kinds only. Call it with arguments of those kinds, or use graphopt.optimize(model) "
                 "without example inputs, which builds a graph for each kind of call.")
-        named = expected.bind(*call_args, **call_kwargs).arguments
-        if baked & set(named):  # the example's defaults, given again: the fx graph holds them already
-            return (), {k: v for k, v in named.items() if k not in baked}
+        if baked & set(expected.bind(*call_args, **call_kwargs).arguments):
+            return _without(expected, baked, call_args, call_kwargs)
         return None
 
     gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
