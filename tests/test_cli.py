@@ -45,6 +45,13 @@ def test_optimize_a_users_model(tmp_path, capsys):
     assert main(["optimize", "graphopt.testing.zoo:MLP", "--inputs", "torch.randn(4, 64)", "--passes", "cse"]) == 0
 
 
+def test_optimize_a_language_model_given_its_input_ids_as_labels(capsys):
+    # zoo.hf_gpt2 gives labels=input_ids, one tensor: --verify holds the graph to eager on a second
+    # batch too, whose labels are drawn apart from its input_ids
+    assert main(["optimize", "graphopt.testing.zoo:hf_gpt2", "--verify"]) == 0
+    assert "export" in capsys.readouterr().out
+
+
 def test_optimize_under_a_budget(tmp_path, capsys):
     args = ["optimize", "graphopt.testing.zoo:mlp", "--inputs", "torch.randn(512, 64)", "--budget-gb", "0.0016",
             "--calibrate", "--dump", str(tmp_path)]
