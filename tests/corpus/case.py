@@ -70,7 +70,7 @@ class Normal:
 
 
 IGNORE_INDEX = -100
-SECOND_SEED = 1  # the seed of the second batch every check draws
+SECOND_SEEDS = (1, 2, 3)  # the second batch every check draws, and the next where float32 cannot decide
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Case:
         if self.loss is None:
             self.loss = own_loss
 
-    def second(self, seed: int = SECOND_SEED) -> "Case":
+    def second(self, seed: int = SECOND_SEEDS[0]) -> "Case":
         """Another batch of the same shapes and dtypes, drawn independently of the example: other
         token ids, labels apart from the inputs with -100 at random positions, padded attention
         masks, other images and targets."""

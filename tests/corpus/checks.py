@@ -54,7 +54,7 @@ from graphopt.trace import placeholder_values
 from graphopt.verify import compare, float64_copy
 
 from . import build
-from .case import Case
+from .case import SECOND_SEEDS, Case
 
 EXACT = 1e-5  # float32 relative error every rewriting pass must stay within
 CLEANUPS = "normalize,cse,dce"  # the default passes that change no number
@@ -117,14 +117,46 @@ def _worse(a: Result, b: Result) -> Result:
     return max(a, b, key=lambda r: (not r.passed, r.error or 0.0))
 
 
+def eager_spread(case: Case, run=lambda model: model) -> float:
+    """How far eager's own step moves under another float32 summation order (one thread, or two
+    on a machine that runs one): what float32 leaves undetermined on this batch."""
+    threads = torch.get_num_threads()
+    first = step(run(case.model), case)
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        other = step(run(case.model), case)
+    finally:
+        torch.set_num_threads(threads)
+    return compare(first, other).max_rel
+
+
 def _compare(case: Case, optimized: torch.nn.Module, tolerance: float, run=lambda model: model) -> Result:
     """optimized's step against eager's, run(model) standing for eager (the model by default), on
-    the example and on a second batch drawn independently of it (Case.second)."""
+    the example and on a second batch drawn independently of it (Case.second).
+
+    A batch on which eager does not reproduce its own step to the tolerance under another
+    summation order cannot decide it: there a value within float32's error of a kink (a ReLU
+    input at -1.6e-5 in float64 that one float32 order puts at -2.1e-5 and another at +2.9e-5,
+    RegNetY's last stage, whose BatchNorms see 8 values a channel) sends its whole channel's
+    gradient one way or the other. Such a second batch gives way to the next seed (SECOND_SEEDS);
+    on a batch eager reproduces, a difference stands."""
     example = _compare_one(case, optimized, tolerance, run)
-    second = _compare_one(case.second(), optimized, tolerance, run)
+    skipped = []
+    for seed in SECOND_SEEDS:
+        batch = case.second(seed)
+        second = _compare_one(batch, optimized, tolerance, run)
+        if second.passed or not tolerance:
+            break
+        spread = eager_spread(batch, run)
+        if spread <= tolerance:
+            break
+        skipped.append(f"seed {seed} (eager's own step moves by {spread:.1e} across thread counts)")
     if second.detail:
         second.detail = f"second batch {second.detail}"
-    return _worse(example, second)
+    result = _worse(example, second)
+    if skipped:
+        result.detail += f"; second batches float32 cannot decide: {', '.join(skipped)}"
+    return result
 
 
 def check_trace(case: Case) -> Result:
