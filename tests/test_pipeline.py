@@ -247,7 +247,7 @@ def _assert_runs_equal_one_process(make, runs, world):
             torch.testing.assert_close(g, want[name], atol=1e-5, rtol=1e-5, msg=f"{label} {name}")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_schedules_on_gloo_equal_one_process(world):
     runs = [("gpipe", world, "fx"), ("1f1b", world, "fx"), ("interleaved-1f1b", 2 * world, "fx"),
             ("1f1b", world, "export")]

@@ -241,6 +241,7 @@ def test_no_plan_names_a_budget_that_works():
     assert measured_peak(step, model, args, {}) <= least
 
 
+@pytest.mark.slow
 def test_the_budget_covers_the_optimizer_too():
     model, args, kwargs = small_gpt()
     optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
