@@ -11,7 +11,7 @@ import torch.fx
 from . import passes as passes_pkg
 from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
-from .input_aliases import WriteAliasCheck, distinct
+from .input_aliases import distinct
 from .lazy import LazyOptimized
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
@@ -19,6 +19,7 @@ from .precisions import precision_name
 from .report import Report
 from .runtime.guards import (install_batch_guard, install_call_guard, install_mode_guard, install_shape_guard,
                              refuse_pickling)
+from .runtime.input_writes import WriteAliasCheck
 from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
 from .runtime.microbatch_call import install_microbatch_split
 from .trace import FRONTENDS, check_inputs, trace

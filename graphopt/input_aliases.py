@@ -1,4 +1,4 @@
-"""Inputs that share storage: traced as distinct tensors, and refused where the model writes one.
+"""Inputs that share storage: traced as distinct tensors.
 
 transformers' users call a language model as `model(ids, labels=ids)`: one tensor given twice.
 torch.export traces such a call with one placeholder feeding both uses, so on every later batch
@@ -9,20 +9,18 @@ given the example with each tensor that shares storage with an earlier one repla
 What the copy changes is a forward that writes into one of its inputs: eager's write shows
 through every argument sharing that storage, the graph's does not. Which inputs the model
 writes is measured on the traced graph (trace.annotate: the fakes' version counters), and
-`WriteAliasCheck` refuses an example, and then any call, that gives such an input a storage
-another input shares. Python identity tests in forward (`labels is input_ids`) are traced as
-false, as for two tensors, which is what the graph then computes on every call.
+runtime/input_writes.py refuses an example, and then any call, that gives such an input a
+storage another input shares. Python identity tests in forward (`labels is input_ids`) are
+traced as false, as for two tensors, which is what the graph then computes on every call.
 """
 from __future__ import annotations
 
 import inspect
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 
 from .analysis.aliases import storage_key
-from .errors import UsageError
 
 
 def input_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
@@ -41,7 +39,8 @@ def input_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple
     return named
 
 
-def _key(t: torch.Tensor):
+def storage_of(t: torch.Tensor):
+    """The storage a strided tensor with elements reads (views of one tensor share it); None else."""
     return storage_key(t) if t.layout == torch.strided and t.untyped_storage().nbytes() else None
 
 
@@ -51,36 +50,10 @@ def distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     seen = set()
 
     def own(t: torch.Tensor) -> torch.Tensor:
-        key = _key(t)
+        key = storage_of(t)
         if key is None or key not in seen:
             seen.add(key)
             return t
         return t.detach().clone().requires_grad_(t.requires_grad)
 
     return pytree.tree_map_only(torch.Tensor, own, (args, kwargs))
-
-
-class WriteAliasCheck:
-    """A forward pre-hook (with kwargs): a call that gives an input the graph writes a storage
-    another input shares raises UsageError, as eager's write would show through the other."""
-
-    def __init__(self, model: torch.nn.Module, gm: torch.fx.GraphModule, written: list[str]):
-        self.model, self.written = model, set(written)
-        self.order = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-
-    def check(self, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, when: str) -> None:
-        from .trace import placeholder_values
-
-        values = dict(zip(self.order, placeholder_values(gm, args, kwargs)))
-        written = {_key(t) for name, t in values.items() if name in self.written and isinstance(t, torch.Tensor)}
-        names = input_names(self.model, args, kwargs)
-        for key in written - {None}:
-            sharing = [name for name, t in names if _key(t) == key]
-            if len(sharing) > 1:
-                raise UsageError(
-                    f"{type(self.model).__name__}.forward writes in place into its input {sharing[0]!r} or "
-                    f"{sharing[1]!r}, and {when} gives both one storage: eager's write shows through both, a graph's "
-                    f"through one only. Give each of them a tensor of its own (e.g. {sharing[1]}=x.clone()).")
-
-    def __call__(self, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
-        self.check(gm, args, kwargs, "this call")
