@@ -25,11 +25,12 @@ demo: $(STAMP)
 	$(PY) -m graphopt demo
 
 # Within 20 minutes on a 2-core machine: unit and property tests, the real-model corpus's quick
-# subset (tests/corpus/__init__.py: QUICK, REGRESSIONS, MEMORY_QUICK), then the benchmark suite
+# subset (tests/corpus/__init__.py: QUICK, REGRESSIONS), then the benchmark suite
 # in quick mode so it cannot rot. Tests marked slow wait for test-real. Property tests draw the
-# same examples every run (tests/hypothesis_profiles.py).
+# same examples every run (tests/hypothesis_profiles.py). The 15 slowest tests are printed so the
+# 20 minutes stay in sight.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "not slow"
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "not slow" --durations=15
 	$(PY) -m pytest bench -q --benchmark-disable -p no:cacheprovider -o testpaths=bench --quick
 
 # Every check on every model of the real-model corpus, every pair of passes on six of them, the
