@@ -11,10 +11,13 @@ import torch
 from .analysis.memory import GB, size_text
 from .api import DEFAULT_PASSES, optimize
 from .before_after import measure
+from .cli_text import cli_text, graphopt_warnings
 from .demo import run_demo
 from .errors import GraphoptError, UsageError
 from .passes import available
 from .precisions import PRECISIONS
+from .runtime.step import output_loss
+from .trial import trial_run
 
 
 def _demo(args) -> int:
@@ -63,8 +66,9 @@ def _optimize(args) -> int:
                    precision=args.precision, stages=args.stages, train=train, frontend=args.frontend)
     if args.measure:
         return _measure(args, model, inputs, kwargs, options)
-    opt = optimize(model, inputs, example_kwargs=kwargs or None, **options, dump_dir=args.dump, verify=args.verify)
-    print(opt.graphopt_report.to_text())
+    with graphopt_warnings():
+        opt = optimize(model, inputs, example_kwargs=kwargs or None, **options, dump_dir=args.dump, verify=args.verify)
+    print(cli_text(opt.graphopt_report.to_text()))
     if args.dump:
         print(f"\ndumps: {os.path.abspath(args.dump)}")
     return 0
@@ -78,19 +82,33 @@ def _measure(args, model, inputs, kwargs, options) -> int:
     if options["train"] is False or (options["train"] is None and not model.training):
         raise UsageError("--measure measures a training step: give --mode train (the model is in eval mode).")
     loss_fn = _load_function(args.loss) if args.loss else None
+    if loss_fn is None:
+        _check_loss(model, inputs, kwargs)
     options = {k: v for k, v in options.items() if v not in (None, False)}
     dump = args.dump or "graphopt-dump"
     budget = int(args.budget_gb * GB) if args.budget_gb else None
-    result = measure(model, inputs, kwargs, {"graphopt": options}, loss_fn=loss_fn, budget_bytes=budget,
-                     name=args.model, dump_dir=dump,
-                     progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
+    with graphopt_warnings():
+        result = measure(model, inputs, kwargs, {"graphopt": options}, loss_fn=loss_fn, budget_bytes=budget,
+                         name=args.model, dump_dir=dump,
+                         progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
     result.write(dump)
-    print(result.to_text())
+    print(result.to_text(refusals=False))
     print(f"written: {', '.join(_written(dump))}")
+    for label, why in result.refusals():
+        print(f"graphopt: error: {label} refused: {cli_text(why)}", file=sys.stderr)
+    if result.refusals():
+        return 2
     for line in result.over_budget():
         print(f"graphopt: error: {line.label} measured {size_text(line.peak_bytes)}, over the budget", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_loss(model, inputs, kwargs) -> None:
+    """UsageError, before any optimizing, when the model's output has no scalar loss to step on:
+    one forward without gradients, the model's buffers and RNG as before."""
+    with trial_run(model, (inputs, kwargs)), torch.no_grad():
+        output_loss(model(*inputs, **(kwargs or {})))
 
 
 def _load_function(spec: str):
@@ -142,7 +160,7 @@ def main(argv=None) -> int:
     try:
         return args.run(args)
     except GraphoptError as e:
-        print(f"graphopt: error: {e}", file=sys.stderr)
+        print(f"graphopt: error: {cli_text(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -51,12 +51,15 @@ class BeforeAfter:
         return [line for line in self.lines[1:] if self.budget_bytes and line.peak_bytes
                 and "budget_gb" in line.options and line.peak_bytes > self.budget_bytes]
 
-    def rows(self) -> list[list[str]]:
+    def rows(self, refusals_below: bool = False) -> list[list[str]]:
+        """The table; refusals_below: a refused configuration's row says so in a word, its reason
+        is for the lines below the table (refusals())."""
         head = ["step", "predicted peak", "measured peak", "peak / eager", "step ms", "time / eager", "recomputed"]
         body = []
         for line in self.lines:
             if line.refused:
-                body.append([line.label, "", "", "", "", "", f"refused: {line.refused}"])
+                why = "refused (see below)" if refusals_below else f"refused: {line.refused}"
+                body.append([line.label, "", "", "", "", "", why])
                 continue
             body.append([
                 line.label, size_text(line.predicted_bytes) if line.predicted_bytes else "",
@@ -64,13 +67,20 @@ class BeforeAfter:
                 f"{line.step_ms:.1f}", f"{line.step_ms / self.eager.step_ms:.2f}", line.recomputed])
         return [head] + body
 
-    def to_text(self) -> str:
-        rows = self.rows()
+    def refusals(self) -> list[tuple[str, str]]:
+        """(label, the graphopt error that refused it) of each refused configuration."""
+        return [(line.label, line.refused) for line in self.lines if line.refused]
+
+    def to_text(self, refusals: bool = True) -> str:
+        """The table, each refused configuration's reason below it; refusals=False leaves those
+        to the caller (the command line writes them as errors)."""
+        rows = self.rows(refusals_below=True)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
         budget = f"budget {size_text(self.budget_bytes)}" if self.budget_bytes else "no budget"
+        below = [f"{label} refused: {why}" for label, why in self.refusals()] if refusals else []
         return "\n".join([f"{self.model}: one training step, {budget}", fmt(rows[0]),
-                          "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]])
+                          "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]] + below)
 
     def to_markdown(self) -> str:
         rows = self.rows()

@@ -1,4 +1,7 @@
-"""The errors graphopt raises: each one sentence that says what was wrong and what to do."""
+"""The errors and warnings graphopt raises: each one sentence that says what was wrong and what to do."""
+import os
+import sys
+import warnings
 
 
 class GraphoptError(Exception):
@@ -44,3 +47,20 @@ class UsageError(GraphoptError, TypeError):
 
 class ModeError(GraphoptError, RuntimeError):
     """The optimized graph was built for training (or inference) and is used in the other mode."""
+
+
+class GraphoptWarning(UserWarning):
+    """Base class of graphopt's warnings: what was asked for ran, but likely not as meant."""
+
+
+class BudgetWarning(GraphoptWarning):
+    """A memory budget at or above what the step needs as it is: it asks for nothing."""
+
+
+def warn(message: str, category: type[Warning] = GraphoptWarning) -> None:
+    """warnings.warn, shown at the first caller outside graphopt: the line of the user's that led to it."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

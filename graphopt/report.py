@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .analysis.memory import size_text
+from .analysis.memory import GB, size_text
+
+STATS_WIDTH = 70  # the terminal table's stats column wraps here, between stats, never within one
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Report:
     runs_at: str | None = None  # the input shapes the result accepts, and why
     # what a caller built around the graph decided, as lines (train_step: its microbatches, BatchNorm)
     notes: list[str] = field(default_factory=list)
+    # train_step's microbatches per step when more than one: the graph's figures are then one microbatch's
+    microbatches: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,10 +54,35 @@ class Report:
             ])
         return [head] + body
 
+    def recompute(self) -> PassRecord | None:
+        """The recompute pass's record: the budget's figures are its stats."""
+        return next((r for r in reversed(self.passes) if r.name.partition("{")[0] == "recompute"), None)
+
+    def headline(self) -> str | None:
+        """With a budget, one line: the predicted peak before and after recompute, the budget,
+        what recompute adds to the step's time, and the measured peak where calibrate measured one."""
+        r = self.recompute()
+        if r is None:
+            return None
+        s = r.stats
+        each = f" for each of {self.microbatches} microbatches" if self.microbatches > 1 else ""
+        line = (f"peak {size_text(s['peak_before_bytes'])} -> {size_text(s['predicted_peak_bytes'])} predicted{each} "
+                f"(budget {size_text(s['budget_bytes'])})")
+        if "measured_peak_bytes" in s:
+            line += f", {size_text(s['measured_peak_bytes'])} measured (calibrate)"
+        if not s.get("segments"):
+            return line + "; nothing recomputed"
+        return (line + f"; recompute adds {s['recompute_ms']:g} ms, {s['recompute_overhead_pct']:g}% of the "
+                f"step, by {s['cost_by']}")
+
     def notes_text(self) -> list[str]:
-        """Which passes ran because none were named, why the others of the default did not, which
-        inputs the result takes, and the notes of what runs it."""
-        lines = [f"runs at: {self.runs_at}"] if self.runs_at else []
+        """A budget that asks for nothing, which passes ran because none were named, why the
+        others of the default did not, which inputs the result takes, and the notes of what runs it."""
+        record = self.recompute()
+        # a microbatch that fits as it is was train_step's choice, not a budget in the wrong unit
+        idle = idle_budget(record.stats) if record is not None and self.microbatches == 1 else None
+        lines = [idle] if idle else []
+        lines += [f"runs at: {self.runs_at}"] if self.runs_at else []
         ran = [r.name for r in self.passes if r.by_default]
         if not ran and not self.skipped:
             return lines + self.notes
@@ -64,6 +93,9 @@ class Report:
     def to_markdown(self) -> str:
         rows = self.rows()
         lines = [f"# graphopt summary: {self.model}", ""]
+        headline = self.headline()
+        if headline:
+            lines += [headline, ""]
         lines.append("| " + " | ".join(rows[0]) + " |")
         lines.append("|" + "---|" * len(rows[0]))
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
@@ -75,13 +107,40 @@ class Report:
     def to_text(self) -> str:
         rows = self.rows()
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        widths[-1] = min(widths[-1], 70)
-        fmt = lambda row: "  ".join(c[:w].ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-        sep = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(rows[0]), sep] + [fmt(r) for r in rows[1:]] + self.notes_text())
+        widths[-1] = min(widths[-1], STATS_WIDTH)
+        fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+        lines = [fmt(rows[0]), "  ".join("-" * w for w in widths)]
+        for row in rows[1:]:
+            first, *more = _wrap(row[-1], widths[-1])
+            lines += [fmt(row[:-1] + [first])] + [fmt([""] * (len(row) - 1) + [m]) for m in more]
+        headline = self.headline()
+        return "\n".join(([headline] if headline else []) + lines + self.notes_text())
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def idle_budget(stats: dict) -> str | None:
+    """What recompute's stats say of a budget the step fits as it is, or None: the warning the
+    pass gives and the report's note, in one sentence."""
+    peak, budget = stats["peak_before_bytes"], stats["budget_bytes"]
+    if peak > stats["planned_for_bytes"]:
+        return None
+    return (f"budget_gb={budget / GB:g} ({size_text(budget)}) is at or above the step's predicted peak of "
+            f"{size_text(peak)}: nothing to recompute; budget_gb is in GB = 10**9 bytes (the peak is "
+            f"budget_gb={peak / GB:.3g})")
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """Stats text as lines of up to width characters, broken between stats only: a stat longer
+    than width has a line of its own, whole."""
+    lines: list[str] = []
+    for part in text.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) < width:  # and its trailing comma
+            lines[-1] += ", " + part
+        else:
+            lines.append(part)
+    return [line + ("," if k < len(lines) - 1 else "") for k, line in enumerate(lines)]
 
 
 def _stats_text(stats: dict) -> str:

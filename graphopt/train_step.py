@@ -35,7 +35,7 @@ from .analysis.fake_state import fake_run
 from .analysis.memory import GB, budget_text, measure_peak, predict_peak, size_text
 from .analysis.optimizer_memory import check_optimizer, optimizer_memory
 from .api import optimize
-from .errors import BudgetError, OptionError, TraceError, UsageError
+from .errors import BudgetError, BudgetWarning, OptionError, TraceError, UsageError
 from .passes.recompute.recompute_pass import Recompute
 from .runtime.guards import describe, signature
 from .batch import batch_rows, batched
@@ -108,6 +108,7 @@ class TrainStep:
             except BudgetError as e:
                 raise self._refusal(k, self._least(k, e), e, f" in {k} microbatch{'es' if k > 1 else ''}") from None
         self.report = self.graph.graphopt_report
+        self.report.microbatches = self.microbatches
         self._warn_batchnorm()
         self.report.notes += [f"train_step: {self._shape_text()}", *self.notes]
 
@@ -233,8 +234,11 @@ class TrainStep:
         args, kwargs = self._microbatch(k)
         options = dict(self._options)
         optimizer = options.pop("optimizer", None)
-        graph = optimize(self.model, args, example_kwargs=kwargs, budget_gb=budget_gb, optimizer=optimizer,
-                         accumulate=k > 1, **options)
+        with warnings.catch_warnings():
+            if k > 1 or budget_gb != self.budget_gb:  # train_step's own search: it says nothing of the user's budget
+                warnings.simplefilter("ignore", BudgetWarning)
+            graph = optimize(self.model, args, example_kwargs=kwargs, budget_gb=budget_gb, optimizer=optimizer,
+                             accumulate=k > 1, **options)
         return graph, self._predicted_peak(graph, args, kwargs, k, optimizer)
 
     def _predicted_peak(self, graph, args, kwargs, k: int, optimizer) -> int:

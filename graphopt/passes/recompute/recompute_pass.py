@@ -56,8 +56,9 @@ from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memor
 from ...analysis.saved import params_read, record_step
 from ...analysis.segments import SegmentCall
 from ...dump import note
-from ...errors import BudgetError
+from ...errors import BudgetError, BudgetWarning, warn
 from ...plot import memory_csv, memory_png
+from ...report import idle_budget
 from ...runtime.chunked_loss import ChunkedHeadLoss, chunk_rows
 from ...trace import annotate
 from ...trial import trial_run
@@ -231,12 +232,14 @@ class Recompute(Pass):
         if not ctx.train:
             if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
+            _warn_idle(stats)
             return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes})
         chunk = _size_chunks(gm, ctx, target, self.optimizer, self.accumulate)
         if chunk is not None:
             stats["loss_chunk_rows"] = chunk
             before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
+            _warn_idle(stats)
             written, before = self._write_in_place(gm, ctx, inputs, None, None, before)
             return PassResult(gm, chunk is not None or bool(written),
                               {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0,
@@ -354,11 +357,13 @@ class Recompute(Pass):
         detail = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items())
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         how = "as measured" if measured else "by the estimate"
+        # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
+        batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
+                                      "fit the budget, gradients accumulated),")
         return BudgetError(
             f"budget_gb={budget_gb:g} ({size_text(int(budget_gb * GB))}) is below the {size_text(minimum)} that "
             f"{what} needs at least, {how} ({detail}). Raise budget_gb to {budget_text(minimum)} or more, "
-            "halve activations with "
-            "precision='bf16', or split the model over devices with stages=N.",
+            f"halve activations with precision='bf16',{batch} or split the model over devices with stages=N.",
             min_budget_gb=minimum / GB, breakdown=parts,
         )
 
@@ -476,6 +481,14 @@ def _measure(gm: torch.fx.GraphModule, ctx: PassContext, accumulate: bool) -> in
     """Measured peak of one real training step; the model's buffers, gradients and RNG as before."""
     with trial_run(gm, (ctx.example_args, ctx.example_kwargs)):
         return measure_step(gm, ctx.example_args, ctx.example_kwargs, accumulate=accumulate)
+
+
+def _warn_idle(stats: dict) -> None:
+    """BudgetWarning where the step as traced fits the budget: a budget that asks for nothing is
+    most often one in the wrong unit."""
+    idle = idle_budget(stats)
+    if idle:
+        warn(idle, BudgetWarning)
 
 
 def _pictures(curves: dict, budget_bytes: int) -> dict:
