@@ -118,9 +118,24 @@ def test_zoo_fits_or_says_why(name, f):
         opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb)
     except graphopt.BudgetError as err:
         assert err.min_budget_gb > budget_gb
+        _assert_least_fits(name, err.min_budget_gb, lambda b: graphopt.optimize(
+            model, args, example_kwargs=kwargs, budget_gb=b), args, kwargs)
         return
     assert measure_step(opt, args, kwargs) <= budget_gb * GB
     assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-5)
+
+
+_LEAST_FITS: set[tuple[str, float]] = set()  # (model, least budget) already shown to fit
+
+
+def _assert_least_fits(key, least_gb, plan, args, kwargs):
+    """A refusal is only as good as the least budget it names: 1% above it, plan(budget_gb) makes a
+    plan whose step measures within it. Checked once per key and least: each check costs a plan and a step."""
+    if (key, least_gb) in _LEAST_FITS:
+        return
+    budget_gb = least_gb * 1.01
+    assert measure_step(plan(budget_gb), args, kwargs) <= budget_gb * GB
+    _LEAST_FITS.add((key, least_gb))
 
 
 def test_bad_headroom_is_an_option_error():
@@ -169,13 +184,19 @@ def test_calibration_tightens_a_plan_the_estimate_lets_over_budget():
     # No headroom: plans aim at the budget itself, so the estimate's few percent of error
     # can put the real step over; calibration must then re-plan under a measured budget.
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+
+    def plan(budget_gb):
+        spec = f"normalize,cse,dce,recompute{{budget_gb={budget_gb} headroom=0 calibrate=true}}"
+        return graphopt.optimize(model, args, example_kwargs=kwargs, passes=spec)
+
     for f in (0.3, 0.5, 0.7):
         budget_gb = _budget(model, args, kwargs, f)
-        spec = f"normalize,cse,dce,recompute{{budget_gb={budget_gb} headroom=0 calibrate=true}}"
         try:
-            opt = graphopt.optimize(model, args, example_kwargs=kwargs, passes=spec)
+            opt = plan(budget_gb)
         except graphopt.BudgetError as err:
             assert "as measured" in str(err) or "by the estimate" in str(err)
+            assert err.min_budget_gb > budget_gb
+            _assert_least_fits("calibrated gpt", err.min_budget_gb, plan, args, kwargs)
             continue
         assert measure_step(opt, args, kwargs) <= budget_gb * GB
 
