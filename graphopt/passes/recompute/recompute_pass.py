@@ -3,7 +3,8 @@
 Algorithm:
   1. Estimate the step's peak as it is (memory.estimate_peak: the step run on FakeTensors,
      with optimizer= its state and step() too). A chunked linear head and loss (fuse) takes
-     the largest chunk of rows that fits (_size_chunks). Within budget: nothing more to do.
+     the largest chunk of rows that fits (_size_chunks). Within budget: nothing more to do,
+     and where the step as traced was already within it, a BudgetWarning (a budget in the wrong unit?).
      In inference only the forward runs and recompute cannot help: over budget is an error.
   2. Attribute reads move to the top, and state writes that read no computed value move up
      (they would cut segments). Per node,
@@ -465,7 +466,7 @@ class _Search:
 
     def _decide(self, plan) -> None:
         """Per node: kept, recomputed, or in a segment but past where its rerun stops; noted on
-        it. By position, not name: undoing a rewrite renames nodes."""
+        it. By position: undoing a rewrite makes new nodes (under the same names)."""
         self.decision = {}
         for s in plan.segments:
             end = rerun_end(self.saves, s.start, s.stop)
