@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/torchvision $(TORCHVISION)
 	touch $(STAMP)
 
+# The demo's run written down with its date and machine: the record the README quotes.
 demo: $(STAMP)
-	$(PY) -m graphopt demo
+	$(PY) -m graphopt demo --record docs/demo.md
 
 # Within 20 minutes on a 2-core machine: unit and property tests, the real-model corpus's quick
 # subset (tests/corpus/__init__.py: QUICK, REGRESSIONS), then the benchmark suite

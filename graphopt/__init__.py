@@ -1,22 +1,24 @@
 """graphopt: graph-rewriting passes that make PyTorch training fit and run faster.
 
-    opt = graphopt.optimize(model, example_inputs, passes="normalize,cse,dce", dump_dir="dump")
-    opt(x).loss.backward()
+    print(graphopt.measure_step(model, (x,), {"labels": y}))     # the step's peak and time
+    opt = graphopt.optimize(model, (x,), example_kwargs={"labels": y}, budget_gb=8, dump_dir="dump")
+    opt(x, labels=y).loss.backward()
 
-See README.md for the passes, the dumps and the architecture.
+See README.md to start, and docs/ for the passes, the dumps and the architecture.
 """
 from .analysis.meta import TensorInfo, tensor_info
 from .api import DEFAULT_PASSES, optimize
 from .errors import BudgetError, GraphoptError, ModeError, OptionError, TraceError, UsageError, VerifyError
 from .passes import available as available_passes
 from .report import PassRecord, Report
+from .runtime.step import StepMeasure, measure_step
 from .trace import trace
 from .train_step import TrainStep, train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "train_step", "TrainStep", "trace", "available_passes", "DEFAULT_PASSES",
+    "optimize", "train_step", "TrainStep", "measure_step", "StepMeasure", "trace", "available_passes", "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
     "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "ModeError",
 ]

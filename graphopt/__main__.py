@@ -12,7 +12,7 @@ from .analysis.memory import GB, size_text
 from .api import DEFAULT_PASSES, optimize
 from .before_after import measure
 from .cli_text import cli_text, graphopt_warnings
-from .demo import run_demo
+from .demo import dumps_line, record_markdown, run_demo
 from .errors import GraphoptError, UsageError
 from .passes import available
 from .precisions import PRECISIONS
@@ -21,19 +21,39 @@ from .trial import trial_run
 
 
 def _demo(args) -> int:
+    if args.record:
+        _check_writable(args.record)
     result, status = run_demo(args.dump, device=args.device)
-    print()
-    print(result.to_text())
+    table = result.to_text()
     optimized = result.optimized
     if optimized is not None:
-        print(f"\nbudget {size_text(result.budget_bytes)}: measured {size_text(optimized.peak_bytes)} "
-              f"({optimized.peak_bytes / result.budget_bytes:.2f} of it) against eager's "
-              f"{size_text(result.eager.peak_bytes)}, step time x{optimized.step_ms / result.eager.step_ms:.2f}")
+        table += (f"\n\nbudget {size_text(result.budget_bytes)}: measured {size_text(optimized.peak_bytes)} "
+                  f"({optimized.peak_bytes / result.budget_bytes:.2f} of it) against eager's "
+                  f"{size_text(result.eager.peak_bytes)}, step time x{optimized.step_ms / result.eager.step_ms:.2f}")
+    print()
+    print(table)
     for line in result.over_budget():
         print(f"graphopt: error: {line.label} measured {size_text(line.peak_bytes)}, over the budget", file=sys.stderr)
-    print(f"written: {', '.join(str(p) for p in _written(args.dump))} (and one .py/.txt/.diff per pass that "
-          "changed the graph)")
+    print(dumps_line(result, args.dump))
+    written = _written(args.dump)
+    if args.record:
+        with open(args.record, "w") as f:
+            f.write(record_markdown(result, table, args.dump,
+                                    command=f"python -m graphopt demo --record {args.record}"))
+        written.append(args.record)
+    print(f"total {result.seconds:.0f} s; written: {', '.join(written)}")
     return status
+
+
+def _check_writable(path: str) -> None:
+    """UsageError before the demo's minutes of work when --record could not be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot make the folder of --record {path}: {e.strerror}; give a path you can write.") from None
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise UsageError(f"cannot write --record {path}: give the path of a markdown file in a folder you can write.")
 
 
 def _written(directory) -> list[str]:
@@ -132,6 +152,9 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="a Llama-shaped model's training step, eager against graphopt, measured")
     demo.add_argument("--dump", default="graphopt-dump", help="output directory (default: ./graphopt-dump)")
     demo.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    demo.add_argument("--record", default=None, metavar="FILE.md",
+                      help="also write the run down as markdown: the table, date, machine, torch version, total time "
+                           "(make demo writes docs/demo.md)")
     demo.set_defaults(run=_demo)
 
     opt = sub.add_parser("optimize", help="optimize your own model",

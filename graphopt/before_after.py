@@ -37,6 +37,8 @@ class BeforeAfter:
     lines: list[Line] = field(default_factory=list)
     timelines: dict[str, list[int]] = field(default_factory=dict)  # label -> live bytes over the step
     reports: dict[str, str] = field(default_factory=dict)  # label -> the pass report as markdown
+    dumped: str | None = None  # the label whose pass-by-pass dumps measure() wrote
+    seconds: float | None = None  # the whole run's wall time, where its caller keeps it
 
     @property
     def eager(self) -> Line:
@@ -90,6 +92,9 @@ class BeforeAfter:
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows[1:]]
         lines += ["", "Measured in one run: peaks are live tensor bytes (CPU) or the allocator's peak (CUDA); "
                   "times are medians of steps run in turns. memory.png draws memory over each step."]
+        if self.dumped:
+            lines += ["", f"The pass-by-pass dumps beside this file (NN-pass.py, .txt, .diff) are the {self.dumped!r} "
+                      "configuration's; the others are in the table only."]
         for label, report in self.reports.items():
             lines += ["", f"## passes: {label}", "", report.split("\n", 2)[-1]]
         return "\n".join(lines) + "\n"
@@ -134,11 +139,12 @@ def measure(model: torch.nn.Module, args: tuple, kwargs: dict | None, configs: d
     """Eager and each configuration of optimize() (label -> its options) on the same step:
     optimized, then measured (peak, memory over the step, time) beside eager in one run. A
     configuration graphopt refuses is a line saying why. dump_dir: the first configuration's
-    pass-by-pass dumps go there."""
+    pass-by-pass dumps go there (result.dumped names it)."""
     from .api import optimize
 
     kwargs = kwargs or {}
     result = BeforeAfter(name or type(model).__name__, budget_bytes)
+    result.dumped = next(iter(configs), None) if dump_dir else None
     modules = {"eager": model}
     result.lines.append(Line("eager", {}))
     for k, (label, options) in enumerate(configs.items(), 1):

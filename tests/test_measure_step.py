@@ -1,0 +1,73 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphopt
+from graphopt.analysis.memory import GB
+from graphopt.runtime.step import step_peak
+from graphopt.testing import zoo
+
+
+def test_the_peak_is_step_peaks():
+    model, args, kwargs = zoo.gpt(batch=4, seq=32)
+    measured = graphopt.measure_step(model, args, kwargs)
+    assert isinstance(measured, graphopt.StepMeasure)
+    assert measured.peak_bytes == step_peak(model, model, args, kwargs)
+    # the peak counts the parameters, as budget_gb does
+    assert measured.peak_bytes > sum(p.numel() * p.element_size() for p in model.parameters())
+    assert measured.peak_gb == measured.peak_bytes / GB and measured.step_ms > 0
+    assert "MB" in str(measured) and "ms" in str(measured)
+
+
+def test_an_optimized_graph_measured_under_its_budget():
+    model, args, kwargs = zoo.gpt(batch=8, seq=64)
+    eager = graphopt.measure_step(model, args, kwargs)
+    fixed = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget_gb = (fixed + 0.5 * (eager.peak_bytes - fixed)) / GB
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb)
+    measured = graphopt.measure_step(opt, args, kwargs)
+    assert measured.peak_bytes == step_peak(opt, model, args, kwargs)
+    assert measured.peak_gb <= budget_gb < eager.peak_gb
+
+
+def test_a_lazy_graph_is_measured_after_it_is_built():
+    model, args, kwargs = zoo.gpt(batch=4, seq=32)
+    lazy = graphopt.optimize(model)
+    measured = graphopt.measure_step(lazy, args, kwargs)
+    assert lazy.graph_module is not None
+    assert measured.peak_bytes == step_peak(lazy.graph_module, model, args, kwargs)
+
+
+def test_measuring_trains_nothing():
+    model, args, _ = zoo.convnet(batch=4)
+    model.train()
+    target = torch.randint(0, 10, (4,))
+    model.fc.weight.grad = torch.ones_like(model.fc.weight)
+    grad = model.fc.weight.grad
+    stats = {name: b.clone() for name, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    graphopt.measure_step(model, args, loss_fn=lambda out, x: F.cross_entropy(out, target))
+    assert model.fc.weight.grad is grad and bool((grad == 1).all())
+    assert all(torch.equal(b, stats[name]) for name, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_an_output_without_a_loss_needs_loss_fn():
+    model, (x,), _ = zoo.mlp()
+    with pytest.raises(graphopt.UsageError, match=r"loss_fn="):
+        graphopt.measure_step(model, (x,))
+    loss_fn = lambda out, x: out.pow(2).mean()  # noqa: E731
+    measured = graphopt.measure_step(model, x, loss_fn=loss_fn)  # one tensor stands for (x,)
+    assert measured.peak_bytes == step_peak(model, model, (x,), None, loss_fn)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda m, x: graphopt.measure_step(lambda x: x, (x,)), "torch.nn.Module"),
+    (lambda m, x: graphopt.measure_step(m, [[x]].__iter__()), "tuple of forward"),
+    (lambda m, x: graphopt.measure_step(m, (x,), [x]), "dict of forward"),
+    (lambda m, x: graphopt.measure_step(m, (x,), repeats=0), "1 or more"),
+])
+def test_bad_arguments_say_what_to_give(call, words):
+    model, (x,), _ = zoo.mlp()
+    with pytest.raises(graphopt.UsageError, match=words):
+        call(model, x)
