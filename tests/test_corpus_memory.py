@@ -2,7 +2,8 @@
 activations outweigh parameters: the predicted peak of the user's step is within 3% of the
 measured one (never under by more than 1%) without recompute and at every plan; a plan at
 f = 0.3, 0.5, 0.7 of the activations measures within its budget or is refused with a least
-budget above it; and the budget the model's own checkpointing meets is never refused, and at
+budget above it, 1% above which a plan measures within its budget (the first refusal's least,
+once per model); and the budget the model's own checkpointing meets is never refused, and at
 it graphopt's step runs no more matmul and convolution FLOPs than own's (where the sweep
 measured it: the auto frontend).
 
@@ -54,12 +55,17 @@ def test_gpt2_with_other_passes_holds_its_budget(passes, precision, monkeypatch)
 
     case = memory_case("hf_gpt2")
     budget = 0.6 * user_step_peak(case.model, case)
+
+    def plan(budget):
+        return graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget / GB,
+                                 passes=f"normalize,cse,dce,{passes}", precision=precision)
+
     try:
-        opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=budget / GB,
-                                passes=f"normalize,cse,dce,{passes}", precision=precision)
+        opt = plan(budget)
     except graphopt.BudgetError as e:
         assert e.min_budget_gb * GB > budget
-        return
+        budget = 1.01 * e.min_budget_gb * GB  # the least it names is a budget it meets
+        opt = plan(budget)
     assert user_step_peak(opt, case) <= budget
 
 
@@ -89,7 +95,8 @@ def test_an_lstm_holds_its_budget_or_says_it_cannot(f):
         opt = graphopt.optimize(model, (x,), budget_gb=budget / GB)
     except graphopt.BudgetError as e:
         assert f < 1 and e.min_budget_gb * GB > budget
-        return
+        budget = 1.01 * e.min_budget_gb * GB  # the least it names is a budget it meets
+        opt = graphopt.optimize(model, (x,), budget_gb=budget / GB)
     assert measure_step(opt, (x,)) <= budget
 
 

@@ -24,6 +24,7 @@ from .case import Case
 
 MEMORY_BATCH = 8
 FRACTIONS = (0.3, 0.5, 0.7)
+ABOVE_LEAST = "1% above the least"  # the label of the point that holds a refusal to its least budget
 WITHIN = 0.03  # the predicted peak is within 3% of the measured one
 UNDER = 0.01   # and never under it by more than 1%
 
@@ -135,13 +136,18 @@ def own_checkpointing_step(case: Case, flops: bool = True) -> tuple[str | None, 
 def memory_points(case: Case, fractions=FRACTIONS, own: bool = True, frontend: str = "auto",
                   flops: bool = False) -> list[Point]:
     """No recompute, then budgets of parameters + gradients + f of the rest of the predicted
-    step, then the measured peak of the model's own checkpointing (and, with flops, the FLOPs
-    of both steps at that peak)."""
+    step, 1% above the least budget the first of them refused names (if one is), then the
+    measured peak of the model's own checkpointing (and, with flops, the FLOPs of both steps
+    at that peak)."""
     first, plain = optimized_point(case, "no recompute", None, frontend)
     points = [first]
     estimate = estimate_peak(plain, placeholder_values(plain, case.args, case.kwargs))
     budgets = [(f"f={f}", int(budget_at(estimate, f) * GB)) for f in fractions]
     points += [optimized_point(case, label, budget, frontend)[0] for label, budget in budgets]
+    refused = next((p for p in points if p.refused), None)
+    if refused:  # the first refusal's least only: a plan and a measured step more per model, not per fraction
+        points.append(optimized_point(case, f"{ABOVE_LEAST} ({refused.label}'s)", int(refused.least * 1.01),
+                                      frontend)[0])
     if own:
         name, own_peak, own_flops = own_checkpointing_step(case, flops)
         if name:
@@ -155,12 +161,15 @@ def memory_points(case: Case, fractions=FRACTIONS, own: bool = True, frontend: s
 def point_problems(point: Point) -> list[str]:
     """What breaks the memory promise at one point: a fitted plan over its budget, an estimate
     off by more than WITHIN or under by more than UNDER, a refusal whose least budget is not
-    above the budget asked for, or of the budget the model's own checkpointing meets; at that
-    budget, a step that runs more matmul and convolution FLOPs than own's."""
+    above the budget asked for, or of 1% above a least budget named, or of the budget the model's
+    own checkpointing meets; at that budget, a step that runs more matmul and convolution FLOPs
+    than own's."""
     problems = []
     if point.refused:
         if point.least is None or point.least <= point.budget:
             problems.append(f"{point.label}: refused although its least budget {point.least} <= {point.budget}")
+        if point.label.startswith(ABOVE_LEAST):
+            problems.append(f"{point.label}: the {point.budget} bytes are refused too: {point.refused}")
         if point.label.startswith("own"):
             problems.append(f"{point.label}: graphopt refuses the {point.budget} bytes the model's own "
                             f"checkpointing meets; its least is {point.least}")
