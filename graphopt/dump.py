@@ -4,10 +4,11 @@
       00-trace.py  00-trace.txt      the traced graph (the base of the first diff)
       kk-name.py                     code of the GraphModule after pass kk, with source locations
       kk-name.txt                    node table: shape, dtype, bytes and every pass's annotations
-      kk-name.diff                   unified diff of kk-name.py against the previous dump
+      kk-name.diff                   unified diff of kk-name.py against the previous dump: the
+                                     graph's code, then its recompute segments' code
       kk-name.*                      what the pass adds (recompute: memory.png)
       summary.md                     a row per pass (also for passes that changed nothing)
-      kernels/                       generated kernel sources
+      kernels/                       generated kernel sources, when a pass generated any
       final.svg                      the final graph, when pydot and Graphviz are installed
 
 Passes write their per-node decisions with `note(node, key, value)`; the node table shows them.
@@ -41,10 +42,20 @@ def notes(node: torch.fx.Node) -> dict:
     return node.meta.get(NOTES, {})
 
 
-def graph_code(gm: torch.fx.GraphModule) -> str:
-    """Readable code of gm, its submodules and its recompute segments, with source locations."""
-    segments = segment_code(gm)
-    return gm.print_readable(print_output=False) + (f"\n\n{segments}" if segments else "")
+def graph_code(gm: torch.fx.GraphModule) -> tuple[str, str]:
+    """Readable code, with source locations: (of gm and its submodules, of its recompute segments)."""
+    return gm.print_readable(print_output=False), segment_code(gm)
+
+
+def code_diff(before: tuple[str, str], after: tuple[str, str], name: str) -> str:
+    """Unified diff of the graph's code, then of its recompute segments' code, each against its
+    own: one diff of the whole text would match a segment's body with the lines it took from
+    the graph and show the rest of the graph as moved."""
+    parts = []
+    for (old, new), what in zip(zip(before, after), ("", " (recompute segments)")):
+        parts += difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                      fromfile=f"before{what}", tofile=f"after {name}{what}")
+    return "".join(parts)
 
 
 def node_table(gm: torch.fx.GraphModule) -> str:
@@ -107,22 +118,18 @@ class Dumper:
             for old in self.dir.glob("[0-9][0-9]-*"):
                 old.unlink()
             shutil.rmtree(self.dir / "kernels", ignore_errors=True)
-        self.kernels = self.dir / "kernels"
-        self.kernels.mkdir(parents=True, exist_ok=True)
-        self._previous = ""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.kernels = self.dir / "kernels"  # made with its first kernel: no empty folder in a dump
+        self._previous = ("", "")
 
     def graph(self, index: int, name: str, gm: torch.fx.GraphModule) -> None:
         stem = self.dir / f"{index:02d}-{_slug(name)}"
-        code = graph_code(gm)
-        stem.with_suffix(".py").write_text(code)
+        parts = graph_code(gm)
+        stem.with_suffix(".py").write_text(parts[0] + (f"\n\n{parts[1]}" if parts[1] else ""))
         stem.with_suffix(".txt").write_text(node_table(gm))
         if index > 0:
-            diff = difflib.unified_diff(
-                self._previous.splitlines(keepends=True), code.splitlines(keepends=True),
-                fromfile="before", tofile=f"after {name}",
-            )
-            stem.with_suffix(".diff").write_text("".join(diff))
-        self._previous = code
+            stem.with_suffix(".diff").write_text(code_diff(self._previous, parts, name))
+        self._previous = parts
 
     def artifacts(self, index: int, name: str, files: dict) -> None:
         for rel, content in files.items():
@@ -131,6 +138,7 @@ class Dumper:
             if content is None:
                 continue
             if rel.startswith("kernels/"):
+                self.kernels.mkdir(exist_ok=True)
                 path = self.kernels / _slug(rel[len("kernels/"):])
             else:
                 path = self.dir / f"{index:02d}-{_slug(name)}.{_slug(rel)}"

@@ -6,11 +6,25 @@ import io
 from .analysis.memory import GB, Estimate
 
 
+# How analysis/memory.py's step names what backward allocates: a node's backward, a segment's rerun.
+BACKWARD_EVENTS = ("backward", "recompute")
+
+
+def backward_start(timeline: list[tuple[str, int]]) -> int | None:
+    """Index of the first backward event of an Estimate's timeline; None when backward never
+    allocates (inference). Before it come the resident state (parameters, inputs, ...) and the forward."""
+    return next((k for k, (event, _) in enumerate(timeline) if event.startswith(BACKWARD_EVENTS)), None)
+
+
 def memory_csv(curves: dict[str, Estimate]) -> str:
-    """Every event of each curve: live bytes after it."""
-    lines = ["curve,index,event,live_bytes"]
+    """Every event of each curve: live bytes after it, and its phase (forward until the
+    backward_start, the dotted line of memory_png; backward from it)."""
+    lines = ["curve,index,event,live_bytes,phase"]
     for label, estimate in curves.items():
-        lines += [f"{label},{k},{event.replace(',', ';')},{live}" for k, (event, live) in enumerate(estimate.timeline)]
+        start = backward_start(estimate.timeline)
+        lines += [f"{label},{k},{event.replace(',', ';')},{live},"
+                  f"{'backward' if start is not None and k >= start else 'forward'}"
+                  for k, (event, live) in enumerate(estimate.timeline)]
     return "\n".join(lines) + "\n"
 
 
@@ -18,9 +32,8 @@ def memory_png(curves: dict[str, Estimate], budget_bytes: int | None = None) -> 
     """Predicted live memory through the step, one line per curve; None without matplotlib."""
     series = {}
     for label, estimate in curves.items():
-        start = next((k for k, (event, _) in enumerate(estimate.timeline)
-                      if not event.startswith(("forward", "free", "parameters", "buffers", "optimizer"))), None)
-        series[f"{label} (peak {estimate.peak_bytes / GB * 1e3:.2f} MB)"] = ([b for _, b in estimate.timeline], start)
+        series[f"{label} (peak {estimate.peak_bytes / GB * 1e3:.2f} MB)"] = (
+            [b for _, b in estimate.timeline], backward_start(estimate.timeline))
     return _chart(series, budget_bytes, "predicted live memory (MB, 10^6 bytes)",
                   "progress through the step: forward, then backward (dotted: backward starts)")
 

@@ -11,6 +11,11 @@ calls the registry does not know. Two exceptions: BatchNorm in training becomes,
 batch_norm_once (runtime/checkpoint.py), which updates the running statistics on its first run
 only; and an in-place elementwise op writing a tensor the segment itself made (not an input of
 it, nor a view of one) writes the same values on each run.
+
+Names stay stable, so the dumps' diff of a plan shows only what it changed: a segment's nodes
+keep their names in its GraphModule, the main graph reads each value it uses from the segment
+under the name of the node that made it, only the call is new (recompute_segment_k), and
+undoing a segment gives its nodes their names back.
 """
 from __future__ import annotations
 
@@ -88,7 +93,7 @@ def _segment_module(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]):
     inputs = [i for i in used if i.op != "get_attr"]
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     graph = torch.fx.Graph()
-    env = {}
+    env, names = {}, {}
     for i in used:
         env[i] = graph.get_attr(i.target) if i.op == "get_attr" else graph.placeholder(i.name)
         env[i].meta = dict(i.meta)
@@ -96,12 +101,13 @@ def _segment_module(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]):
         once = _once_form(n, gm) if state_effect(n, gm) else None
         if once is None:
             env[n] = graph.node_copy(n, lambda x: env[x])
-            continue
-        target, args, kwargs = once
-        remap = lambda a: torch.fx.map_arg(a, lambda x: env[x])  # noqa: E731
-        env[n] = graph.call_function(target, remap(args), remap(kwargs))
-        env[n].meta = {**n.meta, "recompute_original": (n.op, n.target, remap(n.args), remap(n.kwargs))}
-        env[n].name = n.name
+        else:
+            target, args, kwargs = once
+            remap = lambda a: torch.fx.map_arg(a, lambda x: env[x])  # noqa: E731
+            env[n] = graph.call_function(target, remap(args), remap(kwargs))
+            env[n].meta = {**n.meta, "recompute_original": (n.op, n.target, remap(n.args), remap(n.kwargs))}
+        names[env[n]] = n.name
+    _rename(graph, names)
     graph.output(tuple(env[o] for o in outputs))
     # Root gm: call_module and get_attr targets resolve to the same module objects.
     return torch.fx.GraphModule(gm, graph, class_name="RecomputeSegment"), inputs, outputs
@@ -127,14 +133,18 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         with gm.graph.inserting_after(last):
             draws = any(may_draw(n, gm) for n in nodes)
             call = gm.graph.call_function(RecomputeSegment(k, module, selective[k], draws), tuple(inputs))
+        items = {}
         with gm.graph.inserting_after(call):
             for j, out in enumerate(outputs):
                 item = gm.graph.call_function(operator.getitem, (call, j))
                 # its own notes: the pass marks it a boundary, its copy in the segment is recomputed or not
                 item.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in out.meta.items()}
                 out.replace_all_uses_with(item, delete_user_cb=lambda user, inside=inside: user not in inside)
+                items[item] = out.name
         for n in reversed(nodes):
             gm.graph.erase_node(n)
+        # the names are free only now that the segment's nodes are gone
+        _rename(gm.graph, {call: f"recompute_segment_{k}", **items})
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -147,21 +157,39 @@ def inline_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         seg = call.target.module
         env = dict(zip([p for p in seg.graph.nodes if p.op == "placeholder"], call.args))
         env.update((n, attrs[n.target]) for n in seg.graph.nodes if n.op == "get_attr")
+        copies = {}
         with gm.graph.inserting_before(call):
             for node in seg.graph.nodes:
                 if node.op == "output":
                     results = [env[o] for o in node.args[0]]
-                elif "recompute_original" in node.meta:  # batch_norm_once: back to the original call
+                    continue
+                if "recompute_original" in node.meta:  # batch_norm_once: back to the original call
                     op, target, args, kwargs = node.meta["recompute_original"]
                     remap = lambda a, env=env: torch.fx.map_arg(a, lambda x: env[x])  # noqa: E731
-                    env[node] = gm.graph.create_node(op, target, remap(args), remap(kwargs), name=node.name)
+                    env[node] = gm.graph.create_node(op, target, remap(args), remap(kwargs))
                     env[node].meta = {k: v for k, v in node.meta.items() if k != "recompute_original"}
                 elif node.op not in ("placeholder", "get_attr"):
                     env[node] = gm.graph.node_copy(node, lambda x, env=env: env[x])
+                else:
+                    continue
+                copies[env[node]] = node.name
         for item in list(call.users):
             item.replace_all_uses_with(results[item.args[1]])
             gm.graph.erase_node(item)
         gm.graph.erase_node(call)
+        # the getitems that held the outputs' names are gone: every node gets its name back
+        _rename(gm.graph, copies)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _rename(graph: torch.fx.Graph, names: dict[torch.fx.Node, str]) -> None:
+    """Give each node its name in `names` where no other node of the graph has it. fx never hands
+    out a name twice, even one whose node was erased, so the name is set on the node directly."""
+    taken = {n.name for n in graph.nodes}
+    for node, name in names.items():
+        if node.name != name and name not in taken:
+            taken.discard(node.name)
+            node.name = name
+            taken.add(name)
