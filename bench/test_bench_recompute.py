@@ -9,15 +9,22 @@ Figures are printed at the end of the run (bench/conftest.py).
 """
 import pytest
 
+import graphopt
 import recompute_figures as rf
 from conftest import rounds
+from graphopt.analysis.memory import GB, measure_step
+
+# The memory promise (tests/corpus/memory.py): within 3% of the measured peak, never under by more than 1%.
+WITHIN_PCT, UNDER_PCT = 3.0, 1.0
 
 
 @pytest.mark.parametrize("name", rf.SIZES)
 def test_estimate_error(benchmark, quick, figures, name):
     if quick and name != "mlp":
         pytest.skip("quick mode runs one model")
-    figures(device=rf.DEVICE, **benchmark.pedantic(lambda: rf.estimate_error(name), rounds=1, iterations=1))
+    row = benchmark.pedantic(lambda: rf.estimate_error(name), rounds=1, iterations=1)
+    figures(device=rf.DEVICE, **row)
+    assert -UNDER_PCT <= row["error_pct"] <= WITHIN_PCT, row
 
 
 @pytest.mark.parametrize("f", [0.3, 0.5, 0.7])
@@ -29,12 +36,20 @@ def test_recompute_budgets(benchmark, quick, figures, name, f):
     figures(device=rf.DEVICE, **row)
     if row["result"] == "fits":
         assert row["measured_over_budget"] <= 1.0
+        return
+    # refused: 1% above the least budget it names a plan measures within it
+    model, args, kwargs = rf.build(name)
+    least_gb = row["min_budget_mb"] / 1e3
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=least_gb * 1.01)
+    assert measure_step(opt, args, kwargs) <= least_gb * 1.01 * GB
 
 
 def test_recompute_at_hand_checkpointing_memory(benchmark, quick, figures):
     if quick:
         pytest.skip("full mode only")
-    figures(device=rf.DEVICE, **benchmark.pedantic(lambda: rf.at_hand_memory(9), rounds=1, iterations=1))
+    row = benchmark.pedantic(lambda: rf.at_hand_memory(9), rounds=1, iterations=1)
+    figures(device=rf.DEVICE, **row)
+    assert row["measured_over_hand"] <= 1.0, row  # the hand-written plan's peak is the budget
 
 
 @pytest.mark.parametrize("nodes", [200, 1000, 2000, 5000])
