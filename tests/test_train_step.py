@@ -7,8 +7,9 @@ masks than the full batch): max |train_step - eager| / max |eager| per parameter
 on the corpus by verify.compare, where a gradient that is rounding noise in float32 eager itself
 is held to a float64 step instead. `make test` runs one corpus model (GPT-2); `make test-real`
 (`-m realmodels --corpus=all`) every one, at a budget a quarter of the way from parameters +
-gradients to eager's measured peak (BatchNorm models: memory and the warning only), on the
-example and on a second batch drawn apart from it (against eager on the same microbatches).
+gradients to eager's measured peak, or where that is refused, 1% above the least budget the
+refusal names (BatchNorm models: memory and the warning only), on the example and on a second
+batch drawn apart from it (against eager on the same microbatches).
 """
 import warnings
 
@@ -422,7 +423,9 @@ def test_corpus_train_step_holds_a_quarter_budget(train_step_model):
             step = graphopt.train_step(model, args, kwargs, loss_fn=loss_fn, budget_gb=budget / GB)
         except graphopt.BudgetError as e:
             assert "any number of equal microbatches" in str(e) and e.min_budget_gb * GB > budget, str(e)
-            return
+            budget = 1.01 * e.min_budget_gb * GB  # the least it names is a budget it meets, and all below holds there
+            caught.clear()
+            step = graphopt.train_step(model, args, kwargs, loss_fn=loss_fn, budget_gb=budget / GB)
     assert measured_peak(step, model, args, kwargs) <= budget
     if has_batchnorm(model):
         assert (step.microbatches > 1) == any("BatchNorm" in str(w.message) for w in caught)
