@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TIMM        := timm==1.0.31
 TORCHVISION := torchvision==0.28.0
 
-.PHONY: demo test test-real fuzz corpus sweep bench clean
+.PHONY: demo test test-real fuzz corpus sweep bench gpu clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,15 @@ sweep: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pytest bench -q -o testpaths=bench --benchmark-columns=min,median,max,rounds --benchmark-sort=name
+
+# Every GPU benchmark within 8 minutes on one GPU, each in a process of its own with its own time
+# limit: results and an index in bench/results/<device>-<date>/ (with $OUT set, packed into $OUT;
+# bench/gpu_all.py). Builds nothing, since a GPU machine may have no network: it runs GPU_PYTHON, the
+# .venv's python where there is one, else python3, which must have torch. Without CUDA: the reduced
+# CPU modes. GPU_ARGS passes more, e.g. GPU_ARGS="--only fuse,rows".
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu:
+	$(GPU_PYTHON) bench/gpu_all.py $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) graphopt-dump .pytest_cache .benchmarks .hypothesis

@@ -190,26 +190,39 @@ def warm_up(device, with_compile: bool) -> None:
     sync(device)
 
 
-def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_compile=None, log=print) -> dict:
+def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_compile=None, log=print,
+        seconds=None) -> dict:
+    """The first-call rows, then the matrix, largest size first; with `seconds`, no row starts after that many
+    seconds (the rows measured by then are returned, and how many of the matrix's)."""
+    deadline = None if seconds is None else time.perf_counter() + seconds
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with_compile = device.type == "cuda" if with_compile is None else with_compile
     sizes = sizes or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
     warm_up(device, with_compile)
-    first = [first_call(length, device, with_compile) for length in lengths]  # before the chains' kernels exist
-    for row in first:
+    first = []
+    for length in lengths:  # before the chains' kernels exist
+        if deadline is None or time.perf_counter() < deadline:
+            first.append(first_call(length, device, with_compile))
+            log(first[-1])
+    # the large sizes first: there kernels, not launches, take the time, and a run cut short has them
+    matrix = [(n, length, backward, dtype) for n in sorted(sizes, reverse=True) for length in lengths
+              for backward in (False, True) for dtype in dtypes]
+    rows, time_fn, compiled = [], timer(device), {}
+    for n, length, backward, dtype in matrix:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        if with_compile and (length, backward) not in compiled:
+            compiled[length, backward] = torch.compile(Chain(length))
+        row = measure(length, n, DTYPES[dtype], backward, device, compiled.get((length, backward)), time_fn)
         log(row)
-    rows, time_fn = [], timer(device)
-    for length in lengths:
-        for backward in (False, True):
-            compiled = torch.compile(Chain(length)) if with_compile else None
-            for dtype in dtypes:
-                for n in sizes:
-                    row = measure(length, n, DTYPES[dtype], backward, device, compiled, time_fn)
-                    log(row)
-                    rows.append(row)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["chain"], r["pass"], list(DTYPES).index(r["dtype"]), r["elements"]))
     return {"device": device_name(), "date": today(), "torch": torch.__version__,
             "triton": _version("triton"), "mode": "gpu" if device.type == "cuda" else "cpu (reduced, no torch.compile)",
-            "first_call": first, "rows": rows}
+            "first_call": first, "rows": rows, "planned_rows": len(matrix),
+            "stopped": None if len(rows) == len(matrix) and len(first) == len(lengths)
+            else f"the {seconds} s given ran out: {len(first)} of {len(lengths)} first calls, "
+                 f"{len(rows)} of {len(matrix)} rows measured"}
 
 
 def _version(package: str) -> str:
@@ -221,13 +234,15 @@ def _version(package: str) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"# fuse benchmark: {result['device']}, {result['date']}", "",
-             f"torch {result['torch']}, triton {result['triton']}, mode: {result['mode']}", "",
-             "## first training step (seconds, from optimize() / torch.compile() to a finished backward)", ""]
-    first_cols = list(result["first_call"][0])
-    lines += _table(first_cols, result["first_call"])
+             f"torch {result['torch']}, triton {result['triton']}, mode: {result['mode']}", ""]
+    if result.get("stopped"):
+        lines += [f"Stopped early: {result['stopped']}.", ""]
+    lines += ["## first training step (seconds, from optimize() / torch.compile() to a finished backward)", ""]
+    if result["first_call"]:
+        lines += _table(list(result["first_call"][0]), result["first_call"])
     lines += ["", "## time per call and bandwidth as a fraction of a device copy", ""]
-    cols = [c for c in result["rows"][0] if c not in ("ops", "max_rel_error")]
-    lines += _table(cols, result["rows"])
+    if result["rows"]:
+        lines += _table([c for c in result["rows"][0] if c not in ("ops", "max_rel_error")], result["rows"])
     lines += ["", "chains: " + "; ".join(f"{k}: {describe(k)}" for k in LENGTHS)]
     return "\n".join(lines) + "\n"
 
@@ -243,12 +258,14 @@ def main(argv=None) -> int:
                         help="directory for the JSON and markdown results (default: $OUT, else bench/results)")
     parser.add_argument("--sizes", help="comma-separated log2 element counts (default: 20,22,24,26 on GPU)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--seconds", type=float,
+                        help="start no measurement after this many seconds; write what was measured")
     args = parser.parse_args(argv)
     sizes = tuple(2 ** int(e) for e in args.sizes.split(",")) if args.sizes else None
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # a shared CPU's idle worker threads stall small parallel ops by milliseconds
         os.environ["TRITON_INTERPRET"] = "1"
-    result = run(sizes=sizes, with_compile=False if args.no_compile else None)
+    result = run(sizes=sizes, with_compile=False if args.no_compile else None, seconds=args.seconds)
     for path in write_results("fuse", result, markdown(result), args.out):
         print(f"wrote {path}")
     return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -215,26 +216,44 @@ def measure(name: str, size, backward: bool, device, with_compile: bool, time_fn
     return row
 
 
-def run(device=None, with_compile=None, log=print) -> dict:
+def run(device=None, with_compile=None, log=print, seconds=None) -> dict:
+    """Every case at every size, forward and forward+backward; with `seconds`, no row starts after that many
+    seconds (the rows measured by then are returned, and how many were planned)."""
+    deadline = None if seconds is None else time.perf_counter() + seconds
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with_compile = device.type == "cuda" if with_compile is None else with_compile
-    sizes, time_fn, rows = GPU_SIZES if device.type == "cuda" else CPU_SIZES, timer(device), []
-    for name, shapes in sizes.items():
-        for size in shapes:
-            for backward in (False, True):
-                row = measure(name, size, backward, device, with_compile, time_fn)
-                log(row)
-                rows.append(row)
+    sizes, time_fn = GPU_SIZES if device.type == "cuda" else CPU_SIZES, timer(device)
+    # every case at the middle size first (a large model's), then the largest, then the smallest: a run cut
+    # short still has each case
+    count = max(len(shapes) for shapes in sizes.values())
+    order = sorted(range(count), key=lambda i: (i != count // 2, -i))
+    names = list(sizes)
+    planned = [(c, i, backward) for i in order for c, name in enumerate(names) if i < len(sizes[name])
+               for backward in (False, True)]
+    measured = []
+    for case_index, i, backward in planned:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        name = names[case_index]
+        row = measure(name, sizes[name][i], backward, device, with_compile, time_fn)
+        log(row)
+        measured.append(((case_index, i, backward), row))
+    measured.sort(key=lambda item: item[0])
     return {"device": device_name(), "date": today(), "torch": torch.__version__, "triton": _version("triton"),
             "liger_kernel": _version("liger_kernel"),
             "mode": "gpu" if device.type == "cuda" else "cpu (reduced: Triton's interpreter, no torch.compile)",
-            "rows": rows}
+            "rows": [row for _, row in measured], "planned_rows": len(planned),
+            "stopped": None if len(measured) == len(planned)
+            else f"the {seconds} s given ran out: {len(measured)} of {len(planned)} rows measured"}
 
 
 def markdown(result: dict) -> str:
     lines = [f"# row kernels benchmark: {result['device']}, {result['date']}", "",
              f"torch {result['torch']}, triton {result['triton']}, liger-kernel {result['liger_kernel']}, "
-             f"mode: {result['mode']}", "", "time per call, bandwidth as a fraction of a device copy, peak memory", ""]
+             f"mode: {result['mode']}", ""]
+    if result.get("stopped"):
+        lines += [f"Stopped early: {result['stopped']}.", ""]
+    lines += ["time per call, bandwidth as a fraction of a device copy, peak memory", ""]
     cols = list(dict.fromkeys(c for row in result["rows"] for c in row if c != "max_rel_error"))
     return "\n".join(lines + _table(cols, result["rows"])) + "\n"
 
@@ -244,10 +263,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"),
                         help="directory for the JSON and markdown results (default: $OUT, else bench/results)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--seconds", type=float,
+                        help="start no measurement after this many seconds; write what was measured")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"  # off CUDA, fuse runs its kernels only in the interpreter
-    result = run(with_compile=False if args.no_compile else None)
+    result = run(with_compile=False if args.no_compile else None, seconds=args.seconds)
     for path in write_results("rows", result, markdown(result), args.out):
         print(f"wrote {path}")
     return 0

@@ -3,6 +3,7 @@ eager and with graphopt's fused, chunked head and loss, in one run.
 
     TRITON_INTERPRET=1 python bench/head_loss.py [--out FILE]      # on CPU, kernels in Triton's interpreter
     python bench/head_loss.py [--out FILE]                          # on a GPU
+    ... --size 256,64,8000                                          # other sizes (tokens, hidden, vocabulary)
 
 Per size (tokens, hidden, vocabulary): the step (forward, loss, backward into the head's
 weight and input) of nn.Linear(hidden, vocab, bias=False) then F.cross_entropy: eager;
@@ -92,9 +93,11 @@ def main(argv=None) -> int:
     name = device_name()
     default = Path(__file__).parent / "results" / f"head_loss-{'cpu' if device.type == 'cpu' else 'cuda'}-{today()}.md"
     parser.add_argument("--out", default=str(default))
+    parser.add_argument("--size", action="append", metavar="TOKENS,HIDDEN,VOCAB",
+                        help="measure this size instead of the device's (repeatable)")
     args = parser.parse_args(argv)
     rows = []
-    for size in SIZES[device.type]:
+    for size in [tuple(int(v) for v in s.split(",")) for s in args.size] if args.size else SIZES[device.type]:
         rows.append(measure(*size, device))
         print(rows[-1], flush=True)
     Path(args.out).write_text(table(rows, name))
