@@ -8,7 +8,8 @@ See README.md to start, and docs/ for the passes, the dumps and the architecture
 """
 from .analysis.meta import TensorInfo, tensor_info
 from .api import DEFAULT_PASSES, optimize
-from .errors import BudgetError, GraphoptError, ModeError, OptionError, TraceError, UsageError, VerifyError
+from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning, ModeError, OptionError, TraceError,
+                     UsageError, VerifyError)
 from .passes import available as available_passes
 from .report import PassRecord, Report
 from .runtime.step import StepMeasure, measure_step
@@ -18,7 +19,9 @@ from .train_step import TrainStep, train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "train_step", "TrainStep", "measure_step", "StepMeasure", "trace", "available_passes", "DEFAULT_PASSES",
+    "optimize", "train_step", "TrainStep", "measure_step", "StepMeasure", "trace", "available_passes",
+    "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
     "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "ModeError",
+    "GraphoptWarning", "BudgetWarning",
 ]

@@ -38,8 +38,10 @@ def _demo(args) -> int:
     written = _written(args.dump)
     if args.record:
         with open(args.record, "w") as f:
+            # a thread count set from outside changes the times, so the command written down shows it
+            threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
             f.write(record_markdown(result, table, args.dump,
-                                    command=f"python -m graphopt demo --record {args.record}"))
+                                    command=f"{threads}python -m graphopt demo --record {args.record}"))
         written.append(args.record)
     print(f"total {result.seconds:.0f} s; written: {', '.join(written)}")
     return status

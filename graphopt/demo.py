@@ -106,7 +106,7 @@ def dumps_line(result: BeforeAfter, dump_dir: str) -> str:
 
 def machine() -> dict[str, str]:
     """What the demo's numbers depend on: the CPU (and whether it has bf16 instructions), the
-    cores and their load at the time, the OS, torch."""
+    cores, torch's threads and the load at the time, the OS, torch."""
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -119,7 +119,7 @@ def machine() -> dict[str, str]:
     except OSError:
         pass  # not Linux: the processor's name as platform gives it, its flags unknown
     bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    info = {"cpu": cpu, "cores": str(os.cpu_count())}
+    info = {"cpu": cpu, "cores": str(os.cpu_count()), "torch threads": str(torch.get_num_threads())}
     if flags:
         info["bf16 instructions"] = ", ".join(bf16) if bf16 else "none"
     if hasattr(os, "getloadavg"):

@@ -36,6 +36,7 @@ def test_the_record_says_when_where_and_how_long():
 def test_the_machine_names_its_cpu_and_torch():
     host = machine()
     assert host["cpu"] and host["torch"] == torch.__version__ and int(host["cores"]) >= 1
+    assert host["torch threads"] == str(torch.get_num_threads())
 
 
 def test_summary_md_names_the_configuration_the_dumps_belong_to():
