@@ -35,10 +35,10 @@ def quickstart() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S)[1]
 
 
-def run(code: str) -> dict:
+def run(code: str, width=128, depth=8, rows=1024) -> dict:
     torch.manual_seed(0)
-    model = Classifier().train()
-    loader = [(torch.randn(1024, 128), torch.randint(0, 10, (1024,))) for _ in range(3)]
+    model = Classifier(width, depth).train()
+    loader = [(torch.randn(rows, width), torch.randint(0, 10, (rows,))) for _ in range(3)]
     first = [p.detach().clone() for p in model.parameters()]
     namespace = {"model": model, "loader": loader}
     exec(compile(code, str(README), "exec"), namespace)
@@ -58,7 +58,7 @@ def test_below_the_least_budget_the_quickstart_takes_the_least():
     # the except branch: optimize at the BudgetError's min_budget_gb succeeds, and the step fits it
     code = quickstart()
     assert "0.7 * before.peak_gb" in code
-    done = run(code.replace("0.7 * before.peak_gb", "0.01 * before.peak_gb"))
+    done = run(code.replace("0.7 * before.peak_gb", "0.01 * before.peak_gb"), width=64, depth=3, rows=512)
     assert done["before"].peak_gb * 0.01 < done["budget_gb"] < done["before"].peak_gb
     assert done["after"].peak_gb <= done["budget_gb"]
 
