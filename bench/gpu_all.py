@@ -70,7 +70,8 @@ BENCHMARKS = [
     Benchmark("rows", "norms, softmax, cross-entropy, batch norm, LM head: eager, graphopt, torch.compile, Liger",
               ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 125),
     Benchmark("recompute", "recompute at f = 0.3, 0.5, 0.7 on the zoo MLP, CNN and GPT; estimate error; solver time",
-              ["bench/gpu_recompute.py", "--out", "{folder}"], 75, cpu_args=["--steps", "3"]),
+              ["bench/gpu_recompute.py", "--out", "{folder}"], 75,
+              cpu_args=["--models", "mlp", "--steps", "3"]),
     Benchmark("precision", "GPT step in float32, graphopt bf16 and torch.autocast bf16",
               ["bench/gpu_precision.py", "--out", "{folder}"], 55, cpu_args=["--steps", "3"]),
     Benchmark("head_loss", "LM head + cross-entropy: step peak, eager against fused and chunked",
@@ -78,7 +79,7 @@ BENCHMARKS = [
               cpu_env={"TRITON_INTERPRET": "1"}),
     Benchmark("recompute_sweep", "corpus GPT-2: predicted and measured peak and step time, least budget to eager",
               ["bench/recompute_sweep.py", "--device", "{device}", "--models", "hf_gpt2", "--out",
-               "{folder}/recompute_sweep"], 45, cpu_args=["--points", "3"], gpu_args=["--points", "5"]),
+               "{folder}/recompute_sweep"], 45, cpu_args=["--points", "2"], gpu_args=["--points", "5"]),
 ]
 DEFAULT_BUDGET_S = 480
 RESERVE_S = 10  # the runner's own work: finding the device, the index, packing
@@ -126,7 +127,7 @@ def run_one(bench: Benchmark, python: str, folder: Path, limit_s: float, env: di
     given = bench.argv + (bench.cpu_args if device == "cpu" else bench.gpu_args)
     argv = [python, *(a.format(folder=folder, seconds=seconds, device=device) for a in given)]
     env = {**env, **(bench.cpu_env if device == "cpu" else {})}
-    before = set(folder.rglob("*"))
+    before = _stamps(folder)
     log, err = folder / f"{bench.name}.log", folder / f"{bench.name}.stderr"
     started = time.perf_counter()
     with open(log, "wb") as out, open(err, "wb") as errors:
@@ -149,10 +150,15 @@ def run_one(bench: Benchmark, python: str, folder: Path, limit_s: float, env: di
         status = f"timed out at its {limit_s:.0f} s limit"
     else:
         status = "finished" if rc == 0 else f"failed (exit status {rc})"
-    written = sorted(str(p.relative_to(folder)) for p in set(folder.rglob("*")) - before if p.is_file())
+    written = sorted(str(p.relative_to(folder)) for p, stamp in _stamps(folder).items() if before.get(p) != stamp)
     return {"command": " ".join(argv[1:]).replace(str(folder) + "/", "").replace(str(folder), "."),
             "limit_s": round(limit_s), "wall_s": round(wall, 1), "status": status, "finished": status == "finished",
             "files": written, "tail": [] if status == "finished" else _tail(err) or _tail(log)}
+
+
+def _stamps(folder: Path) -> dict:
+    """Each file's modification time: what a benchmark wrote is what changed, a run earlier the same day aside."""
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
 
 
 def _kill(child: subprocess.Popen) -> None:
@@ -201,17 +207,16 @@ def index(benchmarks: list[Benchmark], device: dict, date: str, budget_s: float,
              f"{wall_s:.0f} s in all; {finished} of {len(benchmarks)} finished. Each benchmark ran in a process of "
              "its own, its limit its share of the budget plus what those before it left unused; `<name>.log` holds "
              "its stdout (a row per measurement), `<name>.stderr` its stderr.", "",
-             "| benchmark | what | limit s | wall s | result | files |", "|---|---|---|---|---|---|"]
+             "| benchmark | what | command | limit s | wall s | result | files |", "|---|---|---|---|---|---|---|"]
     for b in benchmarks:
         o = b.outcome
-        lines.append(f"| {b.name} | {b.what} | {o['limit_s']} | {o['wall_s']} | {o['status']} | "
+        command = f"`{o['command']}`" if o["command"] else ""
+        lines.append(f"| {b.name} | {b.what} | {command} | {o['limit_s']} | {o['wall_s']} | {o['status']} | "
                      f"{', '.join(o['files'])} |")
     for b in benchmarks:
         o = b.outcome
-        if not o["finished"]:
-            lines += ["", f"## {b.name}: {o['status']}", "", f"`{o['command']}`" if o["command"] else ""]
-            if o["tail"]:
-                lines += ["", "```", *o["tail"], "```"]
+        if not o["finished"] and o["tail"]:
+            lines += ["", f"## {b.name}: {o['status']}", "", "```", *o["tail"], "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -24,9 +24,12 @@ def test_finished_and_failed_are_recorded_in_the_index(tmp_path):
     # the first is held to its share (half of 60 s); the second gets its own and what the first left
     assert writes["limit_s"] == 30 and 50 < breaks["limit_s"] <= 60
     text = gpu_all.index(benchmarks, CPU, "2026-01-01", budget, 1.0)
-    assert "| writes | a file | 30 |" in text and "| finished | fake-result.md, writes.log, writes.stderr |" in text
+    assert "| writes | a file | `-c import pathlib" in text and "sys.argv[1], 'fake-result.md')" in text
+    assert "| 30 |" in text and "| finished | fake-result.md, writes.log, writes.stderr |" in text
     assert "## breaks: failed (exit status 3)" in text and "ValueError: the fake broke" in text
     assert "1 of 2 finished" in text
+    again = gpu_all.run_one(benchmarks[0], sys.executable, tmp_path, 30.0, gpu_all.child_env(), "cpu")
+    assert again["files"] == writes["files"]  # a second run the same day rewrites the same files
 
 
 def test_a_hang_is_stopped_at_its_limit_with_its_traceback(tmp_path):
