@@ -105,7 +105,8 @@ def find_device(python: str) -> dict:
         raise UsageError(f"{python} took over 120 s to import torch and find its device: check the GPU's driver "
                          "(nvidia-smi), then run make gpu again") from None
     if done.returncode != 0:
-        raise UsageError(f"{python} cannot import torch ({done.stderr.strip().splitlines()[-1:]}): "
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UsageError(f"{python} cannot import torch or find its device ({said}): "
                          "run with a python that has torch, e.g. make gpu GPU_PYTHON=/path/to/python")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -132,8 +133,9 @@ def run_one(bench: Benchmark, python: str, folder: Path, limit_s: float, env: di
     started = time.perf_counter()
     with open(log, "wb") as out, open(err, "wb") as errors:
         child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=errors, start_new_session=True)
+        timed_out = False
         try:
-            rc, timed_out = child.wait(timeout=max(limit_s - GRACE_S, 1)), False
+            child.wait(timeout=max(limit_s - GRACE_S, 1))
         except subprocess.TimeoutExpired:
             timed_out = True
             child.send_signal(signal.SIGINT)  # its traceback, in its stderr, says where the limit found it
