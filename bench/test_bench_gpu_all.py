@@ -36,8 +36,7 @@ def test_a_hang_is_stopped_at_its_limit_with_its_traceback(tmp_path):
     outcome = gpu_all.run_one(gpu_all.Benchmark("hangs", "a sleep", HANGS, 10), sys.executable, tmp_path, 2.0,
                               gpu_all.child_env(), "cpu")
     assert outcome["status"] == "timed out at its 2 s limit"
-    assert outcome["wall_s"] < gpu_all.GRACE_S + 2
-    assert outcome["tail"][-1] == "KeyboardInterrupt"  # where the limit found it: in its sleep
+    assert outcome["tail"][-1] == "KeyboardInterrupt"  # interrupted in its sleep, its traceback kept
     assert (tmp_path / "hangs.log").read_text() == "started\n"
 
 
