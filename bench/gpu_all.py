@@ -132,7 +132,8 @@ def run_one(bench: Benchmark, python: str, folder: Path, limit_s: float, env: di
     log, err = folder / f"{bench.name}.log", folder / f"{bench.name}.stderr"
     started = time.perf_counter()
     with open(log, "wb") as out, open(err, "wb") as errors:
-        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=errors, start_new_session=True)
+        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=errors, start_new_session=True,
+                                 preexec_fn=_interruptible)
         timed_out = False
         try:
             child.wait(timeout=max(limit_s - GRACE_S, 1))
@@ -161,6 +162,12 @@ def run_one(bench: Benchmark, python: str, folder: Path, limit_s: float, env: di
 def _stamps(folder: Path) -> dict:
     """Each file's modification time: what a benchmark wrote is what changed, a run earlier the same day aside."""
     return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def _interruptible() -> None:
+    """In the child before it starts: SIGINT as Python expects it. A runner started in the background
+    (nohup, `&`) passes SIGINT on ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _kill(child: subprocess.Popen) -> None:
