@@ -32,7 +32,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # graphopt from this checkou
 def sweep_model(name: str, points: int, device: str) -> dict:
     import graphopt
     from corpus.memory import (memory_case, optimized_point, own_checkpointing, own_checkpointing_step, step_flops,
-                               user_step_peak)
+                               user_step, user_step_peak)
     from graphopt.runtime.step import step_seconds
     from graphopt.analysis.memory import GB
 
@@ -75,20 +75,6 @@ def sweep_model(name: str, points: int, device: str) -> dict:
                    "recompute_gflops": round((own_flops - eager_flops) / 1e9, 4), "recomputed": "", "refused": ""}
         rows += [at_own, own_row]
     return {"name": name, "eager_peak": eager_peak, "least": least, "rows": rows, "own": own_row}
-
-
-def user_step(module, case, *context):
-    """corpus.memory's user step; on CUDA it also waits for its kernels, else a step's time is its launches'."""
-    from corpus import memory
-
-    step = memory.user_step(module, case, *context)
-    if next(case.model.parameters()).device.type == "cpu":
-        return step
-
-    def synced():
-        step()
-        torch.cuda.synchronize()
-    return synced
 
 
 def _to(value, device):

@@ -77,12 +77,15 @@ def step_timeline(module, model: torch.nn.Module, args: tuple, kwargs: dict | No
 
 def step_seconds(steps: dict[str, Callable], repeats: int = 7) -> dict[str, float]:
     """Median wall time of each step, run in turns after one warm-up round: on a shared machine
-    drift then falls on every step alike, and their ratios hold where absolute times do not."""
+    drift then falls on every step alike, and their ratios hold where absolute times do not. With
+    CUDA in use each step ends when its kernels do, not when they are launched."""
     times = {name: [] for name in steps}
     for k in range(repeats + 1):
         for name, step in steps.items():
             start = time.perf_counter()
             step()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
             if k:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -133,13 +136,10 @@ def measure_step(model: torch.nn.Module, args, kwargs: dict | None = None, loss_
     if not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"measure_step's repeats must be a whole number of steps, 1 or more, got {repeats!r}.")
     args, kwargs = tuple(args), dict(kwargs or {})
-    cuda = any(p.is_cuda for p in model.parameters())
 
     def step():
         clear_grads(model)
         run_step(model, args, kwargs, loss_fn)
-        if cuda:
-            torch.cuda.synchronize()  # CUDA runs asynchronously: the step ends when its kernels do
 
     with trial_run(model, (args, kwargs)):
         # Timed first: the warm-up step also builds the graph of a lazy graphopt.optimize(model).
