@@ -1,4 +1,5 @@
 import datetime
+from pathlib import Path
 
 import torch
 
@@ -49,3 +50,11 @@ def test_summary_md_names_the_configuration_the_dumps_belong_to():
 def test_an_unwritable_record_is_refused_before_the_run(tmp_path, capsys):
     assert main(["demo", "--dump", str(tmp_path / "d"), "--record", str(tmp_path)]) == 2
     assert "--record" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+def test_the_readme_quotes_the_recorded_run():
+    # the README's demo figures are docs/demo.md's, the record the demo itself wrote: none typed by hand
+    root = Path(__file__).resolve().parent.parent
+    recorded = (root / "docs" / "demo.md").read_text().split("```\n")[1].rstrip("\n").splitlines()
+    readme = (root / "README.md").read_text()
+    assert len(recorded) >= 5 and "\n".join("    " + line if line else "" for line in recorded) in readme
