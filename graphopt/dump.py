@@ -53,9 +53,18 @@ def code_diff(before: tuple[str, str], after: tuple[str, str], name: str) -> str
     the graph and show the rest of the graph as moved."""
     parts = []
     for (old, new), what in zip(zip(before, after), ("", " (recompute segments)")):
-        parts += difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+        parts += difflib.unified_diff(_without_frees(old), _without_frees(new),
                                       fromfile=f"before{what}", tofile=f"after {name}{what}")
     return "".join(parts)
+
+
+# fx's code frees each value after its last use (`;  x = y = None`): a pass that moves one use
+# changes that line without changing what it computes, so the diff leaves the frees out.
+_FREES = re.compile(r";  (?:\w+ = )+None$")
+
+
+def _without_frees(code: str) -> list[str]:
+    return [_FREES.sub("", line) + "\n" for line in code.splitlines()]
 
 
 def node_table(gm: torch.fx.GraphModule) -> str:

@@ -6,6 +6,7 @@ import graphopt
 import graphopt.plot
 from graphopt.analysis.memory import estimate_peak
 from graphopt.analysis.segments import SegmentCall
+from graphopt.dump import code_diff
 from graphopt.plot import BACKWARD_EVENTS, backward_start, memory_csv
 from graphopt.testing import zoo
 from graphopt.testing.baselines import budget_at
@@ -171,3 +172,12 @@ def test_recompute_keeps_the_names_and_its_diff_shows_only_the_plan(planned):
     # each moved node's line leaves the graph and enters its segment; each value read from a
     # segment, its line and its last use's; a segment's call, class, signature and return
     assert len(code) <= 2 * len(moved) + 2 * len(read) + 4 * len(calls) + 2 * len(written)
+
+
+def test_the_diff_leaves_out_the_frees_a_moved_use_shifts():
+    # fx frees a value after its last use (`;  x = None`); moving the use rewrites that line, not what it computes
+    before = "    a = torch.relu(x)\n    b = a + 1;  a = None\n    return b\n"
+    after = "    a = torch.relu(x);  a = None\n    b = seg(x)\n    return b\n"
+    changed = [line for line in code_diff((before, ""), (after, ""), "p").splitlines()
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert changed == ["-    b = a + 1", "+    b = seg(x)"]
