@@ -23,7 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import export_batch
+from . import export_batch, fake_kernels
 from .analysis import meta
 from .analysis.fake_state import fake_run
 from .errors import TraceError, UsageError
@@ -251,8 +251,9 @@ def trace(
     reasons: dict[str, str] = {}
     for name in order:
         try:
-            gm = _FRONTENDS[name](model, args, kwargs)
-            written = annotate(gm, placeholder_values(gm, args, kwargs))
+            with fake_kernels.active():  # export and annotation run ops on FakeTensors
+                gm = _FRONTENDS[name](model, args, kwargs)
+                written = annotate(gm, placeholder_values(gm, args, kwargs))
             check_write_backs(gm)
         except Exception as e:  # each frontend's failure is reported, the next one tried
             reasons[name] = str(e) if isinstance(e, TraceError) else _first_line(e)

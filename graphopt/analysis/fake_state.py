@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
+from ..fake_kernels import active as fake_kernels_active
 from .segments import segment_modules
 
 
@@ -21,7 +22,7 @@ def fake_run(module: torch.nn.Module, inputs):
     """Open a FakeTensor run of `module`: yields (mode, inputs with every tensor a fake of that
     mode, in the same structure). The mode is not entered: callers enter it around what runs."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_state(module, mode):
+    with fake_kernels_active(), fake_state(module, mode):
         yield mode, pytree.tree_map_only(torch.Tensor, mode.from_tensor, inputs)
 
 

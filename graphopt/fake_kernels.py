@@ -1,0 +1,140 @@
+"""FakeTensor kernels for ATen ops whose own fake kernel refuses inputs their real kernel takes.
+
+`torch._grouped_mm`, the grouped matmul that transformers' mixture-of-experts layers run
+their experts through, has a fake (meta) kernel that takes bfloat16 only, while the kernel
+eager runs (ATen's GroupedMMUtils.h, on CPU and as CUDA's fallback) takes float32, bfloat16 and
+float16; its fake also lays the output out contiguously where the real kernel pads each row to
+16 bytes. A float32 MoE model therefore trains eagerly but cannot be exported or analysed.
+
+`active()` puts a fake that mirrors the real kernel's checks and output layout in place while
+graphopt traces and runs its FakeTensor analyses, and takes it out again on exit: the user's
+process keeps torch's own behaviour outside graphopt's calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NAMES = {torch.float32: "Float32", torch.bfloat16: "BFloat16", torch.float16: "Float16"}
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise RuntimeError(message)
+
+
+def _check_strides(mat: torch.Tensor) -> None:
+    """The real kernel's operand check: row- or column-major in the last two dims, the leading
+    stride a multiple of 16 bytes."""
+    size, stride = mat.shape, mat.stride()
+    alignment = 16 // mat.element_size()
+    if stride[-2] == 1 and stride[-1] >= max(1, size[-2]):
+        _check(stride[-1] % alignment == 0, "strides should be multiple of 16 bytes")
+    elif stride[-1] == 1 and stride[-2] >= max(1, size[-1]):
+        _check(stride[-2] % alignment == 0, "strides should be multiple of 16 bytes")
+    else:
+        _check(False, f"Invalid strides/sizes, got {list(stride)} for strides and {list(size)} for sizes")
+
+
+def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> tuple[list[int], list[int], torch.dtype]:
+    """(size, stride, dtype) of torch._grouped_mm's result, after the real kernel's checks
+    (ATen's _grouped_mm_validate_inputs and create_grouped_gemm_output_tensor)."""
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        _check(mat.dtype in _GROUPED_MM_DTYPES, f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
+    _check(mat_a.dim() in (2, 3), "mat_a has to be 2 or 3d")
+    _check(mat_b.dim() in (2, 3), "mat_b has to be 2 or 3d")
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if not a_2d or not b_2d:
+        _check(mat_a.size(-1) == mat_b.size(-2), "contraction dimension of mat_a and mat_b must match")
+    _check_strides(mat_a)
+    _check_strides(mat_b)
+    _check((offs is not None) == (a_2d or b_2d),
+           "Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+    if offs is not None:
+        _check(offs.dim() == 1, "offs has to be 1D")
+        _check(offs.dtype == torch.int32, "Offsets have to be int32")
+    _check(bias is None, "Bias not supported yet")
+    dtype = out_dtype if out_dtype is not None else mat_a.dtype
+    _check(dtype == mat_a.dtype, "Grouped gemm output dtype must match `mat_a` dtype")
+    _check(mat_a.dtype == mat_b.dtype,
+           f"expected m1 and m2 to have the same dtype, but got: {_NAMES[mat_a.dtype]} != {_NAMES[mat_b.dtype]}")
+    if a_2d and b_2d:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a_2d:
+        _check(offs.size(0) == mat_b.size(0), "matrix batch sizes have to match")
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b_2d:
+        _check(offs.size(0) == mat_a.size(0), "matrix batch sizes have to match")
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        _check(mat_a.size(0) == mat_b.size(0), "batched dimension has to match")
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    if torch.version.hip:  # ROCm's kernel allocates a plain contiguous output
+        return size, torch.empty(size, device="meta").stride(), dtype
+    alignment = 16 // dtype.itemsize
+    padded = (size[-1] + alignment - 1) // alignment * alignment
+    stride = [padded, 1] if len(size) == 2 else [size[1] * padded, padded, 1]
+    return size, stride, dtype
+
+
+def _grouped_mm_fake(fake_mode: FakeTensorMode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    size, stride, dtype = grouped_mm_output(mat_a, mat_b, offs, bias, out_dtype)
+    with fake_mode:
+        return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
+
+
+_FAKES = {_GROUPED_MM: _grouped_mm_fake}
+_lock = threading.Lock()
+_depth = 0
+_saved: dict = {}
+
+
+@contextlib.contextmanager
+def active():
+    """Give FakeTensors the fakes above while the context is open (nested opens share one)."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            _install()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _uninstall()
+
+
+# FakeTensorMode's own per-op table (torch._subclasses.fake_impls) rather than torch.library:
+# it changes only what FakeTensors compute, leaving the op's dispatcher Meta kernel and
+# torch.library's registry untouched, and one saved entry restores it exactly.
+def _install() -> None:
+    for op, fake in _FAKES.items():
+        _saved[op] = fake_impls.op_implementations_dict.get(op)
+        fake_impls.op_implementations_dict[op] = fake
+    _evict_cached()
+
+
+def _uninstall() -> None:
+    for op, previous in _saved.items():
+        if previous is None:
+            fake_impls.op_implementations_dict.pop(op, None)
+        else:
+            fake_impls.op_implementations_dict[op] = previous
+    _saved.clear()
+    _evict_cached()
+
+
+def _evict_cached() -> None:
+    """Drop FakeTensorMode's cached results of these ops: a result cached under one set of
+    fakes must not answer a call made under the other."""
+    cache = FakeTensorMode.cache
+    for key in [k for k in cache if getattr(k, "key", None) and k.key[0] in _FAKES]:
+        cache.pop(key, None)
