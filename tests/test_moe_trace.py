@@ -1,0 +1,113 @@
+"""Mixture-of-experts models trace: graphopt's fake torch._grouped_mm (graphopt/fake_kernels.py)
+takes what the real kernel takes and gives what it gives, and only while graphopt runs."""
+import pytest
+import torch
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import graphopt
+from graphopt import fake_kernels
+
+OFFS = torch.tensor([8, 8, 32], dtype=torch.int32)  # three groups, the second empty
+
+
+def _layouts(dtype):
+    """(name, mat_a, mat_b, offs): each layout the op takes, with output widths that are and are
+    not a multiple of 16 bytes (the real kernel pads those rows), operands row- and column-major."""
+    def r(*shape):
+        return torch.randn(*shape).to(dtype)
+    for n in (24, 5):
+        yield f"2d x 3d col-major, n={n}", r(32, 16), r(3, n, 16).transpose(-2, -1), OFFS
+        yield f"3d x 3d, n={n}", r(3, 32, 16), r(3, n, 16).transpose(-2, -1), None
+        yield f"2d x 2d (weight gradient), n={n}", r(32, 16).t(), r(n, 32).t(), OFFS
+    yield "2d x 3d row-major", r(32, 16), r(3, 16, 24), OFFS
+    yield "3d x 2d", r(3, 32, 16), r(16, 32), OFFS
+
+
+def _meta(t: torch.Tensor):
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+def _fake_result(a, b, offs):
+    with fake_kernels.active(), FakeTensorMode() as mode:
+        fake = [None if t is None else mode.from_tensor(t) for t in (a, b, offs)]
+        return _meta(torch._grouped_mm(fake[0], fake[1], offs=fake[2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fake_gives_the_real_kernels_shape_dtype_and_strides(dtype):
+    for name, a, b, offs in _layouts(dtype):
+        assert _fake_result(a, b, offs) == _meta(torch._grouped_mm(a, b, offs=offs)), name
+
+
+@pytest.mark.parametrize("a, b, offs", [
+    (torch.randn(32, 16, dtype=torch.float64), torch.randn(3, 16, 8, dtype=torch.float64), OFFS),  # no float64 kernel
+    (torch.randn(32, 16), torch.randn(3, 16, 8).bfloat16(), OFFS),                               # dtypes differ
+    (torch.randn(32, 16), torch.randn(3, 16, 8), OFFS.long()),                                   # int64 offsets
+    (torch.randn(32, 16), torch.randn(3, 16, 8), None),                                          # 2d needs offsets
+    (torch.randn(32, 16), torch.randn(2, 16, 8), OFFS),                                          # 3 groups, 2 experts
+    (torch.randn(32, 16), torch.randn(3, 16, 5), OFFS),                                          # row stride of 20 bytes
+])
+def test_the_fake_refuses_what_the_real_kernel_refuses(a, b, offs):
+    with pytest.raises(RuntimeError):
+        torch._grouped_mm(a, b, offs=offs)
+    with pytest.raises(RuntimeError):
+        _fake_result(a, b, offs)
+
+
+def _torchs_own_fake_refuses_float32():
+    a, b = torch.randn(32, 16), torch.randn(3, 16, 8)
+    with FakeTensorMode() as mode:
+        try:
+            torch._grouped_mm(mode.from_tensor(a), mode.from_tensor(b), offs=mode.from_tensor(OFFS))
+        except RuntimeError:
+            return True
+    return False
+
+
+def test_the_fake_is_in_place_only_while_open_and_leaves_no_cached_result():
+    assert _torchs_own_fake_refuses_float32()  # torch's fake takes bfloat16 only: what graphopt widens
+    with fake_kernels.active():
+        with fake_kernels.active():
+            pass
+        assert not _torchs_own_fake_refuses_float32()  # a nested close keeps the outer one's fake
+    # the same shapes again: FakeTensorMode's cache of the widened result must not answer them
+    assert _torchs_own_fake_refuses_float32()
+    assert torch.ops.aten._grouped_mm.default not in fake_impls.op_implementations_dict
+
+
+def _mixtral():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)
+    return transformers.MixtralForCausalLM(config)
+
+
+def _step(module, model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = module(ids, labels=labels).loss
+    loss.backward()
+    result = {"loss": loss.detach().clone(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def test_mixtral_optimizes_and_trains_as_eager_on_another_batch_without_widening_torch():
+    model = _mixtral()
+    ids = torch.randint(0, 64, (2, 16))
+    opt = graphopt.optimize(model, (ids,), example_kwargs={"labels": ids})
+    # under export transformers hands float32 experts to its own grouped-matmul op; graphopt's
+    # FakeTensor forward before it runs the eager path, torch._grouped_mm
+    assert any("grouped_mm" in str(n.target) for n in opt.graph.nodes)
+    assert _torchs_own_fake_refuses_float32()  # the user's process is as it was
+
+    generator = torch.Generator().manual_seed(1)
+    other = torch.randint(0, 64, (2, 16), generator=generator)
+    labels = torch.randint(0, 64, (2, 16), generator=generator).masked_fill(torch.rand(2, 16, generator=generator) < 0.3, -100)
+    eager, got = _step(model, model, other, labels), _step(opt, model, other, labels)
+    assert eager.keys() == got.keys()
+    for name, value in eager.items():
+        scale = value.abs().max().clamp_min(1e-12)
+        assert float((got[name] - value).abs().max() / scale) <= 1e-5, name
