@@ -75,10 +75,10 @@ def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> tup
     else:
         _check(mat_a.size(0) == mat_b.size(0), "batched dimension has to match")
         size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    if torch.version.hip:  # ROCm's kernel allocates a plain contiguous output
-        return size, torch.empty(size, device="meta").stride(), dtype
     alignment = 16 // dtype.itemsize
-    padded = (size[-1] + alignment - 1) // alignment * alignment
+    # rows padded to 16 bytes for the TMA loads of CUDA's kernel (CPU's shares the allocation);
+    # ROCm's kernel allocates a plain contiguous output
+    padded = size[-1] if torch.version.hip else (size[-1] + alignment - 1) // alignment * alignment
     stride = [padded, 1] if len(size) == 2 else [size[1] * padded, padded, 1]
     return size, stride, dtype
 
