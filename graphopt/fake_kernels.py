@@ -4,7 +4,9 @@
 their experts through, has a fake (meta) kernel that takes bfloat16 only, while the kernel
 eager runs (ATen's GroupedMMUtils.h, on CPU and as CUDA's fallback) takes float32, bfloat16 and
 float16; its fake also lays the output out contiguously where the real kernel pads each row to
-16 bytes. A float32 MoE model therefore trains eagerly but cannot be exported or analysed.
+16 bytes. A float32 MoE model trains eagerly, yet graphopt's FakeTensor forward before export
+(which runs that eager path: under export transformers hands non-bf16 experts to its own op)
+failed on it, and a bf16 one's graph got row strides the real step does not have.
 
 `active()` puts a fake that mirrors the real kernel's checks and output layout in place while
 graphopt traces and runs its FakeTensor analyses, and takes it out again on exit: the user's
