@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
+from .float64_reference import runs_in_float64
 from .trial import tensor_leaves, trial_run
 
 # Relative tolerance (max |a - b| / max |reference|) per dtype the rewritten graph computes in.
@@ -105,10 +106,11 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def float64_copy(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """A float64 copy of the module, and the inputs in float64: (module, args, kwargs)."""
+    """A float64 copy of the module, and the inputs in float64: (module, args, kwargs). Ops without
+    a float64 kernel run as float64_reference computes them."""
     args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t,
                                         (args, kwargs))
-    return _deepcopy(module).double(), args, kwargs
+    return runs_in_float64(_deepcopy(module).double()), args, kwargs
 
 
 def _deepcopy(module: torch.nn.Module) -> torch.nn.Module:

@@ -7,6 +7,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
 from graphopt import fake_kernels
+from graphopt.float64_reference import grouped_mm
+from graphopt.verify import float64_step, run_step
 
 OFFS = torch.tensor([8, 8, 32], dtype=torch.int32)  # three groups, the second empty
 
@@ -111,3 +113,26 @@ def test_mixtral_optimizes_and_trains_as_eager_on_another_batch_without_widening
     for name, value in eager.items():
         scale = value.abs().max().clamp_min(1e-12)
         assert float((got[name] - value).abs().max() / scale) <= 1e-5, name
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_float64_reference_computes_grouped_mm_as_the_kernel_does(case):
+    # the kernel has no float64: the reference step computes the groups as matmuls, checked here in float32
+    name, a, b, offs = list(_layouts(torch.float32))[case]
+    assert torch.allclose(grouped_mm(a, b, offs), torch._grouped_mm(a, b, offs), rtol=1e-5, atol=1e-5), name
+
+
+def test_a_float64_step_of_an_moe_model_runs_and_is_what_float32_rounds():
+    model = _mixtral()
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(RuntimeError):  # torch's own float64 step: no float64 kernel
+        model.double()(ids, labels=ids).loss.backward()
+    model.float().zero_grad(set_to_none=True)
+    single = run_step(model, (ids,), {"labels": ids}, train=True, seed=0)
+    double = float64_step(model, (ids,), {"labels": ids}, train=True, seed=0)
+    assert single.keys() == double.keys() and next(model.parameters()).dtype == torch.float32
+    # transformers' loss upcasts logits with .float(): the loss itself comes back float32
+    assert all(value.dtype == torch.float64 for name, value in double.items() if name.startswith("grad"))
+    for name, value in double.items():
+        scale = value.abs().max().clamp_min(1e-12)
+        assert float((single[name].double() - value).abs().max() / scale) <= 1e-4, name
