@@ -125,7 +125,8 @@ class BeforeAfter:
 
 
 def _recomputed(report) -> str:
-    stats = next((r.stats for r in report.passes if r.name.startswith("recompute")), None)
+    record = report.recompute()
+    stats = record.stats if record is not None else None
     if not stats or not stats.get("segments"):
         return "nothing" if stats is not None else ""
     return (f"{stats['recomputed_nodes']} nodes in {stats['segments']} segments "
