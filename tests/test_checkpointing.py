@@ -122,3 +122,58 @@ def test_mlp_segments_match_eager():
     body = [n for n in gm.graph.nodes if n.name.startswith("body_")]
     gm = checkpoint_segments(gm, [body[:4], body[4:8], body[8:]])
     assert_same_step(model, gm, args, kwargs, exact=True)
+
+
+# Three library ops the registry does not know: one that only computes (as transformers'
+# grouped_mm_fallback), one that writes an argument, one that draws from the RNG.
+@torch.library.custom_op("graphopt_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@torch.library.custom_op("graphopt_test::scaled_and_counted", mutates_args=("count",))
+def _scaled_and_counted(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    count.add_(1)
+    return x * 2
+
+
+@torch.library.custom_op("graphopt_test::noisy", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _noisy(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.rand_like(x)
+
+
+for _op in (_scaled, _scaled_and_counted, _noisy):
+    _op.register_fake(lambda x, *rest: torch.empty_like(x))
+for _op in (_scaled, _noisy):  # torch takes no autograd formula for an op that writes
+    _op.register_autograd(lambda ctx, g: 2 * g)
+
+
+class LibraryOps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.linear(x).tanh()
+        return (torch.ops.graphopt_test.scaled(h).tanh() + torch.ops.graphopt_test.scaled_and_counted(h.detach(), self.count)
+                + torch.ops.graphopt_test.noisy(h)).sum()
+
+
+def test_a_library_op_may_be_recomputed_when_its_schema_says_it_only_computes():
+    model, x = LibraryOps(), torch.randn(4, 8)
+    gm = graphopt.trace(model, (x,), frontend="export")
+    why = {n.target.name(): recomputable(n, gm) for n in gm.graph.nodes
+           if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "graphopt_test"}
+    assert why["graphopt_test::scaled"] is None
+    assert "may have side effects" in why["graphopt_test::scaled_and_counted"]
+    assert "may have side effects" in why["graphopt_test::noisy"]
+    scaled = next(n for n in gm.graph.nodes if getattr(n.target, "name", lambda: "")() == "graphopt_test::scaled")
+    gm = checkpoint_segments(gm, [[scaled.args[0], scaled, *scaled.users]])
+    torch.manual_seed(0)
+    reference = copy.deepcopy(model)
+    reference(x).backward()
+    torch.manual_seed(0)
+    gm(x).backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(got.grad, want.grad), name

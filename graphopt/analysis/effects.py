@@ -35,6 +35,22 @@ def state_effect(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
+def declared_functional(node: torch.fx.Node) -> bool:
+    """Whether a call the registry does not know declares in its schema that it only computes its
+    result: an operator overload (aten's, or a library's from torch.library.custom_op, whose
+    `mutates_args` torch requires exact) that writes no argument, returns tensors aliasing none,
+    draws nothing (no nondeterministic_seeded tag) and is not one of torch.fx's side-effectful
+    calls: the contract torch.fx's own dead-code elimination trusts (Node.is_impure)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or node.is_impure():
+        return False
+    schema = target._schema
+    returns = schema.returns
+    return (bool(returns) and all(r.alias_info is None and str(r.type) in ("Tensor", "Tensor[]") for r in returns)
+            and not any(a.alias_info is not None for a in schema.arguments)
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
 def pure_op(node: torch.fx.Node, gm: torch.fx.GraphModule):
     """The node's OpInfo when it is a pure, deterministic op; None otherwise."""
     if node.op not in CALLS or state_effect(node, gm) is not None:

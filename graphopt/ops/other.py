@@ -32,6 +32,8 @@ SPECS = {
     "sort": ref("aten.sort.default"),
     "argsort": ref("aten.argsort.default"),
     "topk": ref("aten.topk.default"),
+    "histc": ref("aten.histc.default"),
+    "bincount": ref("aten.bincount.default"),
     "interpolate": explicit("x", {"size": None, "scale_factor": None, "mode": "nearest", "align_corners": None,
                                   "recompute_scale_factor": None, "antialias": False}),
     "embedding": ref("aten.embedding.default", renames={"input": "indices"}),

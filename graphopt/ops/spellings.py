@@ -179,7 +179,7 @@ SPELLINGS = {
     "diff": "*", "triu": "*", "tril": "*", "repeat": "*", "tile": "*", "flip": "*", "roll": "*",
     "pad": "F.pad aten.pad aten.constant_pad_nd torch.constant_pad_nd",
     "one_hot": "F.one_hot aten.one_hot",
-    "sort": "*", "argsort": "*", "topk": "*",
+    "sort": "*", "argsort": "*", "topk": "*", "histc": "*", "bincount": "*",
     "interpolate": ("F.interpolate nn.Upsample aten.upsample_nearest1d aten.upsample_nearest2d"
                     " aten.upsample_nearest3d aten.upsample_linear1d aten.upsample_bilinear2d"
                     " aten.upsample_trilinear3d aten.upsample_bicubic2d"),

@@ -7,7 +7,8 @@ a plain callable, not registered as a submodule, so the model's parameters(), st
 and optimizers are unchanged.
 
 Nodes that change state must run exactly once and cannot be recomputed: in-place writes and
-calls the registry does not know. Two exceptions: BatchNorm in training becomes, in a segment,
+calls the registry does not know, unless their schema declares them functional
+(effects.declared_functional). Two exceptions: BatchNorm in training becomes, in a segment,
 batch_norm_once (runtime/checkpoint.py), which updates the running statistics on its first run
 only; and an in-place elementwise op writing a tensor the segment itself made (not an input of
 it, nor a view of one) writes the same values on each run.
@@ -26,7 +27,7 @@ import torch.fx
 
 from ... import ops
 from ...analysis.aliases import Aliases
-from ...analysis.effects import CALLS, may_draw, size_arithmetic, state_effect
+from ...analysis.effects import CALLS, declared_functional, may_draw, size_arithmetic, state_effect
 from ...analysis.segments import SegmentCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
 
@@ -59,8 +60,8 @@ def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     if size_arithmetic(node):
         return None
     why = state_effect(node, gm)
-    if why and _once_form(node, gm) is not None:
-        return None
+    if why and (_once_form(node, gm) is not None or (ops.lookup(node, gm) is None and declared_functional(node))):
+        return None  # the model's own checkpointing reruns such a call too (transformers' grouped_mm_fallback)
     return why
 
 
