@@ -23,7 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import export_batch, fake_kernels
+from . import custom_functions, export_batch, fake_kernels
 from .analysis import meta
 from .analysis.fake_state import fake_run
 from .errors import TraceError, UsageError
@@ -106,7 +106,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Gra
     # Arguments the user left at their default are baked in (fx guards each with an assert),
     # so that `if mask is not None:` traces instead of failing on a Proxy.
     concrete = {name: p.default for name, p in sig.parameters.items() if name not in bound.arguments}
-    with StateWatch(model) as watch:
+    with StateWatch(model) as watch, custom_functions.keeping("fx"):
         graph = _Tracer().trace(model, concrete_args=concrete or None)
         watch.write_back(graph)
     gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__)
@@ -132,8 +132,10 @@ def _share_structure(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     with StateWatch(model, refuse=False):  # both run forward, and reach a buffer hidden in a list as it is
         _register_output_dataclasses(model, args, kwargs)
-        ep, batch, static_why = export_batch.export(model, args, kwargs)
+        with custom_functions.keeping("export"):
+            ep, batch, static_why = export_batch.export(model, args, kwargs)
     gm = ep.module()
+    custom_functions.restore(gm)
     gm.meta["graphopt_batch"] = batch  # the batch sizes the graph runs at; None: the example's shapes only
     gm.meta["graphopt_static_why"] = static_why
     # ExportedProgram.module() makes train()/eval() raise NotImplementedError. graphopt lets the

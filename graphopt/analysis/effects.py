@@ -51,6 +51,38 @@ def declared_functional(node: torch.fx.Node) -> bool:
             and torch.Tag.nondeterministic_seeded not in target.tags)
 
 
+def function_writes(node: torch.fx.Node) -> str | None:
+    """For a call of a model's own autograd.Function (custom_functions.FunctionCall): why its
+    forward is not known to leave its inputs as they were (it wrote one, on FakeTensors like
+    them, or its inputs are not annotated); None when it wrote none. What else it may touch
+    (a global, a captured buffer) no graph shows: the model's own checkpointing reruns it too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake(value, mode):
+        value = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+        if isinstance(value, torch.Tensor):
+            return mode.from_tensor(value)
+        if value is None or isinstance(value, (int, float, bool, str, torch.dtype, torch.device)):
+            return value
+        raise TypeError(type(value).__name__)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda v: fake(v, mode))
+    except TypeError as e:
+        return f"an input of {node.name} is not annotated ({e})"
+    inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in inputs]
+    try:
+        with mode, torch.no_grad():
+            node.target(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001  (any failure leaves the question open)
+        return f"its forward could not run on FakeTensors ({type(e).__name__})"
+    if any(t._version != v for t, v in zip(inputs, versions)):
+        return f"{node.target!r} writes one of its inputs in place"
+    return None
+
+
 def pure_op(node: torch.fx.Node, gm: torch.fx.GraphModule):
     """The node's OpInfo when it is a pure, deterministic op; None otherwise."""
     if node.op not in CALLS or state_effect(node, gm) is not None:

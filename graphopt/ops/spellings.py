@@ -84,7 +84,7 @@ SPELLINGS = {
     "unflatten": "* nn.Unflatten",
     "unsqueeze": "*", "squeeze": "*", "permute": "*",
     "transpose": "* torch.swapaxes torch.swapdims .swapaxes .swapdims aten.swapaxes aten.swapdims",
-    "t": "*",
+    "t": "*", "numpy_T": "aten.numpy_T",
     "movedim": "* torch.moveaxis .moveaxis aten.moveaxis",
     "expand": "*", "expand_as": "*",
     "slice": "aten.slice",

@@ -13,6 +13,7 @@ SPECS = {
     "permute": ref("aten.permute.default"),
     "transpose": ref("aten.transpose.int", renames={"axis0": "dim0", "axis1": "dim1"}),
     "t": ref("aten.t.default"),
+    "numpy_T": ref("aten.numpy_T.default"),  # x.T: every dim reversed
     "movedim": ref("aten.movedim.int"),
     "expand": ref("aten.expand.default"),
     "expand_as": ref("aten.expand_as.default"),

@@ -8,7 +8,8 @@ and optimizers are unchanged.
 
 Nodes that change state must run exactly once and cannot be recomputed: in-place writes and
 calls the registry does not know, unless their schema declares them functional
-(effects.declared_functional). Two exceptions: BatchNorm in training becomes, in a segment,
+(effects.declared_functional) or they are a model's autograd.Function whose forward writes none of
+its inputs (effects.function_writes). Two exceptions: BatchNorm in training becomes, in a segment,
 batch_norm_once (runtime/checkpoint.py), which updates the running statistics on its first run
 only; and an in-place elementwise op writing a tensor the segment itself made (not an input of
 it, nor a view of one) writes the same values on each run.
@@ -27,7 +28,8 @@ import torch.fx
 
 from ... import ops
 from ...analysis.aliases import Aliases
-from ...analysis.effects import CALLS, declared_functional, may_draw, size_arithmetic, state_effect
+from ...analysis.effects import CALLS, declared_functional, function_writes, may_draw, size_arithmetic, state_effect
+from ...custom_functions import FunctionCall
 from ...analysis.segments import SegmentCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
 
@@ -62,6 +64,8 @@ def recomputable(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     why = state_effect(node, gm)
     if why and (_once_form(node, gm) is not None or (ops.lookup(node, gm) is None and declared_functional(node))):
         return None  # the model's own checkpointing reruns such a call too (transformers' grouped_mm_fallback)
+    if why and isinstance(node.target, FunctionCall):
+        return function_writes(node)  # a model's autograd.Function: as the model's own checkpointing reruns it
     return why
 
 
