@@ -268,9 +268,25 @@ def trace(
         return gm
     raise TraceError(
         f"graphopt could not trace {type(model).__name__} with the given example inputs "
-        f"(frontend={frontend!r}). {_ADVICE} Each frontend's reason:",
+        f"(frontend={frontend!r}). {_ADVICE}{_VALUE_SHAPES if _shapes_follow_values(reasons) else ''} "
+        "Each frontend's reason:",
         reasons,
     )
+
+
+# Shapes that follow tensor values: a graph and its memory plan are for the shapes of a batch,
+# so graphopt takes no model whose sizes its values decide (per-expert loops route by value).
+_VALUE_SHAPES = (
+    " The model makes tensors whose shapes depend on tensor values (nonzero, boolean masks, a loop "
+    "over the experts a router chose), which no graph planned for a batch's shapes can hold for "
+    "every batch: for transformers' mixture-of-experts models use their grouped experts "
+    "(experts_implementation='grouped_mm', the default), whose shapes the batch alone decides."
+)
+
+
+def _shapes_follow_values(reasons: dict[str, str]) -> bool:
+    return any(k in r for r in reasons.values() for k in ("DynamicOutputShapeException", "data-dependent",
+                                                          "GuardOnDataDependentSymNode"))
 
 
 def _first_line(e: Exception) -> str:

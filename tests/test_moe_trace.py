@@ -136,3 +136,34 @@ def test_a_float64_step_of_an_moe_model_runs_and_is_what_float32_rounds():
     for name, value in double.items():
         scale = value.abs().max().clamp_min(1e-12)
         assert float((single[name].double() - value).abs().max() / scale) <= 1e-4, name
+
+
+def test_a_budget_plan_holds_for_every_routing():
+    """The grouped experts' shapes are the batch's (tokens x experts per token rows, sorted by
+    expert): the router decides only values, so the step's memory is the same for any routing,
+    every token to the same two experts included."""
+    from graphopt.analysis.memory import GB
+    from graphopt.runtime.step import step_peak
+
+    model = _mixtral()
+    ids = torch.randint(0, 64, (32, 16))
+    eager = step_peak(model, model, (ids,), {"labels": ids})
+    opt = graphopt.optimize(model, (ids,), example_kwargs={"labels": ids}, budget_gb=0.85 * eager / GB)
+    assert opt.graphopt_report.passes[-1].stats["segments"] > 0
+    routers = [m.gate if hasattr(m, "gate") else m.router for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
+    peaks = {"as drawn": step_peak(opt, model, (ids,), {"labels": ids})}
+    with torch.no_grad():
+        for router in routers:
+            router.weight.zero_()  # equal logits: top-k gives every token the same two experts
+    peaks["all to two experts"] = step_peak(opt, model, (ids,), {"labels": ids})
+    assert peaks["as drawn"] == peaks["all to two experts"] <= 0.85 * eager, peaks
+
+
+def test_experts_looped_by_routing_are_refused_with_the_grouped_form_named():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, use_cache=False, experts_implementation="eager")
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(graphopt.TraceError, match="shapes depend on tensor values.*experts_implementation='grouped_mm'"):
+        graphopt.optimize(transformers.MixtralForCausalLM(config), (ids,), example_kwargs={"labels": ids})
