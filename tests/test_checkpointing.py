@@ -156,7 +156,8 @@ class LibraryOps(torch.nn.Module):
 
     def forward(self, x):
         h = self.linear(x).tanh()
-        return (torch.ops.graphopt_test.scaled(h).tanh() + torch.ops.graphopt_test.scaled_and_counted(h.detach(), self.count)
+        scaled = torch.ops.graphopt_test.scaled(h).add_(1)  # a write into the op's fresh result
+        return (scaled.tanh() + torch.ops.graphopt_test.scaled_and_counted(h.detach(), self.count)
                 + torch.ops.graphopt_test.noisy(h)).sum()
 
 
@@ -169,7 +170,9 @@ def test_a_library_op_may_be_recomputed_when_its_schema_says_it_only_computes():
     assert "may have side effects" in why["graphopt_test::scaled_and_counted"]
     assert "may have side effects" in why["graphopt_test::noisy"]
     scaled = next(n for n in gm.graph.nodes if getattr(n.target, "name", lambda: "")() == "graphopt_test::scaled")
-    gm = checkpoint_segments(gm, [[scaled.args[0], scaled, *scaled.users]])
+    (write,) = scaled.users
+    assert "writes state" in recomputable(write, gm)  # alone; in a segment with the op, it writes what the segment made
+    gm = checkpoint_segments(gm, [[scaled.args[0], scaled, write, *write.users]])
     torch.manual_seed(0)
     reference = copy.deepcopy(model)
     reference(x).backward()

@@ -80,7 +80,7 @@ def _writes_inside(node: torch.fx.Node, gm: torch.fx.GraphModule, inside: set, a
     while isinstance(x, torch.fx.Node) and x in inside and x.op in CALLS:
         made = ops.lookup(x, gm)
         if made is None:
-            return False
+            return declared_functional(x)  # its schema says its results alias no input: fresh
         if made.inplace_of:  # its result is the storage it wrote: where that came from
             return _writes_inside(x, gm, inside, aliases)
         if not made.aliases or (aliases.complete and not set(aliases.sharing(x)) & set(x.all_input_nodes)):
