@@ -33,10 +33,11 @@ for module in (transformers_models, timm_models, torchvision_models):
     for name, build in module.BUILDERS.items():
         CORPUS[name] = CorpusModel(name, module.LIBRARY, build)
 
-# Every check in make test: a causal LM traced with labels=input_ids (export), a classifier on
-# padded batches (its attention mask), a convnet with BatchNorm and in-place activations (fx);
-# squeeze-excite blocks in REGRESSIONS.
-QUICK = ("hf_llama", "hf_bert_classifier", "tv_resnet18")
+# Every check in make test: a causal LM traced with labels=input_ids (export) whose MLPs are
+# mixture-of-experts layers (Mixtral: Llama's blocks, experts through a grouped matmul), a
+# classifier on padded batches (its attention mask), a convnet with BatchNorm and in-place
+# activations (fx); squeeze-excite blocks in REGRESSIONS.
+QUICK = ("hf_mixtral", "hf_bert_classifier", "tv_resnet18")
 # The check each of these once failed, also in the quick run: fuse on squeeze-excite blocks,
 # precision on DeBERTa's finfo-filled attention mask (a float32 minimum that overflowed bf16).
 REGRESSIONS = (("timm_ghostnet_100", "fuse"), ("hf_deberta_v2", "precision"))
