@@ -55,7 +55,17 @@ def function_writes(node: torch.fx.Node) -> str | None:
     """For a call of a model's own autograd.Function (custom_functions.FunctionCall): why its
     forward is not known to leave its inputs as they were (it wrote one, on FakeTensors like
     them, or its inputs are not annotated); None when it wrote none. What else it may touch
-    (a global, a captured buffer) no graph shows: the model's own checkpointing reruns it too."""
+    (a global, a captured buffer) no graph shows: the model's own checkpointing reruns it too.
+    Run once per node (kept in its meta, which a segment's copy of it shares)."""
+    if "graphopt_function_writes" not in node.meta:
+        try:
+            node.meta["graphopt_function_writes"] = _function_writes(node)
+        except TypeError as e:  # asked before annotation: no answer to keep
+            return f"an input of {node.name} is not annotated ({e})"
+    return node.meta["graphopt_function_writes"]
+
+
+def _function_writes(node: torch.fx.Node) -> str | None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def fake(value, mode):
@@ -67,10 +77,7 @@ def function_writes(node: torch.fx.Node) -> str | None:
         raise TypeError(type(value).__name__)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda v: fake(v, mode))
-    except TypeError as e:
-        return f"an input of {node.name} is not annotated ({e})"
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda v: fake(v, mode))
     inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     versions = [t._version for t in inputs]
     try:

@@ -29,8 +29,8 @@ import torch.fx
 from ... import ops
 from ...analysis.aliases import Aliases
 from ...analysis.effects import CALLS, declared_functional, function_writes, may_draw, size_arithmetic, state_effect
-from ...custom_functions import FunctionCall
 from ...analysis.segments import SegmentCall
+from ...custom_functions import FunctionCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
