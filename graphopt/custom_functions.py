@@ -44,9 +44,7 @@ class FunctionCall:
         if self.structure is None:
             return _APPLY.__func__(self.function, *args, **kwargs)
         spec, constants = self.structure
-        tensors = iter(args)
-        leaves = [next(tensors) if c is _TENSOR else c for c in constants]
-        call_args, call_kwargs = pytree.tree_unflatten(leaves, spec)
+        call_args, call_kwargs = pytree.tree_unflatten(_filled(constants, args), spec)
         result = _APPLY.__func__(self.function, *call_args, **call_kwargs)
         return tuple(t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
 
@@ -55,6 +53,12 @@ class FunctionCall:
 
 
 _TENSOR = object()  # marks where a flat tensor goes among a call's constants
+
+
+def _filled(leaves: list, tensors) -> list:
+    """The leaves with each _TENSOR mark replaced by the next of `tensors`, in order."""
+    tensors = iter(tensors)
+    return [next(tensors) if c is _TENSOR else c for c in leaves]
 
 
 @dataclass
@@ -74,8 +78,7 @@ def _autograd_function(tensors: list[torch.Tensor], key: int) -> list[torch.Tens
 @_autograd_function.register_fake
 def _(tensors, key):
     call = _calls[key]
-    leaves = iter(tensors)
-    args, kwargs = pytree.tree_unflatten([next(leaves) if c is _TENSOR else c for c in call.constants], call.spec)
+    args, kwargs = pytree.tree_unflatten(_filled(call.constants, tensors), call.spec)
     with torch.no_grad():
         result = _APPLY.__func__(call.function, *args, **kwargs)
     leaves, call.result_spec = pytree.tree_flatten(result)
@@ -109,8 +112,7 @@ def _apply(cls, *args, **kwargs):
     _calls[key] = call = _ExportCall(cls, spec, [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves])
     flat = torch.ops.graphopt.autograd_function(
         [v for v in leaves if isinstance(v, torch.Tensor)], key)
-    results = iter(flat)
-    return pytree.tree_unflatten([next(results) if c is _TENSOR else c for c in call.result_leaves], call.result_spec)
+    return pytree.tree_unflatten(_filled(call.result_leaves, flat), call.result_spec)
 
 
 _lock = threading.Lock()

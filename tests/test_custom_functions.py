@@ -95,7 +95,7 @@ def test_functions_keep_their_backward_on_every_batch(frontend):
             assert torch.equal(g, w)  # round's own gradient would make the first layer's zero
 
 
-def test_a_function_that_saves_less_keeps_less_and_may_be_recomputed():
+def test_a_function_that_saves_less_keeps_less_and_may_be_recomputed(monkeypatch):
     torch.manual_seed(0)
     model, x = Model(), torch.randn(64, 8)
     gm = graphopt.trace(model, (x,), frontend="export")
@@ -106,12 +106,8 @@ def test_a_function_that_saves_less_keeps_less_and_may_be_recomputed():
     kept = step_peak(graphopt.optimize(model, (x,), frontend="export"), model, (x,))
     # the same model with its Functions traced through: autograd saves what the forward's ops save
     from graphopt import custom_functions
-    original = custom_functions._kept
-    try:
-        custom_functions._kept = lambda function: False
-        through = step_peak(graphopt.optimize(inlined, (x,), frontend="export"), inlined, (x,))
-    finally:
-        custom_functions._kept = original
+    monkeypatch.setattr(custom_functions, "_kept", lambda function: False)
+    through = step_peak(graphopt.optimize(inlined, (x,), frontend="export"), inlined, (x,))
     assert kept < through
 
 
