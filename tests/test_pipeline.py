@@ -348,6 +348,8 @@ def test_outputs_that_do_not_merge_are_refused():
         merge_outputs([7, 8], [2, 2])
 
 
+# a torchrun launch of two processes (18 s): make test-real; the gloo schedule tests stay in make test
+@pytest.mark.slow
 def test_the_torchrun_example_trains():
     example = Path(__file__).resolve().parents[1] / "examples" / "pipeline_gpt.py"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -272,6 +272,8 @@ def test_a_microbatch_the_model_cannot_run_is_skipped():
         graphopt.train_step(model, (x,), loss_fn=mse, microbatches=4)
 
 
+# 16 s: make test-real; the split to a budget stays in make test (test_a_budget_below_the_full_batch_splits_it_and_holds)
+@pytest.mark.slow
 def test_forced_microbatches_over_budget_is_a_budget_error():
     model, args, kwargs = small_gpt()
     with pytest.raises(graphopt.BudgetError, match="in 2 microbatches"):
