@@ -115,6 +115,23 @@ def test_mixtral_optimizes_and_trains_as_eager_on_another_batch_without_widening
         assert float((got[name] - value).abs().max() / scale) <= 1e-5, name
 
 
+def test_the_traced_expert_fallback_runs_eagers_grouped_kernel_again():
+    """Under export transformers traces float32 experts into its per-expert loop; normalize gives
+    the graph back the kernel eager runs: the same step on another batch, to the bit."""
+    model = _mixtral()
+    ids = torch.randint(0, 64, (2, 16))
+    targets = {p: [str(n.target) for n in graphopt.optimize(model, (ids,), example_kwargs={"labels": ids}, passes=p,
+                                                              frontend="export").graph.nodes if "grouped_mm" in str(n.target)]
+               for p in ("", "normalize")}
+    assert targets[""] and set(targets[""]) == {"transformers.grouped_mm_fallback.default"}
+    assert targets["normalize"] == ["aten._grouped_mm.default"] * len(targets[""])
+    opt = graphopt.optimize(model, (ids,), example_kwargs={"labels": ids}, passes="normalize", frontend="export")
+    assert opt.graphopt_report.passes[0].stats["grouped_matmuls"] == len(targets[""])
+    other = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    eager, got = _step(model, model, other, other), _step(opt, model, other, other)
+    assert all(torch.equal(got[name], value) for name, value in eager.items())
+
+
 @pytest.mark.parametrize("case", range(5))
 def test_float64_reference_computes_grouped_mm_as_the_kernel_does(case):
     # the kernel has no float64: the reference step computes the groups as matmuls, checked here in float32

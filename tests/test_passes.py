@@ -336,6 +336,33 @@ def test_normalize_removes_views_that_read_their_input_as_it_is_but_not_detach(f
     assert_same_step(model, opt, args, {}, exact=True)
 
 
+class StepLoop(nn.Module):
+    """A scan over the sequence as Mamba's reference path writes it: `x[:, :, i]`, which export
+    spells as slices of whole dimensions around a select; and `x[:4]`, whose end is the example's
+    batch size."""
+
+    def forward(self, x):
+        h = torch.zeros_like(x[:, :, 0])
+        outs = []
+        for i in range(6):  # the sequence length, as a config fixes it
+            h = h * 0.5 + x[:, :, i].sin()
+            outs.append(h)
+        return torch.stack(outs, dim=-1) + x[:4].sum()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_normalize_reads_a_whole_slice_as_its_input_but_keeps_a_literal_end(frontend):
+    model, args = StepLoop(), (torch.randn(4, 3, 6, requires_grad=True),)
+    opt = graphopt.optimize(model, args, passes="normalize", frontend=frontend)
+    ends = [n.args[3] for n in opt.graph.nodes if n.target is torch.ops.aten.slice.Tensor]
+    if frontend == "export":
+        assert opt.graphopt_report.passes[0].stats["identity_dropouts"] >= 6  # each x[:, :, i]'s slices
+    assert ends == ([4] if frontend == "export" else [])  # fx keeps x[:4] as one getitem
+    assert_same_step(model, opt, args, {}, exact=True)
+    other = (torch.randn(6, 3, 6, requires_grad=True),)  # another batch size: x[:4] cuts it
+    assert_same_step(model, opt, other, {}, exact=True)
+
+
 class CausalAttention(nn.Module):
     """Attention whose boolean mask is built from the sequence length alone, as exported
     transformers models build theirs: causal, or within a sliding window (causal while the

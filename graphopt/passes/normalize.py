@@ -34,8 +34,10 @@ Algorithm:
      nothing (ATen's dropout), an nn.Identity returns its input (timm's empty drop-block and
      anti-aliasing slots), and a reshape to the shape its input has (NFNet's `.view(-1)` of a
      vector) or a contiguous() of a contiguous tensor reads it as it is laid out (detach is
-     kept: it cuts the gradient); where the FakeTensor run shows the result sharing the
-     input's storage, offset, shape and strides, its uses read the input, and the node goes.
+     kept: it cuts the gradient), and a slice of a whole dimension (export spells `x[:, :, i]` as
+     full slices around a select, and each slice's backward writes a zeroed copy of the whole
+     input); where the FakeTensor run shows the result sharing the input's storage, offset, shape
+     and strides, its uses read the input, and the node goes.
      Later passes then see the ops around it as neighbours (fuse, recompute).
   10. Stochastic depth: torchvision's stochastic_depth (a function fx keeps whole) is spelled out
      as the ops it runs, the ops timm's drop_path is traced into: in training with p > 0,
@@ -43,6 +45,9 @@ Algorithm:
      bernoulli draws into an empty_like of its input: the same draws as the function's
      bernoulli_ into its torch.empty); else x itself, as the function returns it. Fuse then
      takes the noise, the divide and the product into the group around them.
+  11. Mixture-of-experts matmuls: transformers' grouped matmul fallback, which it traces in
+     place of the torch._grouped_mm its eager step runs, calls torch._grouped_mm again where
+     the real kernel takes the operands (grouped_experts.py says why).
 
 Modules with parameters or buffers, and random ops, keep their spelling: their state and
 train/eval behaviour live in the module.
@@ -62,6 +67,7 @@ from ..analysis.aliases import Aliases, storage_key
 from ..analysis.effects import is_identity_dropout
 from .base import Pass, PassContext, PassResult
 from .causal_masks import causal_masks, op_name
+from .grouped_experts import eager_grouped_mm
 from .registry import register
 
 
@@ -212,11 +218,14 @@ class Normalize(Pass):
         dropouts = _identity_dropouts(gm)
         # Step 10
         depths = _stochastic_depths(gm)
-        changed = bool(rewritten or functional or causal or grouped or dropouts or depths)
+        # Step 11
+        experts = eager_grouped_mm(gm)
+        changed = bool(rewritten or functional or causal or grouped or dropouts or depths or experts)
         return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped,
                                         "functionalized": functional, "kept_in_place": in_place,
                                         "causal_masks": causal, "grouped_query_attention": grouped,
-                                        "identity_dropouts": dropouts, "stochastic_depths": depths},
+                                        "identity_dropouts": dropouts, "stochastic_depths": depths,
+                                        "grouped_matmuls": experts},
                           call_checks=[check] if check else [])
 
 
@@ -228,10 +237,12 @@ def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         op = ops.lookup(node, gm) if node.op.startswith("call") else None
         # views that may read their input as it is laid out (detach, a view too, cuts the gradient)
-        if op is None or not (op.random or op.keeps_order or op.name in ("alias", "contiguous")):
+        if op is None or not (op.random or op.keeps_order or op.name in ("alias", "contiguous", "slice")):
             continue
         bound = ops.bind(node, gm)
         if bound is None or (op.random and not is_identity_dropout(op, bound.params)):
+            continue
+        if op.name == "slice" and not _whole_slice(bound.params):
             continue
         x = bound.operands[0]
         if isinstance(x, torch.fx.Node) and _same_tensor(node.meta.get("val"), x.meta.get("val")):
@@ -241,6 +252,14 @@ def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
     if removed:
         gm.recompile()
     return removed
+
+
+def _whole_slice(params: dict) -> bool:
+    """Whether a slice takes its dimension whole at any size: `x[:, :, i]` exports as slices from 0
+    to the largest int64 around the select. A literal end that equals the example's size would
+    cut another batch, so only the open end counts."""
+    start, end, step = params.get("start"), params.get("end"), params.get("step", 1)
+    return start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= 2**63 - 1))
 
 
 def _same_tensor(a, b) -> bool:
