@@ -1,0 +1,113 @@
+"""Planning time against graph size: optimize() in seconds and in eager steps of the same model.
+
+    python bench/planning_time.py [--layers 2,4,8,16,32] [--models timm_densenet121,...] [--out FILE]
+
+Per model: its graph's nodes (as traced), the median of 3 eager training steps, then timed once
+each: optimize() with the default passes; optimize(budget_gb=1e-9), which plans down to the least
+budget and refuses with it (BudgetError); and optimize() at a budget halfway between that least
+and the unplanned step's peak. The transformers Llama family is 256 wide (4 heads, 1024 MLP,
+vocabulary 1024) at 4 x 256 tokens with its own loss on labels=input_ids, at each depth in
+--layers; --models adds corpus models at the memory tests' batch. Each time is also a ratio to
+one eager step measured in the same process just before, so that a busy machine slows both.
+Writes a Markdown table to --out (default: stdout only).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # graphopt from this checkout, and the corpus
+
+
+def llama(layers: int):
+    """(name, model, args, kwargs, loss) of the Llama at one depth."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                      max_position_embeddings=256, use_cache=False)
+    ids = torch.randint(0, 1024, (4, 256))
+    return f"llama-{layers}", transformers.LlamaForCausalLM(config), (ids,), {"labels": ids}, lambda out: out.loss
+
+
+def corpus_model(name: str):
+    from corpus.memory import memory_case
+
+    case = memory_case(name)
+    return name, case.model, case.args, case.kwargs, case.loss
+
+
+def measure(name, model, args, kwargs, loss) -> dict:
+    import graphopt
+    from graphopt.analysis.memory import GB
+    from graphopt.runtime.step import clear_grads, step_peak
+
+    def eager_step():
+        clear_grads(model)
+        loss(model(*args, **kwargs)).backward()
+        clear_grads(model)
+
+    def timed(fn):
+        start = time.perf_counter()
+        try:
+            result = fn()
+        except graphopt.BudgetError as e:
+            result = e
+        return time.perf_counter() - start, result
+
+    eager_step()
+    eager = statistics.median(timed(eager_step)[0] for _ in range(3))
+    default_s, opt = timed(lambda: graphopt.optimize(model, args, example_kwargs=kwargs))
+    nodes = sum(1 for n in opt.graph.nodes if n.op == "call_function")
+    peak = step_peak(model, model, args, kwargs, lambda out, *a, **k: loss(out))
+    least_s, refused = timed(lambda: graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9))
+    least = refused.min_budget_gb * GB
+    budget = (least + peak) / 2
+    plan_s, _ = timed(lambda: graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget / GB))
+    return {"model": name, "nodes": nodes, "eager_s": eager, "default_s": default_s, "least_s": least_s,
+            "plan_s": plan_s, "least_mb": least / 1e6, "budget_mb": budget / 1e6, "peak_mb": peak / 1e6}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | call nodes | eager step | optimize() | least (BudgetError) | plan at halfway | "
+             "plan / eager step | least, budget, peak |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['nodes']:,} | {r['eager_s']:.3f} s | {r['default_s']:.1f} s | "
+                     f"{r['least_s']:.1f} s | {r['plan_s']:.1f} s | {r['plan_s'] / r['eager_s']:.0f} | "
+                     f"{r['least_mb']:.1f}, {r['budget_mb']:.1f}, {r['peak_mb']:.1f} MB |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="2,4,8,16,32", help="Llama depths, comma-separated ('' for none)")
+    parser.add_argument("--models", default="", help="corpus models, comma-separated")
+    parser.add_argument("--out", default=None, help="write the table here")
+    args = parser.parse_args(argv)
+    builders = [lambda k=int(k): llama(k) for k in args.layers.split(",") if k]
+    builders += [lambda m=m: corpus_model(m) for m in args.models.split(",") if m]
+    rows = []
+    for build in builders:
+        rows.append(measure(*build()))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    text = (f"# Planning time (bench/planning_time.py)\n\n{platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}\n\n" + table(rows))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
