@@ -21,6 +21,7 @@ from torch._subclasses import FakeTensorMode
 from torch.fx import Graph, GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from graphopt import fake_kernels
 import graphopt.ops as ops
 from graphopt.ops import KINDS, PRECISION_CLASSES, Bound, OpInfo, bind, canonical_ops, flops, lookup, lookup_target
 from graphopt.ops.registry import TARGETS, UNRESOLVED
@@ -580,6 +581,17 @@ def test_flops():
     pools = [n for n in gm.graph.nodes if "pool" in str(n.target)]
     # one FLOP per window element of each output: a 3x3 pool reads its input about nine times
     assert [flops(n) for n in pools] == [2 * 4 * 4 * 4 * 9, 2 * 4 * 4 * 4 * 4, 4 * 8 * 2 * 3]
+
+    class Experts(nn.Module):  # a MoE layer's grouped matmuls: 32 rows in 3 groups (the second empty)
+        def forward(self, x, w, g, offs):
+            return torch._grouped_mm(x, w, offs=offs), torch._grouped_mm(x.t(), g, offs=offs)
+
+    offs = torch.tensor([8, 8, 32], dtype=torch.int32)
+    with fake_kernels.active():  # torch's own fake takes bfloat16 only
+        gm = exported(Experts(), randn(32, 16), randn(3, 24, 16).transpose(-2, -1), randn(32, 24), offs)
+    forward, weight_grad = [n for n in gm.graph.nodes if n.target == aten._grouped_mm.default]
+    assert flops(forward) == 2 * 32 * 24 * 16       # each row times its group's 16 x 24 matrix
+    assert flops(weight_grad) == 2 * 16 * 24 * 32   # each group's rows contracted once: 32 rows in all
 
     traced = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(16, 32), nn.ReLU()))
     assert all(flops(n, traced) == 0 for n in traced.graph.nodes)  # no meta: 0, no exception

@@ -65,6 +65,8 @@ MATMULS = {
     "linear": ref("aten.linear.default"),
     "einsum": ref("aten.einsum.default", renames={"operands": "tensors"}),
     "tensordot": ref("aten.tensordot.default"),
+    # mixture-of-experts experts: each group of rows (offs) times its own matrix
+    "grouped_mm": ref("aten._grouped_mm.default"),
     **{f"conv{d}d": ref(f"aten.conv{d}d.default") for d in (1, 2, 3)},
     "conv_transpose1d": ref("aten.conv_transpose1d.default"),
     **{f"conv_transpose{d}d": ref(f"aten.conv_transpose{d}d.input") for d in (2, 3)},

@@ -96,6 +96,16 @@ def _window(b, out):
     return out * math.prod(size)
 
 
+def _grouped_mm(b, out):
+    """Each output element is one row of mat_a times one column of mat_b; with both 2-D (a weight
+    gradient) the contraction runs along the groups' rows, so each group adds its own share."""
+    a, mat2 = _shape(b["x"]), _shape(b["mat2"])
+    if not a or not mat2:
+        return 0
+    groups = _shape(b["offs"])[0] if len(a) == len(mat2) == 2 and _shape(b["offs"]) else 1
+    return 2 * out * a[-1] // max(groups, 1)
+
+
 RULES = {
     "linear": lambda b, out: 2 * out * _last(b["x"]),
     "matmul": lambda b, out: 2 * out * _last(b["x"]),
@@ -109,6 +119,7 @@ RULES = {
     "baddbmm": lambda b, out: 2 * out * _last(b["batch1"]),
     "addbmm": lambda b, out: 2 * _numel(b["batch1"]) * _last(b["batch2"]),
     "tensordot": _tensordot,
+    "grouped_mm": _grouped_mm,
     "einsum": _einsum,
     "conv1d": _conv, "conv2d": _conv, "conv3d": _conv,
     "conv_transpose1d": lambda b, out: _conv(b, out, True),

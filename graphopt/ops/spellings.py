@@ -131,6 +131,7 @@ SPELLINGS = {
                           " aten._native_batch_norm_legit_functional"),
     # matmuls
     "matmul": "* op.matmul .__matmul__ .__rmatmul__~",
+    "grouped_mm": "torch._grouped_mm aten._grouped_mm F.grouped_mm",
     "mm": "*", "bmm": "*", "mv": "*", "dot": "*", "outer": "* torch.ger .ger",
     "addmm": "*", "addmv": "*", "baddbmm": "*", "addbmm": "*",
     "linear": "* F.linear nn.Linear",
