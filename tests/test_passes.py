@@ -363,6 +363,37 @@ def test_normalize_reads_a_whole_slice_as_its_input_but_keeps_a_literal_end(fron
     assert_same_step(model, opt, other, {}, exact=True)
 
 
+class FilledKeys(nn.Module):
+    """Keys built as DeepSeek-V3's attention builds them: an empty tensor, then copies into the
+    slices of its last dimension; `gap` leaves its last column unwritten."""
+
+    def __init__(self, gap: bool = False):
+        super().__init__()
+        self.nope, self.rot, self.gap = nn.Linear(8, 12), nn.Linear(8, 4), gap
+
+    def forward(self, x):
+        nope, rot = self.nope(x), self.rot(x)
+        keys = nope.new_empty(*x.shape[:-1], 16)
+        keys[..., :12] = nope
+        keys[..., 12:15 if self.gap else 16] = rot[..., :3] if self.gap else rot
+        if self.gap:
+            keys[..., 15:] = 0.0
+        return (keys.softmax(-1) * keys).sum()
+
+
+@pytest.mark.parametrize("gap", [False, True])
+def test_normalize_concatenates_a_buffer_filled_piecewise(gap):
+    model, args = FilledKeys(gap), (torch.randn(2, 5, 8, requires_grad=True),)
+    opt = graphopt.optimize(model, args, passes="normalize", frontend="export")
+    writes = [n for n in opt.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    # filled by copies alone: one cat, no write; the last slice filled with a constant: kept
+    assert opt.graphopt_report.passes[0].stats["filled_buffers"] == (0 if gap else 1)
+    assert (len(writes), any(n.target is torch.ops.aten.cat.default for n in opt.graph.nodes)) == \
+        ((2, False) if gap else (0, True))
+    assert_same_step(model, opt, args, {}, exact=True)
+    assert_same_step(model, opt, (torch.randn(3, 5, 8, requires_grad=True),), {}, exact=True)  # another batch
+
+
 class CausalAttention(nn.Module):
     """Attention whose boolean mask is built from the sequence length alone, as exported
     transformers models build theirs: causal, or within a sliding window (causal while the

@@ -48,6 +48,9 @@ Algorithm:
   11. Mixture-of-experts matmuls: transformers' grouped matmul fallback, which it traces in
      place of the torch._grouped_mm its eager step runs, calls torch._grouped_mm again where
      the real kernel takes the operands (grouped_experts.py says why).
+  12. Buffers filled piecewise: an uninitialized tensor whose slices along one dimension tile it,
+     each written once by a copy, before anything reads it, is the cat of what was copied
+     (filled_buffers.py): no write is left to cut recompute's segments.
 
 Modules with parameters or buffers, and random ops, keep their spelling: their state and
 train/eval behaviour live in the module.
@@ -67,6 +70,7 @@ from ..analysis.aliases import Aliases, storage_key
 from ..analysis.effects import is_identity_dropout
 from .base import Pass, PassContext, PassResult
 from .causal_masks import causal_masks, op_name
+from .filled_buffers import cat_filled_buffers
 from .grouped_experts import eager_grouped_mm
 from .registry import register
 
@@ -220,12 +224,14 @@ class Normalize(Pass):
         depths = _stochastic_depths(gm)
         # Step 11
         experts = eager_grouped_mm(gm)
-        changed = bool(rewritten or functional or causal or grouped or dropouts or depths or experts)
+        # Step 12
+        filled = cat_filled_buffers(gm)
+        changed = bool(rewritten or functional or causal or grouped or dropouts or depths or experts or filled)
         return PassResult(gm, changed, {"rewritten": sum(rewritten.values()), "by_op": rewritten, "skipped": skipped,
                                         "functionalized": functional, "kept_in_place": in_place,
                                         "causal_masks": causal, "grouped_query_attention": grouped,
                                         "identity_dropouts": dropouts, "stochastic_depths": depths,
-                                        "grouped_matmuls": experts},
+                                        "grouped_matmuls": experts, "filled_buffers": filled},
                           call_checks=[check] if check else [])
 
 
