@@ -25,11 +25,11 @@ SLICE = aten.slice.Tensor
 
 def cat_filled_buffers(gm: torch.fx.GraphModule) -> int:
     """Rewrite each buffer filled piecewise; the number rewritten."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     done = 0
     for x in list(gm.graph.nodes):
         if x.op != "call_function" or x.target not in EMPTY:
             continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # after the rewrites before this one
         pieces = _pieces(x, order)
         if pieces is None:
             continue
@@ -75,8 +75,8 @@ def _pieces(x: torch.fx.Node, order: dict):
         write, source = users[0], users[0].args[1]
         got, want = meta.tensor_info(source), meta.tensor_info(view)
         if not isinstance(source, torch.fx.Node) or not isinstance(got, meta.TensorInfo) \
-                or not isinstance(want, meta.TensorInfo) or got.shape != want.shape or got.dtype != want.dtype:
-            return None
+                or not isinstance(want, meta.TensorInfo) or _kind(got) != _kind(want):
+            return None  # a copy that broadcasts or casts: cat would need its own expand and cast
         size = value.shape[dim % len(value.shape)] if isinstance(dim, int) else None
         if not isinstance(size, int) or not isinstance(start, int) or not (end is None or isinstance(end, int)):
             return None
@@ -96,6 +96,10 @@ def _pieces(x: torch.fx.Node, order: dict):
     if any(order[r] < order[w] for r in reads for w in writes):
         return None  # something reads the buffer before it is whole
     return dims.pop(), writes
+
+
+def _kind(info: meta.TensorInfo) -> tuple:
+    return info.shape, info.dtype, info.device
 
 
 def _contiguous(shape) -> tuple:
