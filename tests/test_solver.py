@@ -255,3 +255,28 @@ def test_block_plans_keep_blocks_whose_state_writes_moved_and_cut_them_after_the
     found = [[(s.start, s.stop) for s in p.segments] for p in plans]
     assert [(2, 7), (7, 12)] in found  # the blocks whole
     assert [(2, 6), (7, 11)] in found  # up to and with each one's first matmul
+
+
+def test_a_selective_solve_without_selective_segments_is_the_full_solve():
+    """The candidates skip the full-only solve at an allowance where the selective solve chose no
+    selective segment: the full-only program chooses among a subset, so it finds the same plan."""
+    rng = random.Random(2)
+    compared = 0
+    for _ in range(300):
+        atoms = []
+        for i in range(rng.randint(2, 12)):
+            flops, keeps = rng.randint(1, 50), rng.random() < 0.4
+            sel_cost = rng.randint(1, flops) if keeps else 0
+            atoms.append(Atom(i, i + 1, rng.randint(1, 20), rng.randint(0, 8), flops, rng.random() > 0.2,
+                              rng.randint(1, 10) if keeps else 0, sel_cost, saves=rng.random() > 0.2))
+        total = sum(a.kept for a in atoms)
+        allowance = rng.randint(max(total // 3, 1), total)
+        with_selective = solve(atoms, allowance, buckets=64)
+        if with_selective is not None and any(s.selective for s in with_selective.segments):
+            continue
+        full = solve(atoms, allowance, buckets=64, selective=False)
+        assert (full is None) == (with_selective is None)
+        if full is not None:
+            assert (full.segments, full.recompute_cost) == (with_selective.segments, with_selective.recompute_cost)
+            compared += bool(full.segments)
+    assert compared > 30
