@@ -9,14 +9,12 @@ and the unplanned step's peak. The transformers Llama family is 256 wide (4 head
 vocabulary 1024) at 4 x 256 tokens with its own loss on labels=input_ids, at each depth in
 --layers; --models adds corpus models at the memory tests' batch. Each time is also a ratio to
 one eager step measured in the same process just before, so that a busy machine slows both.
-Writes a Markdown table to --out (default: stdout only).
+With --out DIR, writes planning_time-<device>-<date>.json and .md there (results_files.py).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +23,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # graphopt from this checkout, and the corpus
+
+from results_files import device_name, today, write_results  # noqa: E402  (bench/, beside this script)
 
 
 def llama(layers: int):
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="2,4,8,16,32", help="Llama depths, comma-separated ('' for none)")
     parser.add_argument("--models", default="", help="corpus models, comma-separated")
-    parser.add_argument("--out", default=None, help="write the table here")
+    parser.add_argument("--out", default=None, help="write the figures into this folder")
     args = parser.parse_args(argv)
     builders = [lambda k=int(k): llama(k) for k in args.layers.split(",") if k]
     builders += [lambda m=m: corpus_model(m) for m in args.models.split(",") if m]
@@ -100,12 +100,12 @@ def main(argv=None) -> int:
     for build in builders:
         rows.append(measure(*build()))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    text = (f"# Planning time (bench/planning_time.py)\n\n{platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}\n\n" + table(rows))
+    result = {"device": device_name(), "date": today(), "torch": torch.__version__, "rows": rows}
+    text = (f"# Planning time (bench/planning_time.py)\n\n{result['device']}, torch {result['torch']}, "
+            f"{result['date']}\n\n" + table(rows))
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        write_results("planning_time", result, text, args.out)
     return 0
 
 

@@ -15,37 +15,36 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .. import ops
 from ..analysis import meta
+from ..codegen.layout import contiguous_strides
 
-aten = torch.ops.aten
-EMPTY = (aten.new_empty.default, aten.empty.memory_format, aten.empty_like.default)
-COPY = aten.copy_.default
-SLICE = aten.slice.Tensor
+EMPTY = ("empty", "empty_like", "new_empty")  # uninitialized: every value comes from the copies
 
 
 def cat_filled_buffers(gm: torch.fx.GraphModule) -> int:
     """Rewrite each buffer filled piecewise; the number rewritten."""
     done = 0
     for x in list(gm.graph.nodes):
-        if x.op != "call_function" or x.target not in EMPTY:
+        if _name(x, gm) not in EMPTY:
             continue
         order = {n: i for i, n in enumerate(gm.graph.nodes)}  # after the rewrites before this one
-        pieces = _pieces(x, order)
+        pieces = _pieces(x, gm, order)
         if pieces is None:
             continue
-        dim, writes = pieces
-        last = max(writes, key=order.__getitem__)
+        dim, writes = pieces  # each write: (the copy_, the slice it writes, its source)
+        last = max((w for w, _, _ in writes), key=order.__getitem__)
         with gm.graph.inserting_after(last):
-            cat = gm.graph.call_function(aten.cat.default, ([w.args[1] for w in writes], dim))
+            cat = gm.graph.call_function(torch.ops.aten.cat.default, ([src for _, _, src in writes], dim))
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):  # the module it is in, for dumps and blocks
             if key in last.meta:
                 cat.meta[key] = last.meta[key]
+        views = {view for _, view, _ in writes}
         for user in list(x.users):
-            if user.target is not SLICE:
+            if user not in views:
                 user.replace_input_with(x, cat)
-        for w in writes:
-            view = w.args[0]
-            gm.graph.erase_node(w)
+        for write, view, _ in writes:
+            gm.graph.erase_node(write)
             gm.graph.erase_node(view)
         gm.graph.erase_node(x)
         done += 1
@@ -54,57 +53,53 @@ def cat_filled_buffers(gm: torch.fx.GraphModule) -> int:
     return done
 
 
-def _pieces(x: torch.fx.Node, order: dict):
-    """(dim, the copy_ nodes in slice order) when x is filled as the module docstring says; None
-    otherwise."""
+def _name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
+    op = ops.lookup(node, gm) if node.op.startswith("call") else None
+    return op.name if op is not None else None
+
+
+def _pieces(x: torch.fx.Node, gm: torch.fx.GraphModule, order: dict):
+    """(dim, [(copy_, slice, source)] in slice order) when x is filled as the module docstring
+    says; None otherwise."""
     value = meta.tensor_info(x)
-    if not isinstance(value, meta.TensorInfo) or value.stride != _contiguous(value.shape):
+    if not isinstance(value, meta.TensorInfo) or value.stride != contiguous_strides(value.shape):
         return None
-    views = [u for u in x.users if u.target is SLICE]
-    reads = [u for u in x.users if u.target is not SLICE]
-    if not views:
-        return None
+    views = [u for u in x.users if _name(u, gm) == "slice"]
+    reads = [u for u in x.users if u not in views]
     spans, dims = {}, set()
     for view in views:
-        dim, start, end, step = (list(view.args[1:]) + [0, None, None, 1][len(view.args) - 1:])[:4]
-        start = 0 if start is None else start
-        users = list(view.users)
-        if view.kwargs or step != 1 or len(users) != 1 or users[0].target is not COPY or users[0].args[0] is not view \
-                or users[0].users or len(users[0].args) != 2 or users[0].kwargs.get("non_blocking"):
+        bound, users = ops.bind(view, gm), list(view.users)
+        write = users[0] if len(users) == 1 and _name(users[0], gm) == "copy_" and not users[0].users else None
+        copied = ops.bind(write, gm) if write is not None else None
+        if bound is None or copied is None or copied.operands[0] is not view or copied.params.get("non_blocking"):
             return None
-        write, source = users[0], users[0].args[1]
+        source, (dim, start, end, step) = copied.operands[1], (bound[k] for k in ("dim", "start", "end", "step"))
         got, want = meta.tensor_info(source), meta.tensor_info(view)
-        if not isinstance(source, torch.fx.Node) or not isinstance(got, meta.TensorInfo) \
-                or not isinstance(want, meta.TensorInfo) or _kind(got) != _kind(want):
+        if not isinstance(got, meta.TensorInfo) or not isinstance(want, meta.TensorInfo) or _kind(got) != _kind(want):
             return None  # a copy that broadcasts or casts: cat would need its own expand and cast
         size = value.shape[dim % len(value.shape)] if isinstance(dim, int) else None
-        if not isinstance(size, int) or not isinstance(start, int) or not (end is None or isinstance(end, int)):
+        start = 0 if start is None else start
+        if step != 1 or not isinstance(size, int) or not isinstance(start, int) \
+                or not (end is None or isinstance(end, int)):
             return None
-        spans[write] = (start, size if end is None else min(end, size))
+        spans[(write, view, source)] = (start, size if end is None else min(end, size))
         dims.add(dim % len(value.shape))
     if len(dims) != 1:
         return None
-    writes = sorted(spans, key=lambda w: spans[w])
+    dim = dims.pop()
+    writes = sorted(spans, key=spans.__getitem__)
     covered = 0
     for w in writes:
         start, end = spans[w]
         if start != covered or end <= start:
             return None  # a gap or an overlap: the tensor's values are not the pieces alone
         covered = end
-    if covered != value.shape[dims.copy().pop()]:
+    if covered != value.shape[dim]:
         return None
-    if any(order[r] < order[w] for r in reads for w in writes):
+    if any(order[r] < order[w] for r in reads for w, _, _ in writes):
         return None  # something reads the buffer before it is whole
-    return dims.pop(), writes
+    return dim, writes
 
 
 def _kind(info: meta.TensorInfo) -> tuple:
     return info.shape, info.dtype, info.device
-
-
-def _contiguous(shape) -> tuple:
-    stride, out = 1, []
-    for size in reversed(shape):
-        out.append(stride)
-        stride *= max(size, 1)
-    return tuple(reversed(out))

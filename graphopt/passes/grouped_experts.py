@@ -35,15 +35,14 @@ def eager_grouped_mm(gm: torch.fx.GraphModule) -> int:
         if bound is None or set(bound.kwargs) != {"input", "weight", "offs"}:
             continue
         operands = [bound.kwargs[k] for k in ("input", "weight", "offs")]
-        values = [meta.tensor_info(n) if isinstance(n, torch.fx.Node) else None for n in operands]
-        fakes = [n.meta.get("val") for n in operands if isinstance(n, torch.fx.Node)]
-        if any(v is None for v in values) or len(fakes) != 3:
+        fakes = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in operands]
+        if not all(isinstance(f, torch.Tensor) for f in fakes):
             continue
         try:
             grouped_mm_output(*fakes)
         except RuntimeError:
             continue  # the kernel's own checks refuse these operands: the fallback stays
-        if not _kernel_runs(values[0].device, values[0].dtype):
+        if not _kernel_runs(fakes[0].device, fakes[0].dtype):
             continue
         node.target = torch.ops.aten._grouped_mm.default
         node.args, node.kwargs = tuple(operands[:2]), {"offs": operands[2]}
