@@ -33,6 +33,11 @@ class LiveStorage(TorchDispatchMode):
         self.by_category: dict[str, int] = {}
         self.at_peak: dict[str, int] = {}
         self.timeline: list[tuple[str, int]] | None = [] if timeline else None
+        self.changes = 0  # storages counted in or out so far: a position in the step
+        # with timeline, every storage: [bytes, position counted in, position counted out
+        # or None, event]; _serial maps a live storage to its index there
+        self.storages: list[list] | None = [] if timeline else None
+        self._serial: dict[int, int] = {}
         self._seen: dict[int, tuple[str, int]] = {}  # storage -> (category, bytes)
         self.add(resident, category)
 
@@ -70,15 +75,25 @@ class LiveStorage(TorchDispatchMode):
         if nbytes == 0:
             return
         self._seen[key] = (category, nbytes)
+        if self.storages is not None:
+            self._serial[key] = len(self.storages)
+            self.storages.append([nbytes, self.changes, None, event])
         self._change(category, nbytes, event)
         weakref.finalize(t.untyped_storage(), self._free, key)
+
+    def serial(self, t: torch.Tensor) -> int | None:
+        """The index in `storages` of t's storage, while it is live and counted."""
+        return self._serial.get(_key(t))
 
     def _free(self, key: int) -> None:
         if key in self._seen:
             category, nbytes = self._seen.pop(key)
+            if self.storages is not None:
+                self.storages[self._serial.pop(key)][2] = self.changes
             self._change(category, -nbytes, "free")
 
     def _change(self, category: str, nbytes: int, event: str) -> None:
+        self.changes += 1
         self.live += nbytes
         self.by_category[category] = self.by_category.get(category, 0) + nbytes
         if self.timeline is not None:

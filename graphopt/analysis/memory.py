@@ -15,6 +15,7 @@ on CUDA, live tensor storages on CPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from .live_storage import LiveStorage
 from .meta import tensor_info
 from .optimizer_memory import OptimizerMemory
 from .segments import recomputing
+from .step_log import StepLog
 
 GB = 10**9
 
@@ -59,6 +61,7 @@ class Estimate:
     # it and not yet used) and its kernels' temporaries. A pipeline stage's largest is part of
     # its memory.
     backward_work: dict[str, int] = field(default_factory=dict)
+    log: StepLog | None = None  # every storage's position in the step (step_log.py)
 
     @property
     def peak_gb(self) -> float:
@@ -127,6 +130,7 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
                 out = _Forward(gm, tracker).run(*inputs)
                 roots = backward_roots(out) if train else []
                 del out
+                tracker.log.forward_end = tracker.changes
                 if roots:
                     tracker.phase = "backward"
                     torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
@@ -136,7 +140,7 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
         finally:
             for h in hooks:
                 h.remove()
-    return Estimate(tracker.peak, tracker.at_peak, tracker.timeline, tracker.work)
+    return Estimate(tracker.peak, tracker.at_peak, tracker.timeline, tracker.work, tracker.step_log())
 
 
 def predict_peak(run, mode, resident: list, optimizer: OptimizerMemory | None = None) -> int:
@@ -176,6 +180,12 @@ class _StepTracker(LiveStorage):
         self.phase, self.node = "forward", ""
         self.work: dict[str, int] = {}
         self._running = None  # the graph node whose backward runs
+        self.log = StepLog()
+
+    def step_log(self) -> StepLog:
+        """The log, with each position's change, once the step has run."""
+        self.log.finish(self.timeline, self.storages)
+        return self.log
 
     def where(self) -> tuple[str, str]:
         if self.phase == "forward":
@@ -242,18 +252,29 @@ class _Forward(torch.fx.Interpreter):
         self.tracker = tracker
 
     def run_node(self, n: torch.fx.Node):
-        self.tracker.node = n.name
+        tracker, log = self.tracker, self.tracker.log
+        tracker.node = n.name
+        log.forward_start[n.name] = tracker.changes
         out = super().run_node(n)
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        made = f"forward {n.name}"
+        log.outputs[n.name] = [s for s in map(tracker.serial, tensors) if s is not None and tracker.storages[s][3] == made]
         # Every autograd node this graph node made, not just its output's: a leaf module or
         # a composite op (linear's addmm under its view) makes several.
-        stack = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
         while stack:
             fn = stack.pop()
             if fn is None or _MADE_BY in fn.metadata or type(fn).__name__ == "AccumulateGrad":
                 continue
             fn.metadata[_MADE_BY] = n.name
+            # a pre-hook only: a post-hook makes the engine hold the incoming gradients longer
+            fn.register_prehook(functools.partial(_started, tracker, n.name))
             stack.extend(f for f, _ in fn.next_functions)
         return out
+
+
+def _started(tracker: "_StepTracker", name: str, grad_outputs) -> None:
+    tracker.log.backward_node_started(name, tracker.changes)
 
 
 def measure_peak(fn, *track) -> int:

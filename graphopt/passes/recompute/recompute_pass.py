@@ -67,6 +67,7 @@ from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_aft
 from ..registry import register
 from .candidates import PlanSpace
 from .in_place import write_within
+from .pricing import PlanPricer
 from .rewrite import checkpoint_segments, inline_segments, recomputable
 from .solver import SegmentCost, rerun_end
 
@@ -262,8 +263,10 @@ class Recompute(Pass):
         candidates = space.candidates()
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
+        step = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
+        pricer = PlanPricer(step.log, facts, nodes, saves, sel)
         search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, space.leaner,
-                         space.grown)
+                         space.grown, pricer)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:
@@ -374,8 +377,9 @@ class _Search:
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
                  saves: list[int], candidates: list, optimizer, accumulate: bool, leaner=lambda plan: [],
-                 grown=lambda plan: []):
+                 grown=lambda plan: [], pricer: PlanPricer | None = None):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
+        self.pricer = pricer
         self.saves, self.leaner, self.grown = saves, leaner, grown
         self.optimizer, self.accumulate = optimizer, accumulate
         self.annotated = False

@@ -1,0 +1,215 @@
+"""A recompute plan's peak, priced from the log of one step of the graph without it.
+
+A fake step per plan looked at (memory.estimate_peak) is what made planning slow: thousands of
+kernels' dispatch each time. The step without a plan was run once with its log
+(analysis/step_log.py: every storage's position in and out, each node's forward start, each
+autograd node's backward start); a plan changes that step in two ways, both priced here:
+
+  1. A storage made in the forward and held for backward only by nodes the plan checkpoints
+     goes at its last use in the forward; one a checkpoint reads but made outside it is held
+     until that checkpoint's backward is done (non-reentrant checkpoint saves its inputs).
+     Storages held by a node outside every segment, or kept by a selective segment's policy,
+     keep their place.
+  2. When the backward first reaches a segment node that saved something, the segment runs
+     again up to where its rerun stops (solver.rerun_end): each storage its nodes made in the
+     forward is made again, a temporary gone where it went, what a segment node saved held
+     until that node's backward is done, anything else gone after its last use in the rerun.
+
+Everything else (parameters, inputs, gradients, the optimizer) stays where the log put it.
+This is a model of torch.utils.checkpoint, not a run of it: the recompute pass confirms the
+plan it picks with a fake step, and takes that step's word.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+import torch.fx
+
+from ...analysis.saved import StepFacts
+from ...analysis.step_log import StepLog, forward_made
+from .solver import rerun_end
+
+BEFORE_MARK = 0.9  # a free priced at a landmark lands just before it (keys: position - this)
+
+
+@dataclass(frozen=True)
+class _Made:
+    """A storage one graph node made in the forward."""
+    serial: int
+    node: int           # index of its maker
+    output: bool        # of the node's outputs (else a tensor its kernel made)
+    held: bool          # alive into the backward in the step without a plan
+
+
+class PlanPricer:
+    """price(segments) -> the step's peak bytes with those segments checkpointed."""
+
+    def __init__(self, log: StepLog, facts: StepFacts, nodes: list[torch.fx.Node], saves: list[int],
+                 policy: list[int]):
+        self.log, self.nodes, self.saves = log, nodes, saves
+        self.index = {n.name: i for i, n in enumerate(nodes)}
+        self.policy = [p > 0 for p in policy]  # a selective segment keeps this node's outputs
+        self.deltas = np.asarray(log.deltas, dtype=np.int64)
+        self.positions = np.arange(len(self.deltas), dtype=np.float64)
+        starts = [log.forward_start.get(n.name) for n in nodes]
+        # where node i's forward is over: the next node's start (its inputs' frees come before it)
+        self.forward_end = [log.forward_end] * len(nodes)
+        following = log.forward_end
+        for i in range(len(nodes) - 1, -1, -1):
+            self.forward_end[i] = following
+            if starts[i] is not None:
+                following = starts[i]
+        self.starts = starts
+        self.marks = sorted(log.backward_marks)
+        self.made: list[list[_Made]] = [[] for _ in nodes]
+        for name, serials in forward_made(log, nodes).items():
+            i = self.index[name]
+            outputs = set(log.outputs.get(name, ()))
+            for s in serials:
+                out = log.storages[s][2]
+                self.made[i].append(_Made(s, i, s in outputs, out is None or out >= log.forward_end))
+        self._holders(facts)
+
+    def _holders(self, facts: StepFacts) -> None:
+        """Per node: the nodes whose backward saved its outputs, the last node reading them in
+        the forward, and every node reading them (a segment among those holds them as its input)."""
+        n = len(self.nodes)
+        self.savers: list[set[int]] = [set() for _ in range(n)]
+        for name, items in facts.saved.items():
+            j = self.index.get(name)
+            for s in items:
+                if j is not None and s.source == "node" and s.owner in self.index:
+                    self.savers[self.index[s.owner]].add(j)
+        made, last = facts.lifetimes(self.nodes)
+        self.last_use = list(range(n))
+        self.readers: list[set[int]] = [set() for _ in range(n)]
+        maker = {key: i for key, (i, _) in made.items()}
+        for node in self.nodes:
+            for m in node.all_input_nodes:
+                for key, _ in facts.storages.get(m.name, []):
+                    if key in maker:
+                        self.readers[maker[key]].add(self.index[node.name])
+        for key, (i, _) in made.items():
+            self.last_use[i] = max(self.last_use[i], last.get(key, i))
+
+    def _backward_start(self, j: int) -> int | None:
+        starts = self.log.backward_starts.get(self.nodes[j].name)
+        return min(starts) if starts else None
+
+    def _released(self, j: int) -> float:
+        """Where what node j's backward saved is gone: when the next autograd node starts."""
+        starts = self.log.backward_starts.get(self.nodes[j].name)
+        if not starts:
+            return len(self.deltas) - BEFORE_MARK
+        k = bisect.bisect_right(self.marks, max(starts))
+        return (self.marks[k] if k < len(self.marks) else len(self.deltas)) - BEFORE_MARK
+
+    def _forward_gone(self, i: int) -> float:
+        return self.forward_end[i] - BEFORE_MARK
+
+    def price(self, segments) -> int:
+        """Peak bytes of the step with `segments` (solver.Segment: start, stop, selective)."""
+        seg_of = {}
+        for k, s in enumerate(segments):
+            for i in range(s.start, s.stop):
+                seg_of[i] = k
+        released = {}  # segment -> where its backward is done (it releases its inputs)
+
+        def segment_released(k: int) -> float:
+            if k not in released:
+                s = segments[k]
+                released[k] = max(self._released(j) for j in range(s.start, s.stop))
+            return released[k]
+
+        deltas = self.deltas.copy()
+        keys, extra = [], []
+        # 1. frees that move
+        for i, made in enumerate(self.made):
+            for m in made:
+                inputs_of = {seg_of[r] for r in self.readers[i] if r in seg_of} - {seg_of.get(i)} if m.output else ()
+                if not m.held and not inputs_of:
+                    continue
+                holders = self.savers[i] if m.output and m.held else {i} if m.held else ()
+                moved, places = False, []
+                for j in holders:
+                    k = seg_of.get(j)
+                    if k is None:
+                        places.append(self._released(j))
+                    elif seg_of.get(i) == k:
+                        if segments[k].selective and self.policy[i] and m.output:
+                            places.append(self._released(j))
+                        else:
+                            moved = True
+                    else:
+                        places.append(segment_released(k))
+                for k in inputs_of:  # the checkpoint keeps its inputs
+                    places.append(segment_released(k))
+                    moved = True
+                if not moved:
+                    continue
+                nbytes, _, out, _ = self.log.storages[m.serial]
+                if out is not None:
+                    deltas[out] += nbytes
+                gone = max([self._forward_gone(self.last_use[i] if m.output else i), *places])
+                keys.append(gone)
+                extra.append(-nbytes)
+        # 2. reruns
+        for k, s in enumerate(segments):
+            self._rerun(k, s, keys, extra, seg_of)
+        all_keys = np.concatenate([self.positions, np.asarray(keys, dtype=np.float64)])
+        all_deltas = np.concatenate([deltas, np.asarray(extra, dtype=np.int64)])
+        order = np.argsort(all_keys, kind="stable")
+        self._last = (all_keys[order], np.cumsum(all_deltas[order]), all_deltas[order])
+        return int(np.cumsum(all_deltas[order]).max(initial=0))
+
+    def debug_curve(self, segments, around=8):
+        self.price(segments)
+        keys, live, d = self._last
+        pk = int(np.argmax(live))
+        return [(keys[i], live[i], d[i]) for i in range(max(0, pk - around), min(len(keys), pk + 3))]
+
+    def _rerun(self, k: int, s, keys: list, extra: list, seg_of: dict) -> None:
+        end = rerun_end(self.saves, s.start, s.stop)
+        triggers = [p for j in range(s.start, s.stop) if self.saves[j] and (p := self._backward_start(j)) is not None]
+        if end == s.start or not triggers:
+            return
+        at = min(triggers)
+        # the rerun's changes, in the forward's order, squeezed between positions at - 1 and at
+        changes = []  # (forward position, serial, +1 made / -1 gone, node)
+        for i in range(s.start, end):
+            if s.selective and self.policy[i]:
+                continue  # its outputs are kept, its kernel does not run again
+            for m in self.made[i]:
+                nbytes, made_at, out, _ = self.log.storages[m.serial]
+                changes.append((made_at, m, nbytes))
+                if not m.held and out is not None and out < self.forward_end[i] and not m.output:
+                    changes.append((out, m, -nbytes))
+        changes.sort(key=lambda c: c[0])
+        span = len(changes) + 2
+        slot = {}
+        for rank, (_, m, nbytes) in enumerate(changes):
+            key = at - 0.75 + 0.5 * (rank + 1) / span
+            keys.append(key)
+            extra.append(nbytes)
+            if nbytes > 0:
+                slot[m.serial] = key
+        node_end = {}
+        for (_, m, nbytes) in changes:
+            if nbytes > 0:
+                node_end[m.node] = max(node_end.get(m.node, 0), slot[m.serial])
+        for (_, m, nbytes) in changes:
+            if nbytes < 0:
+                continue
+            if not m.output and (not m.held):
+                if self.log.storages[m.serial][2] is not None and self.log.storages[m.serial][2] < self.forward_end[m.node]:
+                    continue  # a temporary: its own change above
+            holders = [j for j in (self.savers[m.node] if m.output else {m.node}) if seg_of.get(j) == k]
+            if holders:
+                gone = max(self._released(j) for j in holders)
+            else:
+                users = [r for r in self.readers[m.node] if s.start <= r < end] if m.output else []
+                gone = max([node_end.get(u, slot[m.serial]) for u in users] + [slot[m.serial]]) + 1e-9
+            keys.append(gone)
+            extra.append(-nbytes)
