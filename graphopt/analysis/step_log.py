@@ -20,8 +20,8 @@ class StepLog:
     storages: list[list] = field(default_factory=list)  # [bytes, position in, position out or None, event]
     forward_start: dict[str, int] = field(default_factory=dict)   # graph node -> position its forward starts
     outputs: dict[str, list[int]] = field(default_factory=dict)   # graph node -> storages of its outputs it made
-    backward_starts: dict[str, list[int]] = field(default_factory=dict)  # graph node -> where its autograd nodes start
-    backward_marks: list[int] = field(default_factory=list)       # every autograd node's start, in order
+    backward_marks: list[int] = field(default_factory=list)       # every autograd node's start, in the order they ran
+    backward_starts: dict[str, list[int]] = field(default_factory=dict)  # graph node -> its autograd nodes' marks (indices)
     forward_end: int = 0               # position after the forward and the frees of its outputs
 
     def finish(self, timeline: list[tuple[str, int]], storages: list[list]) -> None:
@@ -33,7 +33,7 @@ class StepLog:
             live = after
 
     def backward_node_started(self, node: str, position: int) -> None:
-        self.backward_starts.setdefault(node, []).append(position)
+        self.backward_starts.setdefault(node, []).append(len(self.backward_marks))
         self.backward_marks.append(position)
 
 

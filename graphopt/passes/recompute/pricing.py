@@ -21,13 +21,12 @@ plan it picks with a fake step, and takes that step's word.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import numpy as np
 import torch.fx
 
-from ...analysis.saved import StepFacts
+from ...analysis.saved import SAVES_OWN, StepFacts
 from ...analysis.step_log import StepLog, forward_made
 from .solver import rerun_end
 
@@ -62,7 +61,6 @@ class PlanPricer:
             if starts[i] is not None:
                 following = starts[i]
         self.starts = starts
-        self.marks = sorted(log.backward_marks)
         self.made: list[list[_Made]] = [[] for _ in nodes]
         for name, serials in forward_made(log, nodes).items():
             i = self.index[name]
@@ -95,16 +93,16 @@ class PlanPricer:
             self.last_use[i] = max(self.last_use[i], last.get(key, i))
 
     def _backward_start(self, j: int) -> int | None:
-        starts = self.log.backward_starts.get(self.nodes[j].name)
-        return min(starts) if starts else None
+        marks = self.log.backward_starts.get(self.nodes[j].name)
+        return self.log.backward_marks[min(marks)] if marks else None
 
     def _released(self, j: int) -> float:
-        """Where what node j's backward saved is gone: when the next autograd node starts."""
-        starts = self.log.backward_starts.get(self.nodes[j].name)
-        if not starts:
-            return len(self.deltas) - BEFORE_MARK
-        k = bisect.bisect_right(self.marks, max(starts))
-        return (self.marks[k] if k < len(self.marks) else len(self.deltas)) - BEFORE_MARK
+        """Where what node j's backward saved is gone: when the autograd node after its last starts
+        (marks in the order they ran: several can start at one position)."""
+        marks = self.log.backward_starts.get(self.nodes[j].name)
+        following = max(marks) + 1 if marks else len(self.log.backward_marks)
+        at = self.log.backward_marks[following] if following < len(self.log.backward_marks) else len(self.deltas)
+        return at - BEFORE_MARK
 
     def _forward_gone(self, i: int) -> float:
         return self.forward_end[i] - BEFORE_MARK
@@ -120,11 +118,13 @@ class PlanPricer:
         def segment_released(k: int) -> float:
             if k not in released:
                 s = segments[k]
-                released[k] = max(self._released(j) for j in range(s.start, s.stop))
+                ran = [j for j in range(s.start, s.stop) if self.nodes[j].name in self.log.backward_starts]
+                released[k] = max(map(self._released, ran)) if ran else len(self.deltas) - BEFORE_MARK
             return released[k]
 
         deltas = self.deltas.copy()
         keys, extra = [], []
+        self.moved = {}
         # 1. frees that move
         for i, made in enumerate(self.made):
             for m in made:
@@ -132,29 +132,30 @@ class PlanPricer:
                 if not m.held and not inputs_of:
                     continue
                 holders = self.savers[i] if m.output and m.held else {i} if m.held else ()
-                moved, places = False, []
+                moved, kept_by, inputs_kept = False, [], []
                 for j in holders:
                     k = seg_of.get(j)
-                    if k is None:
-                        places.append(self._released(j))
+                    if k is None or (seg_of.get(i) == k and segments[k].selective and self.policy[i] and m.output):
+                        kept_by.append(self._released(j))
                     elif seg_of.get(i) == k:
-                        if segments[k].selective and self.policy[i] and m.output:
-                            places.append(self._released(j))
-                        else:
-                            moved = True
+                        moved = True
                     else:
-                        places.append(segment_released(k))
+                        inputs_kept.append(segment_released(k))
                 for k in inputs_of:  # the checkpoint keeps its inputs
-                    places.append(segment_released(k))
+                    inputs_kept.append(segment_released(k))
                     moved = True
                 if not moved:
                     continue
                 nbytes, _, out, _ = self.log.storages[m.serial]
                 if out is not None:
                     deltas[out] += nbytes
-                gone = max([self._forward_gone(self.last_use[i] if m.output else i), *places])
-                keys.append(gone)
+                gone = self._forward_gone(self.last_use[i] if m.output else i)
+                if kept_by:  # where the last of those holders lets go; no later than it went before
+                    gone = max(gone, min(max(kept_by), len(self.deltas) if out is None else out))
+                keys.append(max([gone, *inputs_kept]))
                 extra.append(-nbytes)
+                if getattr(self, "debug", False):
+                    self.moved[m.serial] = keys[-1]
         # 2. reruns
         for k, s in enumerate(segments):
             self._rerun(k, s, keys, extra, seg_of)
@@ -181,7 +182,12 @@ class PlanPricer:
         for i in range(s.start, end):
             if s.selective and self.policy[i]:
                 continue  # its outputs are kept, its kernel does not run again
-            for m in self.made[i]:
+            made = self.made[i]
+            if i == end - 1 and self.saves[i] == SAVES_OWN:
+                # the rerun stops once the last saved tensor is saved again: inside this node's kernel
+                last = max((k for k, m in enumerate(made) if m.held), default=len(made) - 1)
+                made = made[:last + 1]
+            for m in made:
                 nbytes, made_at, out, _ = self.log.storages[m.serial]
                 changes.append((made_at, m, nbytes))
                 if not m.held and out is not None and out < self.forward_end[i] and not m.output:
@@ -205,11 +211,17 @@ class PlanPricer:
             if not m.output and (not m.held):
                 if self.log.storages[m.serial][2] is not None and self.log.storages[m.serial][2] < self.forward_end[m.node]:
                     continue  # a temporary: its own change above
-            holders = [j for j in (self.savers[m.node] if m.output else {m.node}) if seg_of.get(j) == k]
-            if holders:
+            all_holders = self.savers[m.node] if m.output else {m.node}
+            holders = [j for j in all_holders if seg_of.get(j) == k]
+            out = self.log.storages[m.serial][2]
+            if holders and len(holders) == len(all_holders) and out is not None and out >= self.log.forward_end:
+                gone = out  # where the first run's storage went: the same holders let go of it there
+            elif holders:
                 gone = max(self._released(j) for j in holders)
             else:
                 users = [r for r in self.readers[m.node] if s.start <= r < end] if m.output else []
                 gone = max([node_end.get(u, slot[m.serial]) for u in users] + [slot[m.serial]]) + 1e-9
             keys.append(gone)
             extra.append(-nbytes)
+            if getattr(self, "debug", False):
+                print("rerun", k, self.nodes[m.node].name, m, nbytes, "made", round(slot[m.serial], 3), "gone", round(gone, 3))
