@@ -130,7 +130,7 @@ class _Given:
         from graphopt.passes.recompute.recompute_pass import _Search
         self.peaks, self.asked = peaks, []
         search = _Search.__new__(_Search)
-        search.estimates = {}
+        search.estimates, search.prices, search.pricer = {}, {}, None
         search.leaner = lambda plan: list(leaner)
         search.grown = lambda plan: list(grown)
 

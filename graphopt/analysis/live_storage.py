@@ -35,10 +35,11 @@ class LiveStorage(TorchDispatchMode):
         self.timeline: list[tuple[str, int]] | None = [] if timeline else None
         self.changes = 0  # storages counted in or out so far: a position in the step
         # with timeline, every storage: [bytes, position counted in, position counted out
-        # or None, event]; _serial maps a live storage to its index there
+        # or None, event, the op that made it or None]; _serial maps a live storage to its index there
         self.storages: list[list] | None = [] if timeline else None
         self._serial: dict[int, int] = {}
         self._seen: dict[int, tuple[str, int]] = {}  # storage -> (category, bytes)
+        self._op = None  # the op whose outputs are being counted
         self.add(resident, category)
 
     def where(self) -> tuple[str, str]:
@@ -77,7 +78,7 @@ class LiveStorage(TorchDispatchMode):
         self._seen[key] = (category, nbytes)
         if self.storages is not None:
             self._serial[key] = len(self.storages)
-            self.storages.append([nbytes, self.changes, None, event])
+            self.storages.append([nbytes, self.changes, None, event, self._op])
         self._change(category, nbytes, event)
         weakref.finalize(t.untyped_storage(), self._free, key)
 
@@ -107,8 +108,10 @@ class LiveStorage(TorchDispatchMode):
         if tensors:
             category, event = self.where()
             sizes = self.sizes(func, args, kwargs or {}, tensors)
+            self._op = func
             for t, nbytes in zip(tensors, sizes):
                 self._add(t, category, event, nbytes)
+            self._op = None
         return out
 
     def sizes(self, func, args, kwargs, out: list[torch.Tensor]) -> list[int | None]:

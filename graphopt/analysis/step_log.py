@@ -17,7 +17,7 @@ import torch.fx
 @dataclass
 class StepLog:
     deltas: list[int] = field(default_factory=list)     # bytes counted in (+) or out (-) at each position
-    storages: list[list] = field(default_factory=list)  # [bytes, position in, position out or None, event]
+    storages: list[list] = field(default_factory=list)  # [bytes, position in, position out or None, event, op]
     forward_start: dict[str, int] = field(default_factory=dict)   # graph node -> position its forward starts
     outputs: dict[str, list[int]] = field(default_factory=dict)   # graph node -> storages of its outputs it made
     backward_marks: list[int] = field(default_factory=list)       # every autograd node's start, in the order they ran
@@ -41,7 +41,7 @@ def forward_made(log: StepLog, nodes: list[torch.fx.Node]) -> dict[str, list[int
     """Per graph node, every storage counted in while its forward ran, in order: its outputs,
     what its kernels keep for backward, and its temporaries."""
     made: dict[str, list[int]] = {n.name: [] for n in nodes}
-    for s, (_, _, _, event) in enumerate(log.storages):
+    for s, (_, _, _, event, _) in enumerate(log.storages):
         phase, _, name = event.partition(" ")
         if phase == "forward" and name in made:
             made[name].append(s)

@@ -27,6 +27,7 @@ import numpy as np
 import torch.fx
 
 from ...analysis.saved import SAVES_OWN, StepFacts
+from ...analysis.segments import keeps_output
 from ...analysis.step_log import StepLog, forward_made
 from .solver import rerun_end
 
@@ -40,16 +41,16 @@ class _Made:
     node: int           # index of its maker
     output: bool        # of the node's outputs (else a tensor its kernel made)
     held: bool          # alive into the backward in the step without a plan
+    temporary: bool     # neither: gone before the next node's forward
+    kept: bool          # made by an op a selective segment keeps the output of (segments.keeps_output)
 
 
 class PlanPricer:
     """price(segments) -> the step's peak bytes with those segments checkpointed."""
 
-    def __init__(self, log: StepLog, facts: StepFacts, nodes: list[torch.fx.Node], saves: list[int],
-                 policy: list[int]):
+    def __init__(self, log: StepLog, facts: StepFacts, nodes: list[torch.fx.Node], saves: list[int]):
         self.log, self.nodes, self.saves = log, nodes, saves
         self.index = {n.name: i for i, n in enumerate(nodes)}
-        self.policy = [p > 0 for p in policy]  # a selective segment keeps this node's outputs
         self.deltas = np.asarray(log.deltas, dtype=np.int64)
         self.positions = np.arange(len(self.deltas), dtype=np.float64)
         starts = [log.forward_start.get(n.name) for n in nodes]
@@ -60,14 +61,16 @@ class PlanPricer:
             self.forward_end[i] = following
             if starts[i] is not None:
                 following = starts[i]
-        self.starts = starts
         self.made: list[list[_Made]] = [[] for _ in nodes]
         for name, serials in forward_made(log, nodes).items():
             i = self.index[name]
             outputs = set(log.outputs.get(name, ()))
             for s in serials:
                 out = log.storages[s][2]
-                self.made[i].append(_Made(s, i, s in outputs, out is None or out >= log.forward_end))
+                held = out is None or out >= log.forward_end
+                temporary = not held and s not in outputs and out < self.forward_end[i]
+                op = log.storages[s][4]
+                self.made[i].append(_Made(s, i, s in outputs, held, temporary, op is not None and keeps_output(op)))
         self._holders(facts)
 
     def _holders(self, facts: StepFacts) -> None:
@@ -109,6 +112,11 @@ class PlanPricer:
 
     def price(self, segments) -> int:
         """Peak bytes of the step with `segments` (solver.Segment: start, stop, selective)."""
+        keys, deltas = self.changes(segments)
+        return int(np.cumsum(deltas[np.argsort(keys, kind="stable")]).max(initial=0))
+
+    def changes(self, segments) -> tuple[np.ndarray, np.ndarray]:
+        """Every change of the step with `segments`: (keys, bytes), the step's order the keys' order."""
         seg_of = {}
         for k, s in enumerate(segments):
             for i in range(s.start, s.stop):
@@ -122,31 +130,49 @@ class PlanPricer:
                 released[k] = max(map(self._released, ran)) if ran else len(self.deltas) - BEFORE_MARK
             return released[k]
 
+        def holds_inputs(k: int) -> bool:
+            # checkpoint's record of its inputs lives as long as something saved inside it does
+            return any(self.saves[j] for j in range(segments[k].start, segments[k].stop))
+
         deltas = self.deltas.copy()
         keys, extra = [], []
-        self.moved = {}
         # 1. frees that move
         for i, made in enumerate(self.made):
+            home = seg_of.get(i)
             for m in made:
-                inputs_of = {seg_of[r] for r in self.readers[i] if r in seg_of} - {seg_of.get(i)} if m.output else ()
-                if not m.held and not inputs_of:
+                inputs_of = ({seg_of[r] for r in self.readers[i] if r in seg_of and holds_inputs(seg_of[r])} - {home}
+                             if m.output else ())
+                # a selective segment keeps what its policy saves until its rerun takes it back
+                cached = home is not None and segments[home].selective and m.kept
+                if not m.held and not inputs_of and not cached:
                     continue
                 holders = self.savers[i] if m.output and m.held else {i} if m.held else ()
                 moved, kept_by, inputs_kept = False, [], []
                 for j in holders:
                     k = seg_of.get(j)
-                    if k is None or (seg_of.get(i) == k and segments[k].selective and self.policy[i] and m.output):
+                    if k is None or (k == home and cached):
                         kept_by.append(self._released(j))
-                    elif seg_of.get(i) == k:
+                    elif k == home:
                         moved = True
                     else:
                         inputs_kept.append(segment_released(k))
                 for k in inputs_of:  # the checkpoint keeps its inputs
                     inputs_kept.append(segment_released(k))
                     moved = True
+                nbytes, _, out, _, _ = self.log.storages[m.serial]
+                if cached and not m.held:
+                    at = self._rerun_at(segments[home])
+                    if at is None:  # nothing inside saves: no rerun, and no cache past the forward
+                        continue
+                    if out is not None:
+                        deltas[out] += nbytes
+                    if i < rerun_end(self.saves, segments[home].start, segments[home].stop):
+                        continue  # the rerun lets go of it after its last reader there (_rerun)
+                    keys.append(at - 0.25)  # past where the rerun stops: the cache goes with the rerun
+                    extra.append(-nbytes)
+                    continue
                 if not moved:
                     continue
-                nbytes, _, out, _ = self.log.storages[m.serial]
                 if out is not None:
                     deltas[out] += nbytes
                 gone = self._forward_gone(self.last_use[i] if m.output else i)
@@ -154,74 +180,60 @@ class PlanPricer:
                     gone = max(gone, min(max(kept_by), len(self.deltas) if out is None else out))
                 keys.append(max([gone, *inputs_kept]))
                 extra.append(-nbytes)
-                if getattr(self, "debug", False):
-                    self.moved[m.serial] = keys[-1]
         # 2. reruns
         for k, s in enumerate(segments):
             self._rerun(k, s, keys, extra, seg_of)
-        all_keys = np.concatenate([self.positions, np.asarray(keys, dtype=np.float64)])
-        all_deltas = np.concatenate([deltas, np.asarray(extra, dtype=np.int64)])
-        order = np.argsort(all_keys, kind="stable")
-        self._last = (all_keys[order], np.cumsum(all_deltas[order]), all_deltas[order])
-        return int(np.cumsum(all_deltas[order]).max(initial=0))
+        return (np.concatenate([self.positions, np.asarray(keys, dtype=np.float64)]),
+                np.concatenate([deltas, np.asarray(extra, dtype=np.int64)]))
 
-    def debug_curve(self, segments, around=8):
-        self.price(segments)
-        keys, live, d = self._last
-        pk = int(np.argmax(live))
-        return [(keys[i], live[i], d[i]) for i in range(max(0, pk - around), min(len(keys), pk + 3))]
+    def _rerun_at(self, s) -> int | None:
+        """Where segment s runs again: when the backward first unpacks what one of its nodes saved."""
+        triggers = [p for j in range(s.start, s.stop) if self.saves[j] and (p := self._backward_start(j)) is not None]
+        return min(triggers) if triggers else None
 
     def _rerun(self, k: int, s, keys: list, extra: list, seg_of: dict) -> None:
-        end = rerun_end(self.saves, s.start, s.stop)
-        triggers = [p for j in range(s.start, s.stop) if self.saves[j] and (p := self._backward_start(j)) is not None]
-        if end == s.start or not triggers:
+        end, at = rerun_end(self.saves, s.start, s.stop), self._rerun_at(s)
+        if end == s.start or at is None:
             return
-        at = min(triggers)
-        # the rerun's changes, in the forward's order, squeezed between positions at - 1 and at
-        changes = []  # (forward position, serial, +1 made / -1 gone, node)
+        # the rerun's changes (forward position, storage, bytes), in the forward's order; what a
+        # selective segment keeps is not made again
+        changes = []
         for i in range(s.start, end):
-            if s.selective and self.policy[i]:
-                continue  # its outputs are kept, its kernel does not run again
-            made = self.made[i]
+            # the rerun takes back what its policy kept (no bytes made) and lets go of it where it
+            # would go had it been made again
+            changes += [(self.log.storages[m.serial][1], m, 0) for m in self.made[i] if s.selective and m.kept and not m.held]
+            made = [m for m in self.made[i] if not (s.selective and m.kept)]
             if i == end - 1 and self.saves[i] == SAVES_OWN:
                 # the rerun stops once the last saved tensor is saved again: inside this node's kernel
-                last = max((k for k, m in enumerate(made) if m.held), default=len(made) - 1)
+                last = max((n for n, m in enumerate(made) if m.held), default=len(made) - 1)
                 made = made[:last + 1]
             for m in made:
-                nbytes, made_at, out, _ = self.log.storages[m.serial]
+                nbytes, made_at, out, _, _ = self.log.storages[m.serial]
                 changes.append((made_at, m, nbytes))
-                if not m.held and out is not None and out < self.forward_end[i] and not m.output:
+                if m.temporary:
                     changes.append((out, m, -nbytes))
         changes.sort(key=lambda c: c[0])
-        span = len(changes) + 2
-        slot = {}
+        # squeezed between positions at - 1 and at, where the backward first unpacks what the segment saved
+        slot, node_end = {}, {}
         for rank, (_, m, nbytes) in enumerate(changes):
-            key = at - 0.75 + 0.5 * (rank + 1) / span
+            key = at - 0.75 + 0.5 * (rank + 1) / (len(changes) + 2)
             keys.append(key)
             extra.append(nbytes)
-            if nbytes > 0:
-                slot[m.serial] = key
-        node_end = {}
-        for (_, m, nbytes) in changes:
-            if nbytes > 0:
-                node_end[m.node] = max(node_end.get(m.node, 0), slot[m.serial])
-        for (_, m, nbytes) in changes:
-            if nbytes < 0:
+            if nbytes >= 0:
+                slot[m.serial] = node_end[m.node] = key
+        for _, m, nbytes in changes:
+            if nbytes < 0 or m.temporary:
                 continue
-            if not m.output and (not m.held):
-                if self.log.storages[m.serial][2] is not None and self.log.storages[m.serial][2] < self.forward_end[m.node]:
-                    continue  # a temporary: its own change above
-            all_holders = self.savers[m.node] if m.output else {m.node}
-            holders = [j for j in all_holders if seg_of.get(j) == k]
+            nbytes = nbytes or self.log.storages[m.serial][0]
+            holders = self.savers[m.node] if m.output else {m.node}
+            inside = [j for j in holders if seg_of.get(j) == k]
             out = self.log.storages[m.serial][2]
-            if holders and len(holders) == len(all_holders) and out is not None and out >= self.log.forward_end:
+            if inside and len(inside) == len(holders) and out is not None and out >= self.log.forward_end:
                 gone = out  # where the first run's storage went: the same holders let go of it there
-            elif holders:
-                gone = max(self._released(j) for j in holders)
-            else:
-                users = [r for r in self.readers[m.node] if s.start <= r < end] if m.output else []
-                gone = max([node_end.get(u, slot[m.serial]) for u in users] + [slot[m.serial]]) + 1e-9
+            elif inside:
+                gone = max(map(self._released, inside))
+            else:  # gone after its last reader in the rerun
+                readers = [r for r in self.readers[m.node] if s.start <= r < end] if m.output else []
+                gone = max([node_end.get(r, slot[m.serial]) for r in readers] + [slot[m.serial]]) + 1e-9
             keys.append(gone)
             extra.append(-nbytes)
-            if getattr(self, "debug", False):
-                print("rerun", k, self.nodes[m.node].name, m, nbytes, "made", round(slot[m.serial], 3), "gone", round(gone, 3))

@@ -79,9 +79,12 @@ from .solver import SegmentCost, rerun_end
 # cheaper wins whatever its segments (DenseNet-121's, when selective segments were priced per
 # graph node: 22 segments for 7, no convolution rerun).
 TIME_RESOLUTION = 0.05
-LOOK_BELOW = 16   # cheaper candidates the bisection did not look at, checked after it
-LOOK_LEAN = 3     # leaner plans checked against the budget
 LOOK_GROWN = 8    # grown plans checked against the budget
+# A cheaper plan priced at most this far over the target gets a fake step of its own, and so
+# do the LOOK_LEAST plans priced lowest when none fits: pricing is a model (pricing.py).
+PRICE_MARGIN = 0.01
+LOOK_NEAR = 4
+LOOK_LEAST = 3
 CALIBRATIONS = 3  # re-plans after a measured step over budget
 # On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
 # allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
@@ -264,7 +267,7 @@ class Recompute(Pass):
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
         step = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
-        pricer = PlanPricer(step.log, facts, nodes, saves, sel)
+        pricer = PlanPricer(step.log, facts, nodes, saves)
         search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, space.leaner,
                          space.grown, pricer)
         # Steps 4 and 5
@@ -383,7 +386,8 @@ class _Search:
         self.saves, self.leaner, self.grown = saves, leaner, grown
         self.optimizer, self.accumulate = optimizer, accumulate
         self.annotated = False
-        self.estimates: dict[int, Estimate] = {}
+        self.estimates: dict[int, Estimate] = {}  # by fake step
+        self.prices: dict[int, int] = {}          # by pricing.py
         self.decision: dict[torch.fx.Node, str] = {}
 
     def rewrite(self, plan, annotated: bool = True) -> None:
@@ -412,29 +416,43 @@ class _Search:
             self.undo()
         return self.estimates[k]
 
+    def peak(self, k: int) -> int:
+        """Candidate k's peak: its fake step's where it ran, else priced (pricing.py)."""
+        if k in self.estimates or self.pricer is None:
+            return self.estimate(k).peak_bytes
+        if k not in self.prices:
+            self.prices[k] = self.pricer.price(self.candidates[k].segments)
+        return self.prices[k]
+
     def cheapest_within(self, target: int):
-        """(plan, estimate) of the cheapest candidate estimated within target; (None, the
-        smallest estimate seen) when even the costliest is over."""
-        fits = lambda k: self.estimate(k).peak_bytes <= target  # noqa: E731
-        last = len(self.candidates) - 1
-        if not fits(last):  # the costliest is not always the smallest: look at every one
-            fitting = [k for k in range(last) if fits(k)]
-            if not fitting:
-                return None, min(self.estimates.values(), key=lambda e: e.peak_bytes)
-            hi = fitting[0]
-        else:
-            lo, hi = 0, last  # candidates[hi] fits
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-            # The estimate falls with cost only roughly (ResNet-18: a plan of a fifteenth of the cost of
-            # the bisection's fits, those between do not): cheaper plans get their own look, cheapest
-            # first, from both ends of those skipped: the cheapest, and those just below the fit
-            # (transformers' GPT-NeoX: the one-line per-layer plan, two candidates below it, behind
-            # twenty cheaper ones that all miss).
-            unseen = [k for k in range(hi) if k not in self.estimates]
-            unseen = sorted(set(unseen[:LOOK_BELOW // 2] + unseen[-(LOOK_BELOW // 2):]))
-            hi = next((k for k in unseen if fits(k)), hi)
+        """(plan, estimate) of the cheapest candidate whose peak is within target, confirmed by
+        its fake step; (None, the smallest estimate seen) when none is."""
+        while True:
+            hi = self._cheapest_by_peak(target)
+            if hi is None:
+                break
+            if self.estimate(hi).peak_bytes <= target:  # a price over by a hair gets its own look
+                near = sorted((k for k, p in self.prices.items() if k not in self.estimates and
+                               target < p <= target * (1 + PRICE_MARGIN) and
+                               self.candidates[k].recompute_cost < self.candidates[hi].recompute_cost),
+                              key=lambda k: self.candidates[k].recompute_cost)
+                hi = next((k for k in near[:LOOK_NEAR] if self.estimate(k).peak_bytes <= target), hi)
+                return self.candidates[hi], self.estimates[hi]
+            # over after all: its fake step now stands for it, and the search runs again
+        # none within target: the least is the smallest of the fake steps of the lowest priced
+        for k in sorted(range(len(self.candidates)), key=self.peak)[:LOOK_LEAST]:
+            self.estimate(k)
+        best = min(self.estimates, key=lambda k: self.estimates[k].peak_bytes)
+        if self.estimates[best].peak_bytes <= target:
+            return self.candidates[best], self.estimates[best]
+        return None, self.estimates[best]
+
+    def _cheapest_by_peak(self, target: int) -> int | None:
+        fits = lambda k: self.peak(k) <= target  # noqa: E731
+        fitting = [k for k in range(len(self.candidates)) if fits(k)]
+        if not fitting:
+            return None
+        hi = min(fitting, key=lambda k: (self.candidates[k].recompute_cost, k))
         hi = self._grow(hi, fits)
         # Costs within the time model's resolution are a tie: the plan rerunning fewer matmul FLOPs wins
         chosen = self.candidates[hi]
@@ -443,20 +461,17 @@ class _Search:
             if tuple(plan.segments) not in known:
                 known.add(tuple(plan.segments))
                 self.candidates.append(plan)
-        # (one already estimated is a contender only if it fit)
-        leaner = sorted((k for k, p in enumerate(self.candidates) if (k not in self.estimates or fits(k))
-                         and p.matmul_flops < chosen.matmul_flops
+        leaner = sorted((k for k, p in enumerate(self.candidates) if p.matmul_flops < chosen.matmul_flops
                          and (p.recompute_cost <= chosen.recompute_cost or len(p.segments) <= len(chosen.segments))
                          and p.recompute_cost <= chosen.recompute_cost * (1 + TIME_RESOLUTION)),
                         key=lambda k: (self.candidates[k].matmul_flops, self.candidates[k].recompute_cost))
-        hi = next((k for k in leaner[:LOOK_LEAN] if fits(k)), hi)
-        return self.candidates[hi], self.estimates[hi]
+        return next((k for k in leaner if fits(k)), hi)
 
     def _grow(self, hi: int, fits) -> int:
         """The cheapest of the dearest plan over the target grown (candidates.PlanSpace.grown)
         that fits and costs less than candidates[hi]; hi when none does."""
         cost = self.candidates[hi].recompute_cost
-        over = [k for k in self.estimates if not fits(k) and self.candidates[k].recompute_cost < cost]
+        over = [k for k in range(len(self.candidates)) if self.candidates[k].recompute_cost < cost and not fits(k)]
         if not over:
             return hi
         known = {tuple(p.segments) for p in self.candidates}
