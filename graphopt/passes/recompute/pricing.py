@@ -176,8 +176,11 @@ class PlanPricer:
                 if out is not None:
                     deltas[out] += nbytes
                 gone = self._forward_gone(self.last_use[i] if m.output else i)
+                went = len(self.deltas) if out is None else out
                 if kept_by:  # where the last of those holders lets go; no later than it went before
-                    gone = max(gone, min(max(kept_by), len(self.deltas) if out is None else out))
+                    gone = max(gone, min(max(kept_by), went))
+                if went > max([gone, *map(self._released, holders)]) + 1:
+                    gone = went  # held by something no node's backward explains (a returned tensor): as before
                 keys.append(max([gone, *inputs_kept]))
                 extra.append(-nbytes)
         # 2. reruns
@@ -205,7 +208,9 @@ class PlanPricer:
             made = [m for m in self.made[i] if not (s.selective and m.kept)]
             if i == end - 1 and self.saves[i] == SAVES_OWN:
                 # the rerun stops once the last saved tensor is saved again: inside this node's kernel
-                last = max((n for n, m in enumerate(made) if m.held), default=len(made) - 1)
+                needed = [n for n, m in enumerate(made) if m.held and (
+                    not m.output or any(s.start <= j < s.stop for j in self.savers[i]))]
+                last = max(needed, default=len(made) - 1)
                 made = made[:last + 1]
             for m in made:
                 nbytes, made_at, out, _, _ = self.log.storages[m.serial]
