@@ -19,16 +19,18 @@ Algorithm:
      that recompute each repeated block whole, as the model's own checkpointing would; each
      priced as it runs, distinct, by increasing cost. The solver's model ranks plans; it is
      not exact.
-  4. The full estimate of each plan looked at (rewritten through torch.utils.checkpoint,
-     rewrite.py, then undone) decides. When the costliest plan fits, a bisection over
-     the candidates, then a look at up to LOOK_BELOW cheaper ones it skipped (the cheapest, and
-     those just below its fit), finds the cheapest plan that fits; the dearest plan looked at
-     that is cheaper but over the target, grown by a few nodes (candidates.py), may fit for less
-     and take its place; then
-     a plan within TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs (candidates.py
-     proposes some near it) takes its place;
-     when it does not, every candidate is looked at, and if none fits, BudgetError names the
-     smallest estimated peak (the step as it is included) as the least budget that works.
+  4. Each candidate is priced from the log of the step as it is (pricing.py: where every
+     storage comes and goes, changed as torch.utils.checkpoint changes it; about a
+     millisecond a plan, where a fake step of the rewritten graph takes seconds). The
+     cheapest that fits by price; the dearest cheaper one over the target, grown by a few
+     nodes (candidates.py), may fit for less and take its place; then a plan within
+     TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs (candidates.py proposes some
+     near it) takes its place. The full estimate of the chosen plan (rewritten through
+     torch.utils.checkpoint, rewrite.py, then undone) confirms it; over the target, its
+     estimate stands for its price and the search runs again. Cheaper plans priced within
+     PRICE_MARGIN over the target get their estimate too. When none fits, the LOOK_LEAST
+     plans priced lowest are estimated, and BudgetError names the smallest estimated peak
+     (the step as it is included) as the least budget that works.
   5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
      model state restored) and, while it measures over budget, plan again for a budget
      lowered by the overshoot (at most CALIBRATIONS times).
