@@ -13,6 +13,7 @@ category at the peak and, with `timeline=True`, the live bytes after every chang
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
@@ -21,6 +22,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 CUDA_BLOCK = 512
+
+
+@dataclass
+class Stored:
+    """One storage of a step, with timeline=True: positions are counts of changes before it."""
+    nbytes: int
+    made_at: int
+    gone_at: int | None   # None: still live
+    event: str            # where() said, when it appeared
+    op: object            # the op whose output it is; None for one added from outside
 
 
 class LiveStorage(TorchDispatchMode):
@@ -34,9 +45,8 @@ class LiveStorage(TorchDispatchMode):
         self.at_peak: dict[str, int] = {}
         self.timeline: list[tuple[str, int]] | None = [] if timeline else None
         self.changes = 0  # storages counted in or out so far: a position in the step
-        # with timeline, every storage: [bytes, position counted in, position counted out
-        # or None, event, the op that made it or None]; _serial maps a live storage to its index there
-        self.storages: list[list] | None = [] if timeline else None
+        # with timeline, every storage; _serial maps a live storage to its index there
+        self.storages: list[Stored] | None = [] if timeline else None
         self._serial: dict[int, int] = {}
         self._seen: dict[int, tuple[str, int]] = {}  # storage -> (category, bytes)
         self._op = None  # the op whose outputs are being counted
@@ -78,7 +88,7 @@ class LiveStorage(TorchDispatchMode):
         self._seen[key] = (category, nbytes)
         if self.storages is not None:
             self._serial[key] = len(self.storages)
-            self.storages.append([nbytes, self.changes, None, event, self._op])
+            self.storages.append(Stored(nbytes, self.changes, None, event, self._op))
         self._change(category, nbytes, event)
         weakref.finalize(t.untyped_storage(), self._free, key)
 
@@ -90,7 +100,7 @@ class LiveStorage(TorchDispatchMode):
         if key in self._seen:
             category, nbytes = self._seen.pop(key)
             if self.storages is not None:
-                self.storages[self._serial.pop(key)][2] = self.changes
+                self.storages[self._serial.pop(key)].gone_at = self.changes
             self._change(category, -nbytes, "free")
 
     def _change(self, category: str, nbytes: int, event: str) -> None:

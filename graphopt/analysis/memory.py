@@ -258,7 +258,7 @@ class _Forward(torch.fx.Interpreter):
         out = super().run_node(n)
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         made = f"forward {n.name}"
-        log.outputs[n.name] = [s for s in map(tracker.serial, tensors) if s is not None and tracker.storages[s][3] == made]
+        log.outputs[n.name] = [s for s in map(tracker.serial, tensors) if s is not None and tracker.storages[s].event == made]
         # Every autograd node this graph node made, not just its output's: a leaf module or
         # a composite op (linear's addmm under its view) makes several.
         stack = [t.grad_fn for t in tensors if t.grad_fn is not None]

@@ -9,25 +9,28 @@ running the step again.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch.fx
+
+from .live_storage import Stored
 
 
 @dataclass
 class StepLog:
     deltas: list[int] = field(default_factory=list)     # bytes counted in (+) or out (-) at each position
-    storages: list[list] = field(default_factory=list)  # [bytes, position in, position out or None, event, op]
+    storages: list[Stored] = field(default_factory=list)
     forward_start: dict[str, int] = field(default_factory=dict)   # graph node -> position its forward starts
     outputs: dict[str, list[int]] = field(default_factory=dict)   # graph node -> storages of its outputs it made
     backward_marks: list[int] = field(default_factory=list)       # every autograd node's start, in the order they ran
     backward_starts: dict[str, list[int]] = field(default_factory=dict)  # graph node -> its autograd nodes' marks (indices)
     forward_end: int = 0               # position after the forward and the frees of its outputs
 
-    def finish(self, timeline: list[tuple[str, int]], storages: list[list]) -> None:
+    def finish(self, timeline: list[tuple[str, int]], storages: list[Stored]) -> None:
         """Take the instrument's timeline (live bytes after each change) and storages."""
         live, self.deltas = 0, []
-        self.storages = [list(s) for s in storages]  # a copy: what goes after the step is not in it
+        self.storages = [dataclasses.replace(s) for s in storages]  # a copy: what goes after the step is not in it
         for _, after in timeline:
             self.deltas.append(after - live)
             live = after
@@ -41,8 +44,8 @@ def forward_made(log: StepLog, nodes: list[torch.fx.Node]) -> dict[str, list[int
     """Per graph node, every storage counted in while its forward ran, in order: its outputs,
     what its kernels keep for backward, and its temporaries."""
     made: dict[str, list[int]] = {n.name: [] for n in nodes}
-    for s, (_, _, _, event, _) in enumerate(log.storages):
-        phase, _, name = event.partition(" ")
+    for s, stored in enumerate(log.storages):
+        phase, _, name = stored.event.partition(" ")
         if phase == "forward" and name in made:
             made[name].append(s)
     return made

@@ -66,10 +66,10 @@ class PlanPricer:
             i = self.index[name]
             outputs = set(log.outputs.get(name, ()))
             for s in serials:
-                out = log.storages[s][2]
+                out = log.storages[s].gone_at
                 held = out is None or out >= log.forward_end
                 temporary = not held and s not in outputs and out < self.forward_end[i]
-                op = log.storages[s][4]
+                op = log.storages[s].op
                 self.made[i].append(_Made(s, i, s in outputs, held, temporary, op is not None and keeps_output(op)))
         self._holders(facts)
 
@@ -159,7 +159,7 @@ class PlanPricer:
                 for k in inputs_of:  # the checkpoint keeps its inputs
                     inputs_kept.append(segment_released(k))
                     moved = True
-                nbytes, _, out, _, _ = self.log.storages[m.serial]
+                nbytes, out = self.log.storages[m.serial].nbytes, self.log.storages[m.serial].gone_at
                 if cached and not m.held:
                     at = self._rerun_at(segments[home])
                     if at is None:  # nothing inside saves: no rerun, and no cache past the forward
@@ -204,7 +204,7 @@ class PlanPricer:
         for i in range(s.start, end):
             # the rerun takes back what its policy kept (no bytes made) and lets go of it where it
             # would go had it been made again
-            changes += [(self.log.storages[m.serial][1], m, 0) for m in self.made[i] if s.selective and m.kept and not m.held]
+            changes += [(self.log.storages[m.serial].made_at, m, 0) for m in self.made[i] if s.selective and m.kept and not m.held]
             made = [m for m in self.made[i] if not (s.selective and m.kept)]
             if i == end - 1 and self.saves[i] == SAVES_OWN:
                 # the rerun stops once the last saved tensor is saved again: inside this node's kernel
@@ -213,10 +213,10 @@ class PlanPricer:
                 last = max(needed, default=len(made) - 1)
                 made = made[:last + 1]
             for m in made:
-                nbytes, made_at, out, _, _ = self.log.storages[m.serial]
-                changes.append((made_at, m, nbytes))
+                stored = self.log.storages[m.serial]
+                changes.append((stored.made_at, m, stored.nbytes))
                 if m.temporary:
-                    changes.append((out, m, -nbytes))
+                    changes.append((stored.gone_at, m, -stored.nbytes))
         changes.sort(key=lambda c: c[0])
         # squeezed between positions at - 1 and at, where the backward first unpacks what the segment saved
         slot, node_end = {}, {}
@@ -229,10 +229,10 @@ class PlanPricer:
         for _, m, nbytes in changes:
             if nbytes < 0 or m.temporary:
                 continue
-            nbytes = nbytes or self.log.storages[m.serial][0]
+            nbytes = nbytes or self.log.storages[m.serial].nbytes
             holders = self.savers[m.node] if m.output else {m.node}
             inside = [j for j in holders if seg_of.get(j) == k]
-            out = self.log.storages[m.serial][2]
+            out = self.log.storages[m.serial].gone_at
             if inside and len(inside) == len(holders) and out is not None and out >= self.log.forward_end:
                 gone = out  # where the first run's storage went: the same holders let go of it there
             elif inside:
