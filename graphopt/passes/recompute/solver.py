@@ -43,12 +43,18 @@ Algorithm:
      allowance <= buckets a unit is a byte and the program is exact): the least recompute
      cost covering the first
      i atoms with m units held. A run of recomputable atoms may be one checkpointed segment,
-     full or selective, where its backward fits: m + its rerun <= allowance.
+     full or selective, where its backward fits: m + its rerun <= allowance. A state that
+     another state of the same row beats with fewer units held is dropped before its moves
+     (every later constraint bounds the units held from above, so it leads to no plan the
+     other does not match at least as well); the moves from one row, each to its own row,
+     are one vectorised update. Both only save time: the plan is the one the plain program
+     gives.
   3. The plan of least cost, ties broken by least memory. Deterministic: the same graph and
      budget give the same plan.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,48 +203,70 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
     unit = allowance / buckets
 
     def units(nbytes: int) -> int:
-        return int(np.ceil(nbytes / unit - 1e-9))
+        return math.ceil(nbytes / unit - 1e-9)
 
     def held_units(nbytes: int) -> int:
         # What an atom adds to the memory held: rounded to nearest, as hundreds of small atoms
         # each rounded up would claim more than the allowance itself.
-        return int(np.floor(nbytes / unit + 0.5))
+        return math.floor(nbytes / unit + 0.5)
 
     n = len(atoms)
+    # Per run of atoms [i, j): sums as differences of prefix sums, the rerun up to its last atom
+    # that saves anything (saving[j]: that atom's index among atoms[:j], -1 for none).
+    prefix = lambda values: np.concatenate(([0], np.cumsum(np.array(values, dtype=np.int64))))  # noqa: E731
+    kept_p, cost_p = prefix([a.kept for a in atoms]), prefix([a.cost for a in atoms])
+    cost_sel_p = prefix([a.cost - a.sel_cost for a in atoms])
+    sel_p, ops_p = prefix([a.sel for a in atoms]), prefix([a.ops for a in atoms])
+    rerun_full = np.array([a.rerun(False) for a in atoms] + [0], dtype=np.int64)
+    rerun_part = np.array([a.rerun(True) for a in atoms] + [0], dtype=np.int64)
+    out = np.array([0] + [a.out for a in atoms], dtype=np.int64)  # out[j]: atoms[j - 1]'s
+    saving = np.maximum.accumulate(np.array([-1] + [k if a.saves else -1 for k, a in enumerate(atoms)]))
+    stop = n  # one past the last atom of the recomputable run from i on
+    ends = [0] * n
+    for i in range(n - 1, -1, -1):
+        stop = stop if atoms[i].recomputable else i
+        ends[i] = stop
+
+    def units_of(nbytes: np.ndarray) -> np.ndarray:
+        return np.ceil(nbytes / unit - 1e-9).astype(np.int64)
+
     # Step 2. cost[i, m]: least cost covering atoms[:i] holding m units; how[i, m]: (previous i, kind).
     cost = np.full((n + 1, buckets + 1), INF, dtype=np.int64)
     how = np.full((n + 1, buckets + 1, 2), -1, dtype=np.int64)
     cost[0, 0] = 0
     for i in range(n):
+        # Only the states no other state beats with fewer units held: every later constraint
+        # is an upper bound on units held, so the others lead to no plan these do not match.
         row = cost[i]
-        if row.min() >= INF:
+        held = np.flatnonzero(row < np.concatenate(([INF], np.minimum.accumulate(row)[:-1])))
+        if held.size == 0:
             continue
+        spent_now = row[held]
         in_backward = atoms[i].kept + atoms[i].grads + atoms[i].out
-        _relax(cost[i + 1], how[i + 1], row, held_units(atoms[i].kept), buckets - units(in_backward), 0, (i, PLAIN))
+        one = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+        _relax(cost, how, held, spent_now, one(i + 1), one(held_units(atoms[i].kept)),
+               one(buckets - units(in_backward)), one(0), (i, PLAIN))
         if not atoms[i].recomputable:
             continue
-        kept = spent = spent_sel = sel = n_ops = 0
-        rerun = rerun_sel = 0  # the rerun stops in the last atom that saves anything
-        cross = atoms[i].cross
-        for j in range(i + 1, n + 1):
-            atom = atoms[j - 1]
-            if not atom.recomputable:
-                break
-            if atom.saves:
-                rerun, rerun_sel = spent + atom.rerun(False), spent_sel + atom.rerun(True)
-            kept += atom.kept
-            spent += atom.cost
-            spent_sel += atom.cost - atom.sel_cost
-            sel += atom.sel
-            n_ops += atom.ops
-            grads = atoms[i].grads + atoms[j - 1].out
-            if units(cross + kept + atoms[i].grads) > buckets:  # grows with j: no longer segment fits either
-                break
-            _relax(cost[j], how[j], row, units(cross), buckets - units(cross + kept + grads),
-                   rerun + segment_cost.fixed, (i, FULL))
-            if sel and selective:
-                _relax(cost[j], how[j], row, units(cross + sel), buckets - units(cross + sel + kept + grads),
-                       rerun_sel + segment_cost.fixed + segment_cost.per_selective_op * n_ops, (i, SELECTIVE))
+        # A checkpointed segment atoms[i:j], for each j while its backward can fit at all.
+        j = np.arange(i + 1, ends[i] + 1)
+        kept = kept_p[j] - kept_p[i]
+        cross, grads = atoms[i].cross, atoms[i].grads
+        j, kept = (v[:np.searchsorted(units_of(cross + kept + grads) > buckets, True)] for v in (j, kept))
+        last = saving[j]
+        runs = last >= i
+        rerun = np.where(runs, cost_p[np.maximum(last, i)] - cost_p[i] + rerun_full[last], 0)
+        rerun_sel = np.where(runs, cost_sel_p[np.maximum(last, i)] - cost_sel_p[i] + rerun_part[last], 0)
+        backward = kept + grads + out[j]
+        _relax(cost, how, held, spent_now, j, np.full_like(j, units(cross)), buckets - units_of(cross + backward),
+               rerun + segment_cost.fixed, (i, FULL))
+        if selective:
+            sel = sel_p[j] - sel_p[i]
+            some = sel > 0
+            _relax(cost, how, held, spent_now, j[some], units_of(cross + sel[some]),
+                   buckets - units_of(cross + sel[some] + backward[some]),
+                   rerun_sel[some] + segment_cost.fixed + segment_cost.per_selective_op * (ops_p[j[some]] - ops_p[i]),
+                   (i, SELECTIVE))
     # Step 3
     final = cost[n]
     if final.min() >= INF:
@@ -260,15 +288,20 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
     return RecomputePlan(segments, cost_total, model_peak(atoms, chosen))
 
 
-def _relax(target_cost, target_how, row, add_units, limit, spent, how):
-    """target[m + add_units] = min(target, row[m] + spent) for every m <= limit."""
-    size = row.shape[0]
-    if limit < 0 or add_units >= size:
+def _relax(cost, how, held, spent_now, j, add, limit, spent, how_value):
+    """For each move k: cost[j[k], m + add[k]] = min(it, spent_now + spent[k]) for the states m in
+    held with m <= limit[k], and how there = how_value where that lowered it. Each move writes
+    its own row, so one vectorised update does them all."""
+    # held is sorted: move k reaches its first `count[k]` states
+    count = np.searchsorted(held, np.minimum(limit, cost.shape[1] - 1 - add), side="right")
+    total = int(count.sum())
+    if total == 0:
         return
-    top = min(limit, size - 1 - add_units)
-    candidate = row[: top + 1] + spent
-    candidate[row[: top + 1] >= INF] = INF
-    window = slice(add_units, add_units + top + 1)
-    better = candidate < target_cost[window]
-    target_cost[window] = np.where(better, candidate, target_cost[window])
-    target_how[window][better] = how
+    k = np.repeat(np.arange(j.size), count)
+    state = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+    rows, cols = j[k], add[k] + held[state]
+    values = spent[k] + spent_now[state]
+    better = values < cost[rows, cols]
+    rows, cols = rows[better], cols[better]
+    cost[rows, cols] = values[better]
+    how[rows, cols] = how_value
