@@ -1,14 +1,14 @@
 """recompute: insert recompute checkpoints so one training step fits budget_gb (GB = 10**9 bytes).
 
 Algorithm:
-  1. Estimate the step's peak as it is (memory.estimate_peak: the step run on FakeTensors,
-     with optimizer= its state and step() too). A chunked linear head and loss (fuse) takes
+  1. In training, attribute reads move to the top, and state writes that read no computed
+     value move up (they would cut segments). Estimate the step's peak (memory.estimate_peak:
+     the step run on FakeTensors, with optimizer= its state and step() too; its log prices
+     plans in step 4). A chunked linear head and loss (fuse) takes
      the largest chunk of rows that fits (_size_chunks). Within budget: nothing more to do,
      and where the step as traced was already within it, a BudgetWarning (a budget in the wrong unit?).
      In inference only the forward runs and recompute cannot help: over budget is an error.
-  2. Attribute reads move to the top, and state writes that read no computed value move up
-     (they would cut segments). Per node,
-     from one recorded FakeTensor forward (analysis/saved.py): the bytes it keeps for backward, the
+  2. Per node, from one recorded FakeTensor forward (analysis/saved.py): the bytes it keeps for backward, the
      bytes live across it, whether it may run twice (rewrite.recomputable), what a
      selective segment keeps of it, whether it saves its inputs only or what it makes (a
      checkpoint's rerun stops once the last saving node has saved: solver.rerun_end), and its
@@ -28,8 +28,9 @@ Algorithm:
      near it) takes its place. The full estimate of the chosen plan (rewritten through
      torch.utils.checkpoint, rewrite.py, then undone) confirms it; over the target, its
      estimate stands for its price and the search runs again. Cheaper plans priced within
-     PRICE_MARGIN over the target get their estimate too. When none fits, the LOOK_LEAST
-     plans priced lowest are estimated, and BudgetError names the smallest estimated peak
+     PRICE_MARGIN over the target get their estimate too. When none fits, the plan priced
+     lowest is estimated, and up to LOOK_LEAST in all while the next is priced within
+     PRICE_MARGIN of the smallest estimate, and BudgetError names the smallest estimated peak
      (the step as it is included) as the least budget that works.
   5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
      model state restored) and, while it measures over budget, plan again for a budget
@@ -82,8 +83,9 @@ from .solver import SegmentCost, rerun_end
 # graph node: 22 segments for 7, no convolution rerun).
 TIME_RESOLUTION = 0.05
 LOOK_GROWN = 8    # grown plans checked against the budget
-# A cheaper plan priced at most this far over the target gets a fake step of its own, and so
-# do the LOOK_LEAST plans priced lowest when none fits: pricing is a model (pricing.py).
+# Pricing is a model (pricing.py): a cheaper plan priced at most this far over the target
+# gets a fake step of its own (up to LOOK_NEAR), and when none fits, so do plans priced within
+# it of the smallest estimate (up to LOOK_LEAST in all).
 PRICE_MARGIN = 0.01
 LOOK_NEAR = 4
 LOOK_LEAST = 3
@@ -232,8 +234,11 @@ class Recompute(Pass):
         target = int(limit * (1 - self.headroom))
         optimizer = self.settings["optimizer"]
         self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
-        # Step 1
+        # Step 1 (with step 2's tidying first, so that one estimate serves the search too)
         self.accumulate = self.settings["accumulate"] and ctx.train
+        tidied = ctx.train and bool(_attributes_first(gm) + _hoist_state_writes(gm))
+        if tidied:
+            gm.recompile()
         before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
         if not ctx.train:
@@ -248,12 +253,10 @@ class Recompute(Pass):
         if before.peak_bytes <= target:
             _warn_idle(stats)
             written, before = self._write_in_place(gm, ctx, inputs, None, None, before)
-            return PassResult(gm, chunk is not None or bool(written),
+            return PassResult(gm, tidied or chunk is not None or bool(written),
                               {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0,
                                "written_in_place": written}, _pictures({"as traced": before}, limit))
         # Step 2
-        if _attributes_first(gm) + _hoist_state_writes(gm):
-            gm.recompile()
         facts = ctx.analysis(record_step, gm)
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
         saves = facts.save_points(nodes)
@@ -268,8 +271,7 @@ class Recompute(Pass):
         candidates = space.candidates()
         if not candidates:  # nothing may be recomputed: the step as it is is the least
             raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
-        step = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
-        pricer = PlanPricer(step.log, facts, nodes, saves)
+        pricer = PlanPricer(before.log, facts, nodes, saves)
         search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, space.leaner,
                          space.grown, pricer)
         # Steps 4 and 5
@@ -441,9 +443,14 @@ class _Search:
                 hi = next((k for k in near[:LOOK_NEAR] if self.estimate(k).peak_bytes <= target), hi)
                 return self.candidates[hi], self.estimates[hi]
             # over after all: its fake step now stands for it, and the search runs again
-        # none within target: the least is the smallest of the fake steps of the lowest priced
-        for k in sorted(range(len(self.candidates)), key=self.peak)[:LOOK_LEAST]:
-            self.estimate(k)
+        # none within target: the least is the smallest fake step of the plans priced lowest,
+        # the next ones looked at only while priced within PRICE_MARGIN of the smallest so far
+        ranked = sorted(range(len(self.candidates)), key=self.peak)
+        smallest = self.estimate(ranked[0]).peak_bytes
+        for k in ranked[1:LOOK_LEAST]:
+            if self.peak(k) * (1 - PRICE_MARGIN) >= smallest:
+                break
+            smallest = min(smallest, self.estimate(k).peak_bytes)
         best = min(self.estimates, key=lambda k: self.estimates[k].peak_bytes)
         if self.estimates[best].peak_bytes <= target:
             return self.candidates[best], self.estimates[best]
