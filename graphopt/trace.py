@@ -26,6 +26,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from . import custom_functions, export_batch, fake_kernels
 from .analysis import meta
 from .analysis.fake_state import fake_run
+from .analysis.planning_device import meta_literals_on_cpu, planning_device
 from .errors import TraceError, UsageError
 from .fx_state import StateWatch, Unreplayable, check_write_backs
 from .input_aliases import distinct
@@ -255,6 +256,8 @@ def trace(
         try:
             with fake_kernels.active():  # export and annotation run ops on FakeTensors
                 gm = _FRONTENDS[name](model, args, kwargs)
+                if planning_device() is not None:  # a meta model planned for a device (graphopt.plan)
+                    meta_literals_on_cpu(gm)
                 written = annotate(gm, placeholder_values(gm, args, kwargs))
             check_write_backs(gm)
         except Exception as e:  # each frontend's failure is reported, the next one tried

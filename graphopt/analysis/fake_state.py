@@ -1,7 +1,10 @@
 """A module's state as FakeTensors, for analyses that run a graph without touching memory.
 
 fake_run is the one way graphopt sets up such a run: a FakeTensorMode, the module's state
-swapped for fakes, and the inputs as fakes of the same mode."""
+swapped for fakes, and the inputs as fakes of the same mode.
+
+Inside planning_device.planning_for(device), a meta tensor's fake is made on the CPU, so that
+ops run a real device's kernels (planning_device.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +17,25 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..fake_kernels import active as fake_kernels_active
+from .planning_device import planning_device
 from .segments import segment_modules
+
+
+def _faker(mode: FakeTensorMode):
+    """mode.from_tensor, with meta tensors made on the CPU while planning (memoized, as
+    from_tensor is, so that a tensor shared stays one fake)."""
+    if planning_device() is None:
+        return mode.from_tensor
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            return mode.from_tensor(t)
+        if id(t) not in made:
+            made[id(t)] = mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+            made[id(t)].requires_grad_(t.requires_grad)
+        return made[id(t)]
+    return fake
 
 
 @contextlib.contextmanager
@@ -22,12 +43,13 @@ def fake_run(module: torch.nn.Module, inputs):
     """Open a FakeTensor run of `module`: yields (mode, inputs with every tensor a fake of that
     mode, in the same structure). The mode is not entered: callers enter it around what runs."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_kernels_active(), fake_state(module, mode):
-        yield mode, pytree.tree_map_only(torch.Tensor, mode.from_tensor, inputs)
+    fake = _faker(mode)
+    with fake_kernels_active(), fake_state(module, mode, fake):
+        yield mode, pytree.tree_map_only(torch.Tensor, fake, inputs)
 
 
 @contextlib.contextmanager
-def fake_state(module: torch.nn.Module, mode: FakeTensorMode):
+def fake_state(module: torch.nn.Module, mode: FakeTensorMode, fake=None):
     """Swap the module's parameters, buffers and a graph's tensor constants (export lifts a
     tensor forward reaches other than as a buffer) for FakeTensors while the context is open;
     the same for the graph of every recompute segment it calls, which holds its own references.
@@ -43,7 +65,8 @@ def fake_state(module: torch.nn.Module, mode: FakeTensorMode):
             modules += segment_modules(modules[k])
         k += 1
     # Every state read before any swap: a segment shares leaf modules with its graph.
-    states = [(m, {name: mode.from_tensor(t) for name, t in _state(m).items()}) for m in modules]
+    fake = fake or _faker(mode)
+    states = [(m, {name: fake(t) for name, t in _state(m).items()}) for m in modules]
     with contextlib.ExitStack() as stack:
         for m, fakes in states:
             stack.enter_context(_reparametrize_module(m, fakes))

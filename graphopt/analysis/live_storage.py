@@ -20,6 +20,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .planning_device import planning_device
+
 
 CUDA_BLOCK = 512
 
@@ -81,7 +83,8 @@ class LiveStorage(TorchDispatchMode):
         if key is None or key in self._seen:
             return
         nbytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
-        if t.device.type == "cuda" and nbytes:  # a fake: CUDA's allocator hands out 512-byte blocks
+        if nbytes and (t.device.type == "cuda" or planning_device() == "cuda"):
+            # a fake: CUDA's allocator hands out 512-byte blocks
             nbytes = -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
         if nbytes == 0:
             return

@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from ..precisions import torch_name
+from .planning_device import planning_device
 
 KEY = "tensor_info"
 ANNOTATED = "graphopt_annotated"  # set on every node the last FakeTensor run reached
@@ -112,7 +113,13 @@ def invalidate(node: torch.fx.Node) -> None:
 def graph_device(gm: torch.fx.GraphModule) -> str:
     """The device type the graph computes on (autocast's lists and the cost rates differ by
     device): that of its first floating-point input or attribute, else of its parameters and
-    buffers, else of any tensor input; "cpu" for a graph without tensors."""
+    buffers, else of any tensor input; "cpu" for a graph without tensors. A graph on the meta
+    device computes on the device it is planned for (planning_device.py)."""
+    found = _device_of(gm)
+    return (planning_device() or found) if found == "meta" else found
+
+
+def _device_of(gm: torch.fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         info = tensor_info(node)
         if node.op in ("placeholder", "get_attr") and isinstance(info, TensorInfo) and info.dtype.is_floating_point:
