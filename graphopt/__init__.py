@@ -11,6 +11,7 @@ from .api import DEFAULT_PASSES, optimize
 from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning, ModeError, OptionError, TraceError,
                      UsageError, VerifyError)
 from .passes import available as available_passes
+from .plan import StepPlan, plan
 from .report import PassRecord, Report
 from .runtime.step import StepMeasure, measure_step
 from .trace import trace
@@ -19,7 +20,7 @@ from .train_step import TrainStep, train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "train_step", "TrainStep", "measure_step", "StepMeasure", "trace", "available_passes",
+    "optimize", "train_step", "TrainStep", "plan", "StepPlan", "measure_step", "StepMeasure", "trace", "available_passes",
     "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
     "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "ModeError",

@@ -1,4 +1,5 @@
-"""Command line: `python -m graphopt demo` and `python -m graphopt optimize pkg.module:factory`."""
+"""Command line: `python -m graphopt demo`, `python -m graphopt optimize pkg.module:factory` and
+`python -m graphopt plan pkg.module:factory`."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ from .cli_text import cli_text, graphopt_warnings
 from .demo import dumps_line, record_markdown, run_demo
 from .errors import GraphoptError, UsageError
 from .passes import available
+from .plan import plan
 from .precisions import PRECISIONS
 from .runtime.step import output_loss
 from .trial import trial_run
@@ -94,6 +96,26 @@ def _optimize(args) -> int:
     if args.dump:
         print(f"\ndumps: {os.path.abspath(args.dump)}")
     return 0
+
+
+def _plan(args) -> int:
+    """The factory's model built on the meta device, planned for --device: nothing allocated."""
+    with torch.device("meta"):
+        built = _load(args.model)
+    model, inputs, kwargs = (built if isinstance(built, tuple) else (built, None, {}))
+    if args.inputs is not None:
+        with torch.device("meta"):
+            inputs = eval(args.inputs, {"torch": torch})  # the user's own expression, on their own machine
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    if inputs is None:
+        raise UsageError("give example inputs with --inputs, e.g. --inputs 'torch.randint(0, 32000, (4, 2048))', "
+                         "or have the factory return (model, args, kwargs).")
+    loss_fn = _load_function(args.loss) if args.loss else None
+    with graphopt_warnings():
+        found = plan(model, inputs, kwargs or None, budget_gb=args.budget_gb, device=args.device,
+                     optimizer=args.optimizer, loss_fn=loss_fn, passes=args.passes, precision=args.precision)
+    print(cli_text(str(found)))
+    return 0 if args.budget_gb is None or found.fits else 1
 
 
 def _measure(args, model, inputs, kwargs, options) -> int:
@@ -180,6 +202,23 @@ def main(argv=None) -> int:
     opt.add_argument("--loss", default=None, help="with --measure: pkg.module:function(output, *args, **kwargs) "
                      "returning the scalar loss (default: the output's .loss, or the output when it is a scalar)")
     opt.set_defaults(run=_optimize)
+
+    planned = sub.add_parser(
+        "plan", help="will a training step fit a device, and with which plan: on the meta device, nothing allocated",
+        description="Example: python -m graphopt plan mypkg.models:build_llama --inputs "
+                    "'torch.randint(0, 32000, (4, 2048))' --budget-gb 80 --device cuda --optimizer adamw. The factory "
+                    "runs under torch.device('meta'), and so does --inputs.")
+    planned.add_argument("model", help="pkg.module:factory; the factory returns a model or (model, args, kwargs)")
+    planned.add_argument("--inputs", help="Python expression for the example inputs (torch is in scope)")
+    planned.add_argument("--budget-gb", type=float, default=None, help="peak memory of a training step, GB (10^9 bytes)")
+    planned.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device planned for (default: cuda)")
+    planned.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "momentum"], default=None,
+                         help="count this optimizer's state and step")
+    planned.add_argument("--precision", choices=PRECISIONS, default=None)
+    planned.add_argument("--passes", default=None, help=passes_help)
+    planned.add_argument("--loss", default=None, help="pkg.module:function(output, *args, **kwargs) returning the "
+                         "scalar loss (default: the output's .loss, or the output when it is a scalar)")
+    planned.set_defaults(run=_plan)
 
     args = parser.parse_args(argv)
     try:

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from .analysis.fake_state import fake_run
 from .analysis.memory import GB, budget_text, measure_peak, predict_peak, size_text
 from .analysis.optimizer_memory import check_optimizer, optimizer_memory
+from .analysis.planning_device import planning_device
 from .api import optimize
 from .errors import BudgetError, BudgetWarning, OptionError, TraceError, UsageError
 from .passes.recompute.recompute_pass import Recompute
@@ -222,7 +223,8 @@ class TrainStep:
     @staticmethod
     def _target(graph, budget: int) -> int:
         """The bytes a plan for `budget` is held to: less recompute's headroom (CUDA keeps some free)."""
-        stats = next((r.stats for r in graph.graphopt_report.passes if r.name == "recompute"), {})
+        record = graph.graphopt_report.recompute()
+        stats = record.stats if record is not None else {}
         return int(budget * stats.get("planned_for_bytes", 1) / stats.get("budget_bytes", 1))
 
     def _microbatch(self, k: int) -> tuple[tuple, dict]:
@@ -258,7 +260,12 @@ class TrainStep:
                                     [*graph.parameters(), *graph.buffers(), *grads, *_tensors(fa, fkw)], extra)
         except UsageError:
             raise
-        except Exception:  # noqa: BLE001 (a loss_fn that needs real values): measure one real step
+        except Exception as e:  # noqa: BLE001 (a loss_fn that needs real values): measure one real step
+            if planning_device() is not None:
+                raise UsageError(f"graphopt.plan runs the step on FakeTensors, and the loss around the graph does "
+                                 f"not run on them ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
+                                 "give a loss_fn that computes from tensors alone (no .item(), no Python "
+                                 "branch on a value).") from None
             with trial_run(self.model, (args, kwargs)), _gradients(self.model, present=k > 1):
                 peak = measure_peak(lambda: run(args, kwargs), self.model, *_tensors(args, kwargs))
             return peak + (extra.state_bytes + extra.step_bytes if extra is not None else 0)

@@ -32,8 +32,10 @@ def _faker(mode: FakeTensorMode):
         if t.device.type != "meta":
             return mode.from_tensor(t)
         if id(t) not in made:
-            made[id(t)] = mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
-            made[id(t)].requires_grad_(t.requires_grad)
+            made[id(t)] = f = mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+            f.requires_grad_(t.requires_grad)
+            if t.grad is not None:  # as from_tensor fakes a gradient with its tensor
+                f.grad = fake(t.grad)
         return made[id(t)]
     return fake
 

@@ -113,13 +113,12 @@ def invalidate(node: torch.fx.Node) -> None:
 def graph_device(gm: torch.fx.GraphModule) -> str:
     """The device type the graph computes on (autocast's lists and the cost rates differ by
     device): that of its first floating-point input or attribute, else of its parameters and
-    buffers, else of any tensor input; "cpu" for a graph without tensors. A graph on the meta
-    device computes on the device it is planned for (planning_device.py)."""
-    found = _device_of(gm)
-    return (planning_device() or found) if found == "meta" else found
-
-
-def _device_of(gm: torch.fx.GraphModule) -> str:
+    buffers, else of any tensor input; "cpu" for a graph without tensors. While planning
+    (planning_device.py), the device planned for: the graph is a meta model's, whose fakes are
+    on the CPU."""
+    planned = planning_device()
+    if planned is not None:
+        return planned
     for node in gm.graph.nodes:
         info = tensor_info(node)
         if node.op in ("placeholder", "get_attr") and isinstance(info, TensorInfo) and info.dtype.is_floating_point:

@@ -54,3 +54,11 @@ def meta_literals_on_cpu(gm) -> int:
                 changed += 1
         module.recompile()
     return changed
+
+
+def seen_as(device):
+    """The device a tensor on `device` (a torch.device) is as a fake while planning: the CPU for
+    the meta device; `device` itself otherwise. Guards compare calls by it."""
+    import torch
+
+    return torch.device("cpu") if device.type == "meta" and planning_device() is not None else device

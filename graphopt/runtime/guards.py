@@ -13,6 +13,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from ..analysis.planning_device import seen_as
 from ..errors import ModeError, UsageError
 from .microbatch import batch_rows
 
@@ -27,7 +28,8 @@ def signature(args: tuple, kwargs: dict, batch_rows: int | None = None) -> tuple
             shape = tuple(leaf.shape)
             if batch_rows is not None and shape and shape[0] == batch_rows:
                 shape = ("batch", *shape[1:])
-            parts.append(("tensor", shape, leaf.dtype, leaf.device.type, leaf.device.index))
+            device = seen_as(leaf.device)
+            parts.append(("tensor", shape, leaf.dtype, device.type, device.index))
         else:
             try:
                 hash(leaf)
@@ -146,7 +148,7 @@ def _kind(leaf, value: bool):
     """A tensor's dtype and device (the passes plan for them); with value, any other leaf's value,
     else only None told apart from other values."""
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", leaf.dtype, leaf.device.type)
+        return ("tensor", leaf.dtype, seen_as(leaf.device).type)
     if not value:
         return "None" if leaf is None else "value"
     try:

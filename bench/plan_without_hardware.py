@@ -1,0 +1,145 @@
+"""graphopt.plan on models built on the meta device: a Llama-3-8B shape planned for CUDA, and a
+~350M-parameter Llama planned for this CPU and checked against its real, measured step.
+
+    python bench/plan_without_hardware.py [--part 8b,350m] [--out DIR]
+
+8B part: 32 layers, 4096 wide, MLP 14336, 32 heads, 8 KV heads, vocabulary 128256, parameters in
+bf16 (as users load it), AdamW, its own loss on labels=input_ids, at 1 and 4 x 2048 tokens;
+per budget (80 and 24 GB): the least budget of the whole batch, the microbatches and recompute
+plan graphopt.train_step would take, the predicted peak, and the seconds plan() took.
+
+350M part: 24 layers, 1024 wide, MLP 2816, 16 heads, 8 KV heads, vocabulary 32000, float32, AdamW,
+2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget; at 1.15 of it, the
+plan; then the same config built for real, graphopt.train_step at that budget, one step with
+optimizer.step() to make AdamW's state, and the next step measured (live storages, the state
+resident): predicted against measured.
+With --out DIR, writes plan_without_hardware-<device>-<date>.json and .md there.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT]  # graphopt from this checkout
+
+from results_files import device_name, today, write_results  # noqa: E402  (bench/, beside this script)
+
+GB = 10**9
+
+
+def llama(config_kwargs: dict, batch: int, tokens: int, device: str, dtype=torch.float32):
+    import transformers
+
+    config = transformers.LlamaConfig(**config_kwargs, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    ids = torch.randint(0, config.vocab_size, (batch, tokens)).to(device)
+    return model, (ids,), {"labels": ids}
+
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+LLAMA_350M = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)
+
+
+def part_8b() -> list[dict]:
+    import graphopt
+
+    rows = []
+    for batch in (1, 4):
+        for budget_gb in (80, 24):
+            model, args, kwargs = llama(LLAMA_8B, batch, 2048, "meta", torch.bfloat16)
+            start = time.perf_counter()
+            found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cuda", optimizer="adamw")
+            rows.append({"tokens": f"{batch} x 2048", "budget_gb": budget_gb, "least_gb": found.least_bytes / GB,
+                         "microbatches": found.microbatches, "segments": found.segments,
+                         "predicted_gb": None if found.predicted_peak_bytes is None else found.predicted_peak_bytes / GB,
+                         "overhead_pct": found.recompute_overhead_pct, "seconds": time.perf_counter() - start})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def part_350m() -> dict:
+    import graphopt
+    from graphopt.analysis.memory import measure_peak
+
+    model, args, kwargs = llama(LLAMA_350M, 2, 512, "meta")
+    params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    least = graphopt.plan(model, args, kwargs, device="cpu", optimizer="adamw").least_bytes
+    budget_gb = 1.15 * least / GB
+    found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cpu", optimizer="adamw")
+    plan_s = time.perf_counter() - start
+    del model
+    model, args, kwargs = llama(LLAMA_350M, 2, 512, "cpu")
+    step = graphopt.train_step(model, args, kwargs, budget_gb=budget_gb, optimizer="adamw")
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def one_step():
+        step(*args, **kwargs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    one_step()  # AdamW's state exists from the first step on
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    measured = measure_peak(one_step, model, *args, *kwargs.values(), *state)
+    row = {"parameters": params, "least_gb": least / GB, "budget_gb": budget_gb, "plan_s": plan_s,
+           "planned_microbatches": found.microbatches, "real_microbatches": step.microbatches,
+           "planned_segments": found.segments, "predicted_gb": found.predicted_peak_bytes / GB,
+           "real_train_step_predicted_gb": step.predicted_peak_bytes / GB, "measured_gb": measured / GB,
+           "error_pct": 100 * (found.predicted_peak_bytes - measured) / measured}
+    print(row, flush=True)
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# graphopt.plan without the hardware (bench/plan_without_hardware.py)\n",
+             f"{result['device']}, torch {result['torch']}, {result['date']}\n"]
+    if result.get("llama_8b"):
+        lines += ["Llama-3-8B shape, bf16 parameters, AdamW, planned for CUDA on the meta device:\n",
+                  "| tokens | budget | least (whole batch) | microbatches | recompute segments | predicted peak | "
+                  "recompute, share of a step | plan() took |", "|---|---|---|---|---|---|---|---|"]
+        for r in result["llama_8b"]:
+            if r["microbatches"] is None:
+                chosen = "none fits | - | - | -"
+            else:
+                chosen = (f"{r['microbatches']} | {r['segments']} | {r['predicted_gb']:.2f} GB | "
+                          f"{r['overhead_pct']:g}%")
+            lines.append(f"| {r['tokens']} | {r['budget_gb']} GB | {r['least_gb']:.2f} GB | {chosen} | "
+                         f"{r['seconds']:.0f} s |")
+    if result.get("llama_350m"):
+        r = result["llama_350m"]
+        lines += ["", f"~350M Llama ({r['parameters'] / 1e6:.0f}M parameters, float32, AdamW, 2 x 512 tokens) on "
+                  "this CPU: planned on the meta device, then built for real and measured:\n",
+                  "| least | budget | plan: microbatches, segments | predicted | real train_step's prediction | "
+                  "measured | predicted vs measured |", "|---|---|---|---|---|---|---|",
+                  f"| {r['least_gb']:.3f} GB | {r['budget_gb']:.3f} GB | {r['planned_microbatches']}, "
+                  f"{r['planned_segments']} | {r['predicted_gb']:.4f} GB | {r['real_train_step_predicted_gb']:.4f} GB | "
+                  f"{r['measured_gb']:.4f} GB | {r['error_pct']:+.2f}% |"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", default="8b,350m", help="8b, 350m or both, comma-separated")
+    parser.add_argument("--out", default=None, help="write the figures into this folder")
+    args = parser.parse_args(argv)
+    parts = args.part.split(",")
+    result = {"device": device_name(), "date": today(), "torch": torch.__version__,
+              "llama_8b": part_8b() if "8b" in parts else [], "llama_350m": part_350m() if "350m" in parts else None}
+    text = markdown(result)
+    print(text)
+    if args.out:
+        write_results("plan_without_hardware", result, text, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""graphopt.plan: will one training step fit a device, and with which plan, without the device.
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (4, 2048), device="meta")
+    print(graphopt.plan(model, (ids,), {"labels": ids}, budget_gb=80, device="cuda", optimizer="adamw"))
+
+The model and the example may live on the meta device: nothing is allocated. The plan is
+the one graphopt.train_step makes (optimize's passes, the recompute plan, the fewest equal
+microbatches whose step fits), every analysis run on FakeTensors as if on `device`
+(analysis/planning_device.py): CUDA's allocator rounds each block to 512 bytes, and
+recompute plans for the budget less its CUDA headroom. On CPU the predicted peak is the
+step's live storages, as on a real model. On CUDA the kernels' saved tensors are the CPU's
+stand-ins (a CPU build of torch cannot make a CUDA fake): the fused attention keeps its
+output and log-sum-exp on both; the workspaces of cuBLAS and cuDNN are what the headroom is for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+
+from .analysis.memory import GB, size_text
+from .analysis.planning_device import planning_for
+from .errors import BudgetError, OptionError
+from .train_step import TrainStep
+
+DEVICES = ("cpu", "cuda")
+_REAL_STEPS = ("calibrate", "profile", "verify")  # optimize options that run the model for real
+_PROBE_GB = 1e-9  # a budget nothing fits: its BudgetError names the least
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What graphopt.plan found. Bytes are of one training step on `device`."""
+
+    device: str
+    budget_bytes: int | None
+    least_bytes: int                   # the least budget the whole batch's step needs (recompute's least)
+    microbatches: int | None = None    # the fewest equal microbatches that fit the budget; None: none fits
+    predicted_peak_bytes: int | None = None  # the chosen plan's step
+    segments: int = 0                  # recompute segments of the plan, on one microbatch
+    recomputed_nodes: int = 0
+    recompute_overhead_pct: float = 0.0  # estimated recompute time, per cent of a step's
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.microbatches is not None
+
+    def __str__(self) -> str:
+        lines = [f"device {self.device}: one step needs at least {size_text(self.least_bytes)} "
+                 f"(the whole batch, recompute's least plan)"]
+        if self.budget_bytes is not None:
+            budget = f"budget {size_text(self.budget_bytes)}"
+            if self.fits:
+                batch = "the whole batch" if self.microbatches == 1 else f"{self.microbatches} microbatches"
+                lines.append(f"{budget}: fits as {batch}, predicted peak {size_text(self.predicted_peak_bytes)}; "
+                             f"{self.segments} recompute segments, {self.recomputed_nodes} nodes rerun "
+                             f"(about {self.recompute_overhead_pct:g}% of a step)")
+            else:
+                lines.append(f"{budget}: does not fit in any number of equal microbatches")
+        return "\n".join(lines + self.notes)
+
+
+def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *, budget_gb: float | None = None,
+         device: str = "cuda", optimizer=None, loss_fn=None, **optimize_options) -> StepPlan:
+    """The least budget one training step of `model` on `example_inputs` needs on `device`, and
+    with budget_gb, the plan graphopt.train_step would make for it (recompute segments and the
+    fewest microbatches that fit). optimizer: a torch.optim.Optimizer or a name (adamw, adam,
+    sgd, momentum), whose state and step count. Other options go to graphopt.optimize
+    (precision, passes, ...)."""
+    if device not in DEVICES:
+        raise OptionError(f"device={device!r}: graphopt plans for one of {', '.join(DEVICES)}.")
+    real = [name for name in _REAL_STEPS if optimize_options.get(name)]
+    if real:
+        raise OptionError(f"graphopt.plan runs nothing for real: {', '.join(real)}=True needs real steps; plan "
+                          "without it, or call graphopt.optimize on the device.")
+    found = {t.device.type for t in (*model.parameters(), *model.buffers(), *_tensors(example_inputs, example_kwargs))}
+    if found - {"meta", device}:
+        raise OptionError(f"graphopt.plan plans for device={device!r} a model whose tensors are on the meta device "
+                          f"or on {device!r}; this one has tensors on {', '.join(sorted(found - {'meta'}))}. Build it "
+                          "under `with torch.device('meta'):` (nothing is allocated), or plan for its device.")
+    options = dict(optimize_options, optimizer=optimizer)
+    with planning_for(device):
+        least = _least(model, example_inputs, example_kwargs, loss_fn, options)
+        if budget_gb is None:
+            return StepPlan(device, None, least)
+        budget = round(budget_gb * GB)
+        try:
+            step = TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=budget_gb, **options)
+        except BudgetError:
+            return StepPlan(device, budget, least)
+    stats = step.report.recompute().stats if step.report.recompute() is not None else {}
+    return StepPlan(device, budget, least, step.microbatches, step.predicted_peak_bytes,
+                    stats.get("segments", 0), stats.get("recomputed_nodes", 0),
+                    stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes))
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:
+    try:
+        TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=_PROBE_GB, microbatches=1,
+                  **options)
+    except BudgetError as e:
+        return round(e.min_budget_gb * GB)
+    return 0  # a step that holds no tensor fits any budget

@@ -1,0 +1,88 @@
+"""graphopt.plan on a model built on the meta device: what the real model's step needs, nothing
+allocated; CUDA's allocator rules where planned for CUDA; refusals that say what to do."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.__main__ import main
+from graphopt.analysis.memory import GB, measure_peak
+from graphopt.passes.recompute.recompute_pass import CUDA_HEADROOM
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(device: str = "meta"):
+    """(model, args, kwargs): a one-layer Llama with its own loss on labels=input_ids."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (4, 32)).to(device)
+    return model, (ids,), {"labels": ids}
+
+
+def test_a_meta_model_plans_what_the_real_model_measures():
+    meta, args, kwargs = tiny_llama("meta")
+    least = graphopt.plan(meta, args, kwargs, device="cpu").least_bytes
+    budget_gb = 0.9 * least / GB  # the whole batch does not fit: microbatches
+    planned = graphopt.plan(meta, args, kwargs, budget_gb=budget_gb, device="cpu")
+    assert planned.fits and planned.microbatches > 1 and planned.predicted_peak_bytes <= budget_gb * GB
+
+    real, rargs, rkwargs = tiny_llama("cpu")
+    step = graphopt.train_step(real, rargs, rkwargs, budget_gb=budget_gb)
+    assert (step.microbatches, step.predicted_peak_bytes) == (planned.microbatches, planned.predicted_peak_bytes)
+    assert measure_peak(lambda: step(*rargs, **rkwargs), real, *rargs, *rkwargs.values()) == planned.predicted_peak_bytes
+    with pytest.raises(graphopt.BudgetError) as refused:
+        graphopt.train_step(real, rargs, rkwargs, budget_gb=1e-9, microbatches=1)
+    assert round(refused.value.min_budget_gb * GB) == least
+
+
+def test_the_optimizer_counts_as_on_the_real_model_and_nothing_is_allocated():
+    meta, args, kwargs = tiny_llama("meta")
+    real, rargs, rkwargs = tiny_llama("cpu")
+    found = [graphopt.plan(m, a, k, budget_gb=1.0, device="cpu", optimizer="adamw")
+             for m, a, k in ((meta, args, kwargs), (real, rargs, rkwargs))]
+    assert found[0] == found[1] and found[0].microbatches == 1
+    without = graphopt.plan(meta, args, kwargs, budget_gb=1.0, device="cpu")
+    params = sum(p.numel() * p.element_size() for p in meta.parameters())
+    assert found[0].predicted_peak_bytes >= without.predicted_peak_bytes + 2 * params  # AdamW's two moments
+    assert all(p.is_meta and p.grad is None for p in meta.parameters())
+
+
+def test_cuda_rounds_blocks_and_keeps_its_headroom():
+    meta, args, kwargs = tiny_llama("meta")
+    cpu = graphopt.plan(meta, args, kwargs, device="cpu")
+    cuda = graphopt.plan(meta, args, kwargs, device="cuda")
+    assert cuda.least_bytes > cpu.least_bytes  # 512-byte blocks, and the headroom on top
+    budget_gb = 1.1 * cuda.least_bytes / GB
+    planned = graphopt.plan(meta, args, kwargs, budget_gb=budget_gb, device="cuda")
+    assert planned.fits and planned.predicted_peak_bytes <= budget_gb * GB * (1 - CUDA_HEADROOM) + 512
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"device": "tpu"}, "one of cpu, cuda"),
+    ({"device": "cpu", "calibrate": True}, "calibrate=True needs real steps"),
+])
+def test_plan_refuses_what_it_cannot_do_without_the_device(options, words):
+    meta, args, kwargs = tiny_llama("meta")
+    with pytest.raises(graphopt.OptionError, match=words):
+        graphopt.plan(meta, args, kwargs, budget_gb=1.0, **options)
+
+
+def test_a_model_on_another_device_than_planned_is_refused():
+    real, args, kwargs = tiny_llama("cpu")
+    with pytest.raises(graphopt.OptionError, match="torch.device\\('meta'\\)"):
+        graphopt.plan(real, args, kwargs, device="cuda")
+
+
+def test_the_command_line_plans_a_factory_on_the_meta_device(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    assert main(["plan", "test_plan:tiny_llama", "--device", "cpu", "--budget-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "device cpu: one step needs at least" in out and "fits as the whole batch" in out
