@@ -1,7 +1,7 @@
 """graphopt.plan on models built on the meta device: a Llama-3-8B shape planned for CUDA, and a
 ~350M-parameter Llama planned for this CPU and checked against its real, measured step.
 
-    python bench/plan_without_hardware.py [--part 8b,350m] [--out DIR]
+    python bench/plan_without_hardware.py [--part 8b,350m] [--passes P] [--out DIR]
 
 8B part: 32 layers, 4096 wide, MLP 14336, 32 heads, 8 KV heads, vocabulary 128256, parameters in
 bf16 (as users load it), AdamW, its own loss on labels=input_ids, at 1 and 4 x 2048 tokens;
@@ -9,11 +9,13 @@ per budget (80 and 24 GB): the least budget of the whole batch, the microbatches
 plan graphopt.train_step would take, the predicted peak, and the seconds plan() took.
 
 350M part: 24 layers, 1024 wide, MLP 2816, 16 heads, 8 KV heads, vocabulary 32000, float32, AdamW,
-2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget; at 1.15 of it, the
-plan; then the same config built for real, graphopt.train_step at that budget, one step with
+2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget and the unplanned
+step's peak; halfway between them, the plan; then the same config built for real, graphopt.train_step at that budget, one step with
 optimizer.step() to make AdamW's state, and the next step measured (live storages, the state
 resident): predicted against measured.
-With --out DIR, writes plan_without_hardware-<device>-<date>.json and .md there.
+--passes gives optimize's passes (default: its default pipeline, which on CUDA fuses). With
+--out DIR, writes plan_without_hardware-<device>-<date>.json and .md there (with --passes,
+plan_without_hardware-<passes>-...).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ LLAMA_350M = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, nu
                   num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)
 
 
-def part_8b() -> list[dict]:
+def part_8b(passes: str | None) -> list[dict]:
     import graphopt
 
     rows = []
@@ -57,7 +59,8 @@ def part_8b() -> list[dict]:
         for budget_gb in (80, 24):
             model, args, kwargs = llama(LLAMA_8B, batch, 2048, "meta", torch.bfloat16)
             start = time.perf_counter()
-            found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cuda", optimizer="adamw")
+            found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cuda", optimizer="adamw",
+                                  passes=passes)
             rows.append({"tokens": f"{batch} x 2048", "budget_gb": budget_gb, "least_gb": found.least_bytes / GB,
                          "microbatches": found.microbatches, "segments": found.segments,
                          "predicted_gb": None if found.predicted_peak_bytes is None else found.predicted_peak_bytes / GB,
@@ -66,20 +69,22 @@ def part_8b() -> list[dict]:
     return rows
 
 
-def part_350m() -> dict:
+def part_350m(passes: str | None) -> dict:
     import graphopt
     from graphopt.analysis.memory import measure_peak
 
     model, args, kwargs = llama(LLAMA_350M, 2, 512, "meta")
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    least = graphopt.plan(model, args, kwargs, device="cpu", optimizer="adamw").least_bytes
-    budget_gb = 1.15 * least / GB
-    found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cpu", optimizer="adamw")
+    least = graphopt.plan(model, args, kwargs, device="cpu", optimizer="adamw", passes=passes).least_bytes
+    unplanned = graphopt.plan(model, args, kwargs, budget_gb=1e3, device="cpu", optimizer="adamw",
+                              passes=passes).predicted_peak_bytes
+    budget_gb = (least + unplanned) / 2 / GB  # halfway: a plan that recomputes
+    found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cpu", optimizer="adamw", passes=passes)
     plan_s = time.perf_counter() - start
     del model
     model, args, kwargs = llama(LLAMA_350M, 2, 512, "cpu")
-    step = graphopt.train_step(model, args, kwargs, budget_gb=budget_gb, optimizer="adamw")
+    step = graphopt.train_step(model, args, kwargs, budget_gb=budget_gb, optimizer="adamw", passes=passes)
     optimizer = torch.optim.AdamW(model.parameters())
 
     def one_step():
@@ -90,7 +95,8 @@ def part_350m() -> dict:
     one_step()  # AdamW's state exists from the first step on
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     measured = measure_peak(one_step, model, *args, *kwargs.values(), *state)
-    row = {"parameters": params, "least_gb": least / GB, "budget_gb": budget_gb, "plan_s": plan_s,
+    row = {"parameters": params, "least_gb": least / GB, "unplanned_gb": unplanned / GB, "budget_gb": budget_gb,
+           "plan_s": plan_s,
            "planned_microbatches": found.microbatches, "real_microbatches": step.microbatches,
            "planned_segments": found.segments, "predicted_gb": found.predicted_peak_bytes / GB,
            "real_train_step_predicted_gb": step.predicted_peak_bytes / GB, "measured_gb": measured / GB,
@@ -101,7 +107,7 @@ def part_350m() -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"# graphopt.plan without the hardware (bench/plan_without_hardware.py)\n",
-             f"{result['device']}, torch {result['torch']}, {result['date']}\n"]
+             f"{result['device']}, torch {result['torch']}, {result['date']}; passes: {result['passes']}\n"]
     if result.get("llama_8b"):
         lines += ["Llama-3-8B shape, bf16 parameters, AdamW, planned for CUDA on the meta device:\n",
                   "| tokens | budget | least (whole batch) | microbatches | recompute segments | predicted peak | "
@@ -118,9 +124,10 @@ def markdown(result: dict) -> str:
         r = result["llama_350m"]
         lines += ["", f"~350M Llama ({r['parameters'] / 1e6:.0f}M parameters, float32, AdamW, 2 x 512 tokens) on "
                   "this CPU: planned on the meta device, then built for real and measured:\n",
-                  "| least | budget | plan: microbatches, segments | predicted | real train_step's prediction | "
-                  "measured | predicted vs measured |", "|---|---|---|---|---|---|---|",
-                  f"| {r['least_gb']:.3f} GB | {r['budget_gb']:.3f} GB | {r['planned_microbatches']}, "
+                  "| least | unplanned | budget | plan: microbatches, segments | predicted | real train_step's "
+                  "prediction | measured | predicted vs measured |", "|---|---|---|---|---|---|---|---|",
+                  f"| {r['least_gb']:.3f} GB | {r['unplanned_gb']:.3f} GB | {r['budget_gb']:.3f} GB | "
+                  f"{r['planned_microbatches']}, "
                   f"{r['planned_segments']} | {r['predicted_gb']:.4f} GB | {r['real_train_step_predicted_gb']:.4f} GB | "
                   f"{r['measured_gb']:.4f} GB | {r['error_pct']:+.2f}% |"]
     return "\n".join(lines) + "\n"
@@ -129,15 +136,18 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="8b,350m", help="8b, 350m or both, comma-separated")
+    parser.add_argument("--passes", default=None, help="optimize's passes, comma-separated (default: its default)")
     parser.add_argument("--out", default=None, help="write the figures into this folder")
     args = parser.parse_args(argv)
     parts = args.part.split(",")
-    result = {"device": device_name(), "date": today(), "torch": torch.__version__,
-              "llama_8b": part_8b() if "8b" in parts else [], "llama_350m": part_350m() if "350m" in parts else None}
+    result = {"device": device_name(), "date": today(), "torch": torch.__version__, "passes": args.passes or "default",
+              "llama_8b": part_8b(args.passes) if "8b" in parts else [],
+              "llama_350m": part_350m(args.passes) if "350m" in parts else None}
     text = markdown(result)
     print(text)
     if args.out:
-        write_results("plan_without_hardware", result, text, args.out)
+        kind = "plan_without_hardware" + (f"-{args.passes.replace(',', '-')}" if args.passes else "")
+        write_results(kind, result, text, args.out)
     return 0
 
 
