@@ -84,7 +84,7 @@ class LiveStorage(TorchDispatchMode):
             return
         nbytes = t.untyped_storage().nbytes() if nbytes is None else nbytes
         if nbytes and (t.device.type == "cuda" or planning_device() == "cuda"):
-            # a fake: CUDA's allocator hands out 512-byte blocks
+            # a fake on CUDA, or one planned for it: its allocator hands out 512-byte blocks
             nbytes = -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
         if nbytes == 0:
             return

@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import torch
+import torch.fx
+
 _PLANNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("graphopt_planning", default=None)
 
 
@@ -31,13 +34,10 @@ def planning_device() -> str | None:
     return _PLANNING.get()
 
 
-def meta_literals_on_cpu(gm) -> int:
+def meta_literals_on_cpu(gm: torch.fx.GraphModule) -> int:
     """Rewrite every device=meta that tracing a meta model wrote into gm and its submodules'
     graphs (an arange's device, export's tensor-metadata asserts) to the CPU, where the fakes
     of planning run; the number of nodes changed."""
-    import torch
-    import torch.fx
-
     meta, cpu = torch.device("meta"), torch.device("cpu")
 
     def swap(value):
@@ -56,9 +56,7 @@ def meta_literals_on_cpu(gm) -> int:
     return changed
 
 
-def seen_as(device):
+def seen_as(device: torch.device) -> torch.device:
     """The device a tensor on `device` (a torch.device) is as a fake while planning: the CPU for
     the meta device; `device` itself otherwise. Guards compare calls by it."""
-    import torch
-
     return torch.device("cpu") if device.type == "meta" and planning_device() is not None else device
