@@ -76,15 +76,21 @@ def _load(spec: str):
     return factory()
 
 
-def _optimize(args) -> int:
+def _built(args, example: str) -> tuple:
+    """(model, inputs, kwargs) from the factory and --inputs; `example` shows what --inputs takes."""
     built = _load(args.model)
     model, inputs, kwargs = (built if isinstance(built, tuple) else (built, None, {}))
     if args.inputs is not None:
         inputs = eval(args.inputs, {"torch": torch})  # the user's own expression, on their own machine
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     if inputs is None:
-        raise UsageError("give example inputs with --inputs, e.g. --inputs 'torch.randn(8, 64)', "
+        raise UsageError(f"give example inputs with --inputs, e.g. --inputs '{example}', "
                          "or have the factory return (model, args, kwargs).")
+    return model, inputs, kwargs
+
+
+def _optimize(args) -> int:
+    model, inputs, kwargs = _built(args, "torch.randn(8, 64)")
     train = {"train": True, "eval": False}.get(args.mode)
     options = dict(passes=args.passes, budget_gb=args.budget_gb, profile=args.profile, calibrate=args.calibrate,
                    precision=args.precision, stages=args.stages, train=train, frontend=args.frontend)
@@ -101,15 +107,7 @@ def _optimize(args) -> int:
 def _plan(args) -> int:
     """The factory's model built on the meta device, planned for --device: nothing allocated."""
     with torch.device("meta"):
-        built = _load(args.model)
-    model, inputs, kwargs = (built if isinstance(built, tuple) else (built, None, {}))
-    if args.inputs is not None:
-        with torch.device("meta"):
-            inputs = eval(args.inputs, {"torch": torch})  # the user's own expression, on their own machine
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    if inputs is None:
-        raise UsageError("give example inputs with --inputs, e.g. --inputs 'torch.randint(0, 32000, (4, 2048))', "
-                         "or have the factory return (model, args, kwargs).")
+        model, inputs, kwargs = _built(args, "torch.randint(0, 32000, (4, 2048))")
     loss_fn = _load_function(args.loss) if args.loss else None
     with graphopt_warnings():
         found = plan(model, inputs, kwargs or None, budget_gb=args.budget_gb, device=args.device,

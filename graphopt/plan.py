@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
 
 from .analysis.memory import GB, size_text
 from .analysis.planning_device import planning_for
 from .errors import BudgetError, OptionError
 from .train_step import TrainStep
+from .trial import tensor_leaves
 
 DEVICES = ("cpu", "cuda")
 _REAL_STEPS = ("calibrate", "profile", "verify")  # optimize options that run the model for real
@@ -77,7 +77,8 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
     if real:
         raise OptionError(f"graphopt.plan runs nothing for real: {', '.join(real)}=True needs real steps; plan "
                           "without it, or call graphopt.optimize on the device.")
-    found = {t.device.type for t in (*model.parameters(), *model.buffers(), *_tensors(example_inputs, example_kwargs))}
+    tensors = (*model.parameters(), *model.buffers(), *tensor_leaves((example_inputs, example_kwargs)))
+    found = {t.device.type for t in tensors}
     if found - {"meta", device}:
         raise OptionError(f"graphopt.plan plans for device={device!r} a model whose tensors are on the meta device "
                           f"or on {device!r}; this one has tensors on {', '.join(sorted(found - {'meta'}))}. Build it "
@@ -96,10 +97,6 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
     return StepPlan(device, budget, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes))
-
-
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

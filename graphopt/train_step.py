@@ -262,10 +262,12 @@ class TrainStep:
             raise
         except Exception as e:  # noqa: BLE001 (a loss_fn that needs real values): measure one real step
             if planning_device() is not None:
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                advice = ("a loss_fn that computes from tensors alone (no .item(), no Python branch on a value), and "
+                          "the tensors it closes over (labels) built on the CPU, not on the meta device: they are "
+                          "small, and a meta tensor outside the example inputs is not planned for the device)")
                 raise UsageError(f"graphopt.plan runs the step on FakeTensors, and the loss around the graph does "
-                                 f"not run on them ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
-                                 "give a loss_fn that computes from tensors alone (no .item(), no Python "
-                                 "branch on a value).") from None
+                                 f"not run on them ({why}): give {advice}.") from None
             with trial_run(self.model, (args, kwargs)), _gradients(self.model, present=k > 1):
                 peak = measure_peak(lambda: run(args, kwargs), self.model, *_tensors(args, kwargs))
             return peak + (extra.state_bytes + extra.step_bytes if extra is not None else 0)

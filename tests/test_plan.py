@@ -10,7 +10,9 @@ import torch
 import graphopt
 from graphopt.__main__ import main
 from graphopt.analysis.memory import GB, measure_peak
+from graphopt.analysis.planning_device import planning_for
 from graphopt.passes.recompute.recompute_pass import CUDA_HEADROOM
+from graphopt.train_step import TrainStep
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,14 +57,53 @@ def test_the_optimizer_counts_as_on_the_real_model_and_nothing_is_allocated():
     assert all(p.is_meta and p.grad is None for p in meta.parameters())
 
 
+def small_convnet(device: str):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                    torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU(),
+                                    torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 10))
+    return model, (torch.randn(8, 3, 32, 32).to(device),)
+
+
+def test_a_vision_model_with_its_loss_outside_plans_as_the_real_one():
+    labels = torch.randint(0, 10, (8,))  # on the CPU: the loss closes over them
+
+    def loss(out, *args, **kwargs):
+        return torch.nn.functional.cross_entropy(out, labels)
+
+    meta, args = small_convnet("meta")
+    least = graphopt.plan(meta, args, device="cpu", loss_fn=loss).least_bytes
+    real, rargs = small_convnet("cpu")
+    with pytest.raises(graphopt.BudgetError) as refused:
+        graphopt.train_step(real, rargs, budget_gb=1e-9, microbatches=1, loss_fn=loss)
+    assert round(refused.value.min_budget_gb * GB) == least
+    with pytest.raises(graphopt.UsageError, match="built on the CPU"):  # labels on the meta device
+        graphopt.plan(meta, args, device="cpu", loss_fn=lambda out, *a, **k: torch.nn.functional.cross_entropy(
+            out, labels.to("meta")))
+
+
 def test_cuda_rounds_blocks_and_keeps_its_headroom():
     meta, args, kwargs = tiny_llama("meta")
     cpu = graphopt.plan(meta, args, kwargs, device="cpu")
     cuda = graphopt.plan(meta, args, kwargs, device="cuda")
     assert cuda.least_bytes > cpu.least_bytes  # 512-byte blocks, and the headroom on top
-    budget_gb = 1.1 * cuda.least_bytes / GB
+    unplanned = graphopt.plan(meta, args, kwargs, budget_gb=1.0, device="cuda").predicted_peak_bytes
+    # the step as it is fits the budget but not the budget less CUDA's headroom: it must be planned
+    budget_gb = unplanned / (1 - CUDA_HEADROOM / 2) / GB
     planned = graphopt.plan(meta, args, kwargs, budget_gb=budget_gb, device="cuda")
-    assert planned.fits and planned.predicted_peak_bytes <= budget_gb * GB * (1 - CUDA_HEADROOM) + 512
+    assert planned.fits and planned.predicted_peak_bytes <= budget_gb * GB * (1 - CUDA_HEADROOM)
+    assert planned.segments or planned.microbatches > 1
+
+
+def test_train_step_holds_a_cuda_plan_to_the_budget_less_its_headroom():
+    """train_step's fit check reads recompute's headroom from the report's recompute row (named
+    with its options: recompute{budget_gb=...})."""
+    meta, args, kwargs = tiny_llama("meta")
+    with planning_for("cuda"):
+        graph = graphopt.optimize(meta, args, example_kwargs=kwargs, budget_gb=1.0)
+    assert graph.graphopt_report.recompute().name.startswith("recompute{")
+    assert TrainStep._target(graph, 10**6) == round(10**6 * (1 - CUDA_HEADROOM))
 
 
 @pytest.mark.parametrize("options, words", [

@@ -51,7 +51,7 @@ def fake_run(module: torch.nn.Module, inputs):
 
 
 @contextlib.contextmanager
-def fake_state(module: torch.nn.Module, mode: FakeTensorMode, fake=None):
+def fake_state(module: torch.nn.Module, mode: FakeTensorMode, fake):
     """Swap the module's parameters, buffers and a graph's tensor constants (export lifts a
     tensor forward reaches other than as a buffer) for FakeTensors while the context is open;
     the same for the graph of every recompute segment it calls, which holds its own references.
@@ -67,7 +67,6 @@ def fake_state(module: torch.nn.Module, mode: FakeTensorMode, fake=None):
             modules += segment_modules(modules[k])
         k += 1
     # Every state read before any swap: a segment shares leaf modules with its graph.
-    fake = fake or _faker(mode)
     states = [(m, {name: fake(t) for name, t in _state(m).items()}) for m in modules]
     with contextlib.ExitStack() as stack:
         for m, fakes in states:

@@ -34,16 +34,15 @@ def planning_device() -> str | None:
     return _PLANNING.get()
 
 
-def meta_literals_on_cpu(gm: torch.fx.GraphModule) -> int:
+def meta_literals_on_cpu(gm: torch.fx.GraphModule) -> None:
     """Rewrite every device=meta that tracing a meta model wrote into gm and its submodules'
     graphs (an arange's device, export's tensor-metadata asserts) to the CPU, where the fakes
-    of planning run; the number of nodes changed."""
+    of planning run."""
     meta, cpu = torch.device("meta"), torch.device("cpu")
 
     def swap(value):
         return cpu if isinstance(value, torch.device) and value == meta else value
 
-    changed = 0
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
@@ -51,9 +50,7 @@ def meta_literals_on_cpu(gm: torch.fx.GraphModule) -> int:
             args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), swap)
             if (args, kwargs) != (node.args, node.kwargs):
                 node.args, node.kwargs = args, kwargs
-                changed += 1
         module.recompile()
-    return changed
 
 
 def seen_as(device: torch.device) -> torch.device:
