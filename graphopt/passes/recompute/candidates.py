@@ -17,7 +17,7 @@ Where plans come from:
      cheapest that fits by the price as well, was never proposed: the search took 6 segments,
      5 of them selective, priced 17% dearer. The full-only solve is skipped at an allowance
      where the selective one chose no selective segment: it would choose the same plan among
-     fewer (a quarter of the solves on GPT-2, Llama and ResNet-18, the same candidates).
+     fewer.
   2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them,
      and cut after their first matmul, as timm's DenseNet checkpoints its dense layers.
   3. Near a chosen plan's allowance (leaner), the solver with a matmul's rerun priced as the
@@ -37,7 +37,7 @@ import torch.fx
 
 from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, rerun_cost, rerun_end, solve
 
-CANDIDATES = 16   # allowances tried; the estimate checks about log2 of them
+CANDIDATES = 16   # allowances solved per view; every plan found is priced (pricing.py)
 LEAN_ALLOWANCES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)  # of a chosen plan's allowance, for leaner plans
 GROW_BY = (1, 2, 4, 8)  # nodes a segment of a plan over the budget is grown by
 _NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")  # a child numbered by its name: layer2, denselayer3

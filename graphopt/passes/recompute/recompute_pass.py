@@ -82,7 +82,7 @@ from .solver import SegmentCost, rerun_end
 # cheaper wins whatever its segments (DenseNet-121's, when selective segments were priced per
 # graph node: 22 segments for 7, no convolution rerun).
 TIME_RESOLUTION = 0.05
-LOOK_GROWN = 8    # grown plans checked against the budget
+LOOK_GROWN = 8    # grown plans priced against the budget
 # Pricing is a model (pricing.py): a cheaper plan priced at most this far over the target
 # gets a fake step of its own (up to LOOK_NEAR), and when none fits, so do plans priced within
 # it of the smallest estimate (up to LOOK_LEAST in all).
