@@ -17,8 +17,8 @@ from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .precisions import precision_name
 from .report import Report
-from .runtime.guards import (install_batch_guard, install_call_guard, install_mode_guard, install_shape_guard,
-                             refuse_pickling)
+from .runtime.guards import (install_call_guard, install_mode_guard, install_shape_guard,
+                             install_sizes_guard, refuse_pickling)
 from .runtime.input_writes import WriteAliasCheck
 from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
 from .runtime.microbatch_call import install_microbatch_split
@@ -88,8 +88,9 @@ def optimize(
     """Rewrite `model` through a pass pipeline and return a drop-in replacement.
 
     With example inputs: a torch.fx.GraphModule, traced and optimized now. Without: an
-    nn.Module that does so on its first call, and again for each new input signature or
-    train/eval mode. Either shares the model's Parameters and buffers and takes the same
+    nn.Module that does so on its first call, and again for a call that no graph it built takes
+    (another train/eval mode or kind of input; sizes its graphs' guards or budget plan refuse).
+    Either shares the model's Parameters and buffers and takes the same
     arguments; `.graphopt_report` holds the per-pass summary.
 
     budget_gb: peak memory of one training step, in GB of 10**9 bytes (recompute pass); with
@@ -186,16 +187,16 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
                 "through graphopt.runtime.pipeline.PipelineRunner; frontend='fx' makes a graph that runs at any "
                 "batch size.", also=batch)
         elif gm.meta["graphopt_frontend"] == "export":
-            install_batch_guard(gm, args, kwargs, gm.meta["graphopt_batch"])
-            report.runs_at += f" (and any other batch as one piece: {gm.meta['graphopt_batch']})"
+            install_sizes_guard(gm, args, kwargs, gm.meta["graphopt_sizes"])
+            report.runs_at += f" (and any other batch as one piece: {gm.meta['graphopt_sizes']})"
         else:
             report.runs_at += " (and any other batch as one piece)"
     elif ctx.specialized:
         install_shape_guard(gm, args, kwargs, ctx.specialized)
         report.runs_at = f"the example's shapes only: {ctx.specialized}"
-    elif gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is not None:
-        install_batch_guard(gm, args, kwargs, gm.meta["graphopt_batch"])
-        report.runs_at = f"{gm.meta['graphopt_batch']} (torch.export, dynamic batch dimension)"
+    elif gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_sizes"] is not None:
+        install_sizes_guard(gm, args, kwargs, gm.meta["graphopt_sizes"])
+        report.runs_at = f"{gm.meta['graphopt_sizes']} (torch.export, dynamic sizes)"
     elif gm.meta["graphopt_frontend"] == "export":
         install_shape_guard(
             gm, args, kwargs, "torch.export traced it for those shapes",

@@ -1,13 +1,18 @@
-"""torch.export with a dynamic batch dimension, so that an exported graph runs at other batch sizes.
+"""torch.export with dynamic sizes, so that an exported graph runs at other batch sizes and
+sequence lengths.
 
-Dim 0 of every tensor input with the batch's rows (batch.batch_rows) is one
-dimension, "batch", given to export as Dim.AUTO: export keeps it dynamic where the model lets
-it, over the range it proves (from 2: it reasons about sizes 0 and 1 apart), and static where
-the model's code depends on its value. The range is what the result accepts
-(runtime/guards.install_batch_guard). Not Dim("batch", min=1): measured on torch 2.13, export
-then traces `if x.shape[0] == 1:` as false with no guard, and the graph is silently wrong at
-batch 1. An example batch of one row shows no batch (sizes 0 and 1 are taken as constants):
-static, as is a model export cannot make dynamic, each with the reason.
+Every dimension of each tensor input with the batch's rows (batch.batch_rows) is given to
+export as Dim.AUTO: export keeps a size dynamic where the model lets it, over the range it
+proves (from 2: it reasons about sizes 0 and 1 apart), and static where the model's code
+depends on its value (a convolution's channels, a position table's length, `if T == 512`).
+Dim 0 of them all is one dimension, "batch"; each other dynamic size is named by the first
+input and dimension it appears at ("dim 1 of input_ids"), the one size export proved it equal to
+elsewhere. The sizes and their ranges are what the result accepts (runtime/guards.
+install_dims_guard). Not Dim("batch", min=1): measured on torch 2.13, export then traces
+`if x.shape[0] == 1:` as false with no guard, and the graph is silently wrong at batch 1. An
+example batch of one row keeps its batch static (sizes 0 and 1 are taken as constants), its
+other sizes dynamic. Where export fails with the other sizes dynamic, the batch alone is
+tried, then none, each with the reason.
 """
 from __future__ import annotations
 
@@ -20,20 +25,79 @@ from torch.export import Dim
 
 from .batch import batch_rows
 
+
 @dataclass(frozen=True)
-class BatchRange:
-    """The batch sizes an exported graph was proven for (inclusive; None: no upper bound)."""
+class SizeRange:
+    """The sizes export proved one dimension for (inclusive; None: no upper bound)."""
 
     low: int
     high: int | None
 
+    def __contains__(self, size: int) -> bool:
+        return self.low <= size and (self.high is None or size <= self.high)
+
     def __str__(self) -> str:
-        return f"batch {self.low} to {self.high}" if self.high is not None else f"batch {self.low} and up"
+        return f"{self.low} to {self.high}" if self.high is not None else f"{self.low} and up"
 
 
-def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dim) -> dict | None:
-    """export's dynamic_shapes, by forward()'s parameter names: `dim` on dim 0 of each batched
-    tensor, every other dimension and input static."""
+@dataclass(frozen=True)
+class BatchRange(SizeRange):
+    """The batch sizes an exported graph was proven for."""
+
+    def __str__(self) -> str:
+        return f"batch {super().__str__()}"
+
+
+BATCH = "batch"
+
+
+@dataclass(frozen=True)
+class DynamicSizes:
+    """Which sizes of a call an exported graph takes other values of: per leaf of (args, kwargs)
+    flattened, per dimension, the name of its dynamic size or None where it is the example's
+    (None for a leaf that is no tensor); and the range of each name."""
+
+    names: tuple[tuple[str | None, ...] | None, ...]
+    ranges: tuple[tuple[str, SizeRange], ...]
+
+    @property
+    def batch(self) -> BatchRange | None:
+        found = dict(self.ranges).get(BATCH)
+        return None if found is None else BatchRange(found.low, found.high)
+
+    @property
+    def lengths(self) -> tuple[str, ...]:
+        """The dynamic sizes other than the batch (sequence lengths, image sizes)."""
+        return tuple(name for name, _ in self.ranges if name != BATCH)
+
+    def __str__(self) -> str:
+        return "; ".join(f"{BATCH} {r}" if name == BATCH else f"{name}: {r}" for name, r in self.ranges)
+
+    def why_not(self, example: list, call: list) -> str | None:
+        """Why a call's leaves (flattened as the example's, whose leaves are `example`) are not
+        sizes this graph takes; None when they are. Dtypes, devices and values are the call
+        guard's to compare; here the tensors' sizes only."""
+        bound: dict[str, int] = {}
+        for names, was, got in zip(self.names, example, call):
+            if names is None or not isinstance(got, torch.Tensor):
+                continue
+            if got.dim() != len(names):
+                return f"{got.dim()} dimensions where the example has {len(names)}"
+            for dim, (name, size, now) in enumerate(zip(names, was.shape, got.shape)):
+                if name is None:
+                    if size != now:
+                        return f"size {now} at dim {dim} of an input the graph takes at size {size} only"
+                    continue
+                if bound.setdefault(name, now) != now:
+                    return f"{name} is {bound[name]} in one input and {now} in another"
+        ranges = dict(self.ranges)
+        outside = [f"{name} is {size} (it takes {ranges[name]})" for name, size in bound.items() if size not in ranges[name]]
+        return f"{', '.join(outside)}" if outside else None
+
+
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dims) -> dict | None:
+    """export's dynamic_shapes, by forward()'s parameter names: Dim.AUTO on each dim in `dims`
+    (0 for the batch, "rest" for every other) of each batched tensor; other inputs static."""
     rows = batch_rows(args, kwargs)
     if rows is None:
         return None
@@ -44,30 +108,41 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dim) -> d
 
     def spec(value):
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-            return {0: dim}
+            picked = [d for d in range(value.dim()) if (d == 0 and 0 in dims) or (d > 0 and "rest" in dims)]
+            return {d: Dim.AUTO for d in picked} or None
         return None
 
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict):
-    """(ExportedProgram, BatchRange or None, why static)."""
+    """(ExportedProgram, DynamicSizes or None, why the batch is static: "" when it is not)."""
     rows = batch_rows(args, kwargs)
-    shapes = _dynamic_shapes(model, args, kwargs, Dim.AUTO)
-    if rows is not None and rows < 2:
-        why = "an example batch of one row: export takes sizes 0 and 1 as constants"
-    elif shapes is None:
+    if rows is None:
+        tries = []
         why = "no tensor input has a batch dimension that forward() names"
+    elif rows < 2:
+        tries = [("rest",)]  # sizes 0 and 1 are export's constants: the lengths alone
+        why = "an example batch of one row: export takes sizes 0 and 1 as constants"
     else:
+        tries = [(0, "rest"), (0,)]
+        why = ""
+    for dims in tries:
+        shapes = _dynamic_shapes(model, args, kwargs, dims)
+        if shapes is None:
+            why = why or "no tensor input has a batch dimension that forward() names"
+            break
         try:
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
-        except Exception as e:  # noqa: BLE001 (export's reason is the note; the static export decides)
-            why = f"export with a dynamic batch failed: {_first_line(e)}"
-        else:
-            found = batch_range(ep)
-            if found is not None:
-                return ep, found, ""
-            why = "export made the batch static: the model's code depends on its size"
+        except Exception as e:  # noqa: BLE001 (export's reason is the note; the next try decides)
+            why = why or f"export with a dynamic batch failed: {_first_line(e)}"
+            continue
+        found = dynamic_sizes(ep, args, kwargs)
+        static = "export made the batch static: the model's code depends on its size"
+        if found is None:
+            why = why or static
+            continue
+        return ep, found, "" if found.batch is not None else why if rows < 2 else static
     return torch.export.export(model, args, kwargs, strict=False), None, why
 
 
@@ -76,28 +151,56 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
-def batch_range(ep) -> BatchRange | None:
-    """The batch sizes every batched user input may take: the intersection of the ranges of the
-    symbols on their dim 0 (Dim.AUTO gives inputs the model never relates symbols of their
-    own; the guard asks them to share one size). None when one of them is static."""
-    user_inputs = set(ep.graph_signature.user_inputs)
-    low, high, any_symbol = 2, None, False
-    for node in ep.graph.nodes:
-        val = node.meta.get("val")
-        if node.op != "placeholder" or node.name not in user_inputs or not isinstance(val, torch.Tensor) \
-                or not val.dim():
+def _leaf_name(path) -> str:
+    """'argument 1', 'labels', 'past[0]': a leaf of (args, kwargs) as the caller wrote it."""
+    where, first, *rest = path
+    head = f"argument {first.idx + 1}" if where.idx == 0 else str(first.key)
+    return head + "".join(str(k) for k in rest)
+
+
+def _bounds(ep, symbol) -> SizeRange | None:
+    bounds = ep.range_constraints.get(symbol)
+    if bounds is None:
+        return None
+    try:
+        upper = int(bounds.upper)
+    except (TypeError, ValueError, OverflowError, AttributeError):  # torch's int_oo: no upper bound
+        upper = None
+    return SizeRange(max(int(bounds.lower), 2), upper)
+
+
+def dynamic_sizes(ep, args: tuple, kwargs: dict) -> DynamicSizes | None:
+    """The sizes of ep's user inputs that export kept dynamic, named (DynamicSizes); None when
+    it kept none. Dim 0 of every input is the batch: Dim.AUTO gives inputs the model never
+    relates symbols of their own, and the guard asks them to share one size (the intersection
+    of their ranges). A size export relates to others by an expression, not a symbol of its
+    own, is taken at the example's value."""
+    leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+    user_inputs = ep.graph_signature.user_inputs
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    if len(user_inputs) != len(leaves):
+        return None
+    names, by_symbol, ranges = [], {}, {}
+    for (path, leaf), input_name in zip(leaves, user_inputs):
+        val = placeholders[input_name].meta.get("val") if input_name in placeholders else None
+        if not isinstance(leaf, torch.Tensor) or not isinstance(val, torch.Tensor):
+            names.append(None)
             continue
-        if not isinstance(val.shape[0], torch.SymInt):
-            continue
-        bounds = ep.range_constraints.get(val.shape[0].node.expr)
-        if bounds is None:
-            return None
-        any_symbol = True
-        low = max(low, int(bounds.lower))
-        try:
-            upper = int(bounds.upper)
-        except (TypeError, ValueError, OverflowError, AttributeError):  # torch's int_oo: no upper bound
-            upper = None
-        if upper is not None:
-            high = upper if high is None else min(high, upper)
-    return BatchRange(low, high) if any_symbol else None
+        dims = []
+        for d, size in enumerate(val.shape):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            found = _bounds(ep, expr) if expr is not None and expr.is_Symbol else None
+            if found is None:
+                dims.append(None)
+                continue
+            name = BATCH if d == 0 else by_symbol.setdefault(expr, f"dim {d} of {_leaf_name(path)}")
+            was = ranges.get(name)
+            ranges[name] = found if was is None else SizeRange(
+                max(was.low, found.low), found.high if was.high is None else was.high if found.high is None
+                else min(was.high, found.high))
+            dims.append(name)
+        names.append(tuple(dims))
+    if not ranges:
+        return None
+    ordered = sorted(ranges.items(), key=lambda item: item[0] != BATCH)
+    return DynamicSizes(tuple(names), tuple(ordered))

@@ -134,10 +134,11 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx
     with StateWatch(model, refuse=False):  # both run forward, and reach a buffer hidden in a list as it is
         _register_output_dataclasses(model, args, kwargs)
         with custom_functions.keeping("export"):
-            ep, batch, static_why = export_batch.export(model, args, kwargs)
+            ep, sizes, static_why = export_batch.export(model, args, kwargs)
     gm = ep.module()
     custom_functions.restore(gm)
-    gm.meta["graphopt_batch"] = batch  # the batch sizes the graph runs at; None: the example's shapes only
+    gm.meta["graphopt_sizes"] = sizes  # the sizes the graph takes other values of; None: the example's only
+    gm.meta["graphopt_batch"] = sizes.batch if sizes is not None else None  # the batch sizes it runs at
     gm.meta["graphopt_static_why"] = static_why
     # ExportedProgram.module() makes train()/eval() raise NotImplementedError. graphopt lets the
     # flag change like on any module and its mode guard explains the problem at call time.

@@ -143,14 +143,14 @@ def test_bad_headroom_is_an_option_error():
         graphopt.passes.parse_pipeline("recompute{budget_gb=1 headroom=0.9}")
 
 
-def test_plan_is_guarded_to_its_shapes_and_lazy_form_replans():
+def test_plan_refuses_a_batch_over_its_budget_and_lazy_form_replans():
     import torch
 
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=2)
     budget_gb = _budget(model, args, kwargs, 0.5)
     opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb)
     bigger = (torch.randint(0, 256, (16, 64)),), {"targets": torch.randint(0, 256, (16, 64))}
-    with pytest.raises(graphopt.UsageError, match="recompute plan fits"):
+    with pytest.raises(graphopt.BudgetError, match="recompute plan was made for other sizes"):
         opt(*bigger[0], **bigger[1])
     lazy = graphopt.optimize(model, budget_gb=budget_gb * 2)
     lazy(*bigger[0], **bigger[1])  # planned for the shapes it is called with

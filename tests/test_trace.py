@@ -129,21 +129,26 @@ class _BranchesOnItsBatch(torch.nn.Module):
         return self.linear(x)
 
 
-def test_an_export_graph_runs_at_any_batch_size():
+def test_an_export_graph_runs_at_any_batch_size_and_length_export_proved():
     pytest.importorskip("transformers")
     model, (ids,), kwargs = zoo.hf_bert(batch=4)
     opt = graphopt.optimize(model, (ids,), example_kwargs=kwargs)
-    assert opt.meta["graphopt_frontend"] == "export" and "dynamic batch" in opt.graphopt_report.runs_at
-    for rows in (2, 8):
-        other = ids.repeat(2, 1)[:rows]
-        more = {k: v.repeat(2, *[1] * (v.dim() - 1))[:rows] for k, v in kwargs.items()}
+    assert opt.meta["graphopt_frontend"] == "export"
+    # the attention mask's length is the ids' (export proved them one size): one name for both
+    assert opt.graphopt_report.runs_at == "batch 2 and up; dim 1 of argument 1: 2 to 64 (torch.export, dynamic sizes)"
+    for rows, length in ((2, 16), (8, 16), (4, 8), (2, 40)):
+        other = ids.repeat(2, 3)[:rows, :length]
+        more = {k: v.repeat(2, 3)[:rows, :length] for k, v in kwargs.items()}
         torch.manual_seed(0)  # dropout draws the same masks
         want = model(other, **more).last_hidden_state
         torch.manual_seed(0)
         got = opt(other, **more).last_hidden_state
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(graphopt.UsageError, match="other dimensions"):  # the sequence length is fixed
-        opt(ids[:, :8], **{k: v[:, :8] for k, v in kwargs.items()})
+    # beyond the position table, and lengths the inputs disagree on
+    with pytest.raises(graphopt.UsageError, match=r"dim 1 of argument 1 is 80 \(it takes 2 to 64\)"):
+        opt(ids.repeat(1, 5), **{k: v.repeat(1, 5) for k, v in kwargs.items()})
+    with pytest.raises(graphopt.UsageError, match="dim 1 of argument 1 is 8 in one input and 12 in another"):
+        opt(ids[:, :8], **{k: v[:, :12] for k, v in kwargs.items()})
 
 
 @pytest.mark.parametrize("branch, proved, refused", [

@@ -22,15 +22,7 @@ Algorithm:
   7. Causal masks: an attention mask the graph builds from its inputs' sizes alone, causal at
      the example's sizes, becomes is_causal=True (causal_masks.py says why, and how other sizes
      are checked at call time).
-  8. Grouped-query attention: scaled_dot_product_attention reading keys and values whose heads
-     were repeated in the graph (transformers' repeat_kv: unsqueeze at dim 2, expand that
-     dim, reshape it into the heads) reads them unrepeated with enable_gqa=True, which repeats
-     the heads the same way inside the kernel. Eager transformers models do this themselves
-     when they pass no mask; an exported graph carries the mask, so it materializes the
-     repeated keys and values, saves them for backward and sums their gradients back. Only
-     where the kernel takes it: on CPU, and on CUDA without a mask (CUDA's kernels that take a
-     mask do not take enable_gqa, and SDPA would fall back to its slow math path).
-  9. Identities: a dropout with p=0, or in eval mode, returns its input tensor itself and draws
+  8. Identities: a dropout with p=0, or in eval mode, returns its input tensor itself and draws
      nothing (ATen's dropout), an nn.Identity returns its input (timm's empty drop-block and
      anti-aliasing slots), and a reshape to the shape its input has (NFNet's `.view(-1)` of a
      vector) or a contiguous() of a contiguous tensor reads it as it is laid out (detach is
@@ -38,7 +30,16 @@ Algorithm:
      full slices around a select, and each slice's backward writes a zeroed copy of the whole
      input); where the FakeTensor run shows the result sharing the input's storage, offset, shape
      and strides, its uses read the input, and the node goes.
-     Later passes then see the ops around it as neighbours (fuse, recompute).
+     Later passes then see the ops around it as neighbours (fuse, recompute, step 9:
+     a dynamic sequence length keeps repeat_kv's `k[:, :, None]` as whole slices).
+  9. Grouped-query attention: scaled_dot_product_attention reading keys and values whose heads
+     were repeated in the graph (transformers' repeat_kv: unsqueeze at dim 2, expand that
+     dim, reshape it into the heads) reads them unrepeated with enable_gqa=True, which repeats
+     the heads the same way inside the kernel. Eager transformers models do this themselves
+     when they pass no mask; an exported graph carries the mask, so it materializes the
+     repeated keys and values, saves them for backward and sums their gradients back. Only
+     where the kernel takes it: on CPU, and on CUDA without a mask (CUDA's kernels that take a
+     mask do not take enable_gqa, and SDPA would fall back to its slow math path).
   10. Stochastic depth: torchvision's stochastic_depth (a function fx keeps whole) is spelled out
      as the ops it runs, the ops timm's drop_path is traced into: in training with p > 0,
      x * torch.bernoulli(x.new_empty((N, 1, ..., 1)), 1 - p) / (1 - p) (ATen's functional
@@ -217,9 +218,9 @@ class Normalize(Pass):
         # Step 7
         causal, check = causal_masks(gm, ctx)
         # Step 8
-        grouped = _grouped_query_attention(gm)
-        # Step 9
         dropouts = _identity_dropouts(gm)
+        # Step 9
+        grouped = _grouped_query_attention(gm)
         # Step 10
         depths = _stochastic_depths(gm)
         # Step 11
@@ -238,7 +239,7 @@ class Normalize(Pass):
 
 
 def _identity_dropouts(gm: torch.fx.GraphModule) -> int:
-    """Step 9; the number of dropouts and identities removed."""
+    """Step 8; the number of dropouts and identities removed."""
     removed = 0
     for node in list(gm.graph.nodes):
         op = ops.lookup(node, gm) if node.op.startswith("call") else None
@@ -306,7 +307,7 @@ def _adds_dims(node: torch.fx.Node) -> bool:
 
 
 def _grouped_query_attention(gm: torch.fx.GraphModule) -> int:
-    """Step 8; the number of attention calls rewritten."""
+    """Step 9; the number of attention calls rewritten."""
     done = 0
     for node in list(gm.graph.nodes):
         if op_name(node, gm) != "scaled_dot_product_attention":

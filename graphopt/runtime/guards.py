@@ -14,20 +14,17 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..analysis.planning_device import seen_as
-from ..errors import ModeError, UsageError
-from .microbatch import batch_rows
+from ..errors import GraphoptError, ModeError, UsageError
 
 
-def signature(args: tuple, kwargs: dict, batch_rows: int | None = None) -> tuple:
-    """A hashable description of a call: structure, and per tensor its shape, dtype, device;
-    with batch_rows, dim 0 of the tensors with that many rows left out (any batch size)."""
+def signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
+    """A hashable description of a call: structure, and per tensor its shape (or, without
+    shapes, its number of dimensions), dtype, device."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     parts = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            shape = tuple(leaf.shape)
-            if batch_rows is not None and shape and shape[0] == batch_rows:
-                shape = ("batch", *shape[1:])
+            shape = tuple(leaf.shape) if shapes else leaf.dim()
             device = seen_as(leaf.device)
             parts.append(("tensor", shape, leaf.dtype, device.type, device.index))
         else:
@@ -37,6 +34,24 @@ def signature(args: tuple, kwargs: dict, batch_rows: int | None = None) -> tuple
             except TypeError:
                 parts.append(("value", type(leaf).__name__, repr(leaf)))
     return (str(spec), tuple(parts))
+
+
+def refusal(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+    """The error module's checks before a call (its forward pre-hooks: every guard here, and the
+    passes' call checks) raise for this call, without running it; None when they pass."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        try:
+            if key in module._forward_pre_hooks_with_kwargs:
+                result = hook(module, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(module, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        except GraphoptError as e:
+            return e
+    return None
 
 
 def install_mode_guard(gm: torch.fx.GraphModule, training: bool) -> None:
@@ -59,7 +74,7 @@ def install_mode_guard(gm: torch.fx.GraphModule, training: bool) -> None:
 
 
 REPLAN = ("call it with inputs of those shapes, or use graphopt.optimize(model) without example inputs, "
-          "which plans again for each new input signature.")
+          "which builds another graph where none it has takes a call.")
 
 
 def _one(value) -> str:
@@ -107,29 +122,30 @@ def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, rea
     gm.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def install_batch_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, batch) -> None:
-    """Raise when gm is called with shapes other than the example's outside dim 0 of its batched
-    inputs, or with a batch outside `batch` (export_batch.BatchRange), the sizes export proved
-    the graph for: a branch the model took for the example batch holds inside them only."""
-    rows = batch_rows(args, kwargs)
-    expected, shapes = signature(args, kwargs, rows), describe(args, kwargs)
-    high = float("inf") if batch.high is None else batch.high
+def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, sizes) -> None:
+    """Raise when gm is called with other sizes than `sizes` (export_batch.DynamicSizes) takes: the
+    example's where export kept a size static, within the range export proved where it kept it
+    dynamic (a branch the model took for the example holds inside it only), one batch for all
+    inputs. Dtypes, devices and other values are install_call_guard's."""
+    example = pytree.tree_leaves((args, kwargs))
+    shapes = describe(args, kwargs)
 
-    def refuse(call_args, call_kwargs, why=""):
-        return UsageError(f"this graphopt module runs at {batch} with the other dimensions of the example inputs "
-                          f"{shapes} (torch.export traced it so{why}), and got {describe(call_args, call_kwargs)} "
-                          f"({changes((args, kwargs), (call_args, call_kwargs))}); {REPLAN}")
+    def refuse(call_args, call_kwargs, why):
+        return UsageError(f"this graphopt module runs at {sizes}, other sizes as in the example inputs {shapes} "
+                          f"(torch.export traced it so), and got {describe(call_args, call_kwargs)}: {why}; "
+                          f"{REPLAN}")
 
     def check(module, call_args, call_kwargs):
-        got = batch_rows(call_args, call_kwargs)
-        fits = got is not None and batch.low <= got <= high
-        if not fits or signature(call_args, call_kwargs, got) != expected:
-            raise refuse(call_args, call_kwargs)
+        call = pytree.tree_leaves((call_args, call_kwargs))
+        why = sizes.why_not(example, call) if len(call) == len(example) else "another structure of inputs"
+        if why is not None:
+            raise refuse(call_args, call_kwargs, why)
 
     # before export's own input checks, which raise bare AssertionErrors
     gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
-    # Inside the range, export's graph checks what a range cannot say (a batch the model needs
-    # even, say) as its first step, before computing anything: its failure is the user's call.
+    # Inside the ranges, export's graph checks what a range cannot say (a batch the model needs
+    # even, two sizes whose product must match) as its first step, before computing anything:
+    # its failure is the user's call.
     plain = type(gm).forward
 
     @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
@@ -139,7 +155,7 @@ def install_batch_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, bat
         except AssertionError as e:
             if not str(e).startswith("Guard failed"):
                 raise
-            raise refuse(call_args, call_kwargs, f"; {e}") from None
+            raise refuse(call_args, call_kwargs, f"{e}") from None
 
     type(gm).forward = forward
 

@@ -125,6 +125,31 @@ class Case:
         return Case(self.model, args, kwargs, loss, self.kinds)
 
 
+    def length(self) -> int | None:
+        """The example's sequence length: the longest dim 1 of its token inputs (integer tensors
+        of two or more dimensions), else the last dim of its float inputs (an audio's samples,
+        an image's width)."""
+        leaves = [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
+        tokens = [t.shape[1] for t in leaves if t.dim() >= 2 and not t.is_floating_point()]
+        signals = [t.shape[-1] for t in leaves if t.dim() >= 2 and t.is_floating_point()]
+        return max(tokens or signals)
+
+    def with_length(self, n: int) -> "Case":
+        """The same model on a batch of sequence length n (Case.length), every input drawn again as
+        the second batch draws it: dims of the example's length become n (past dim 0; of an image,
+        its height and width)."""
+        old = self.length()
+
+        def resize(t):
+            if not t.dim():
+                return t
+            image = t.is_floating_point() and t.dim() == 4
+            shape = [n if size == old and d >= (2 if image else 1) else size for d, size in enumerate(t.shape)]
+            return torch.zeros(shape, dtype=t.dtype)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, resize, (self.args, self.kwargs))
+        return Case(self.model, args, kwargs, self.loss, self.kinds).second()
+
+
 def own_loss(out) -> torch.Tensor:
     """The loss a model with labels computes itself (transformers' ModelOutput.loss)."""
     return out["loss"] if isinstance(out, dict) else out.loss

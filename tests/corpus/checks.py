@@ -15,6 +15,10 @@ other images and targets); the worse of the two is the check's result.
   export     the same through the export frontend, where the others use fx
   batch      the default passes' graph, built on a batch of 4 rows, called on 2 and 8: within 1e-5
              relative of eager on those rows (an export graph has a dynamic batch dimension)
+  length     the default passes' graph and the recompute plan, built on the example, called at other
+             sequence lengths (half and one and a half the example's; the plan at half only): within
+             1e-5 relative of eager there, or refused with a graphopt error (a size export did not
+             prove; the plan's budget must hold at half)
   staged     stages=2 over 2 microbatches of a 4-row batch, called in one process with the batch: its
              microbatches run one after another, within 1e-5 relative of eager on the same
              microbatches (dropout draws the same masks, BatchNorm sees the same rows), losses averaged
@@ -206,6 +210,38 @@ def check_batch(case: Case) -> Result:
     return worst
 
 
+def check_length(case: Case) -> Result:
+    """The default passes' graph and the recompute plan (check_recompute's budget), both built on
+    the example, called at other sequence lengths (Case.with_length): within EXACT of eager
+    there, or refused with a graphopt error (a length export made static, a plan whose estimate
+    does not fit); the plan is called at a shorter length only, which it must serve."""
+    length = case.length()
+    default = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs)
+    budget, planned, _ = planned_budget(case)
+    results, seen = [], []
+    for opt, n in ((default, length // 2), (default, length + length // 2), (planned, length // 2)):
+        other = case.with_length(n)
+        try:
+            step(case.model, other)
+        except Exception:  # eager refuses the length: nothing to match
+            continue
+        try:
+            result = _compare(other, opt, EXACT)
+        except (graphopt.UsageError, graphopt.BudgetError) as e:
+            # a graph may refuse a length export did not prove, naming the sizes it takes; the
+            # plan's estimate must fit a shorter length than its example's
+            over = isinstance(e, graphopt.BudgetError) and opt is planned
+            result = Result("fail" if over else "refused", None, str(e).splitlines()[0][:300])
+        results.append(result)
+        seen.append(f"{'plan' if opt is planned else 'default'} at {n}: {result.cell()}")
+    failed = [r for r in results if not r.passed]
+    ran = [r for r in results if r.status == "ok"]
+    worst = failed[0] if failed else max(ran, key=lambda r: r.error) if ran else \
+        Result("refused", None, "no other length ran")
+    return Result(worst.status, worst.error, f"example length {length}, {'; '.join(seen)}; "
+                  f"{default.graphopt_report.runs_at}; budget {budget * 1e3:.2f} MB; {worst.detail}")
+
+
 def check_staged(case: Case) -> Result:
     # four rows in two microbatches: one row would leave a BatchNorm one value per channel
     case = case.with_rows(4)
@@ -353,7 +389,7 @@ def check_pair(case: Case, first: str, second: str) -> Result:
 
 CHECKS = {
     "trace": check_trace, "identity": check_identity, "default": check_default, "export": check_export,
-    "batch": check_batch, "staged": check_staged,
+    "batch": check_batch, "length": check_length, "staged": check_staged,
     "fuse": check_fuse, "fuse_eval": check_fuse_eval, "fuse_bf16": check_fuse_bf16,
     "inplace": check_inplace, "precision": check_precision, "recompute": check_recompute,
 }

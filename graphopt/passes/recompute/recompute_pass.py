@@ -43,6 +43,9 @@ Algorithm:
   7. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
      before and after, recompute FLOPs, time and its share of the step, and a picture of
      predicted memory through the step, before and after (kk-recompute.memory.png).
+  8. The plan is made for the example's sizes; a call at others (a shorter sequence, a dynamic
+     batch) first estimates its step there, once per signature, and raises BudgetError where it
+     does not fit (runtime/budget_check.py): a plan for the longest length serves the shorter.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ from ...dump import note
 from ...errors import BudgetError, BudgetWarning, warn
 from ...plot import memory_csv, memory_png
 from ...report import idle_budget
+from ...runtime.budget_check import BudgetCheck
 from ...runtime.chunked_loss import ChunkedHeadLoss, chunk_rows
 from ...trace import annotate
 from ...trial import trial_run
@@ -245,7 +249,8 @@ class Recompute(Pass):
             if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
             _warn_idle(stats)
-            return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes})
+            return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes},
+                              call_checks=[self._check(budget_gb, target, ctx)])
         chunk = _size_chunks(gm, ctx, target, self.optimizer, self.accumulate)
         if chunk is not None:
             stats["loss_chunk_rows"] = chunk
@@ -255,7 +260,8 @@ class Recompute(Pass):
             written, before = self._write_in_place(gm, ctx, inputs, None, None, before)
             return PassResult(gm, tidied or chunk is not None or bool(written),
                               {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0,
-                               "written_in_place": written}, _pictures({"as traced": before}, limit))
+                               "written_in_place": written}, _pictures({"as traced": before}, limit),
+                              call_checks=[self._check(budget_gb, target, ctx)])
         # Step 2
         facts = ctx.analysis(record_step, gm)
         nodes, kept, live_after, ok, sel, grads = _node_facts(gm, facts)
@@ -307,8 +313,6 @@ class Recompute(Pass):
                 for i in n.all_input_nodes:
                     if i.op.startswith("call"):
                         note(i, "recompute", "boundary")
-        # The plan fits the budget for these shapes; other shapes would run correctly but
-        # could exceed it, so the result asks for the planned shapes (the lazy form re-plans).
         recomputed = [i for i, n in enumerate(nodes) if search.decision.get(n) == "recomputed"]
         stats.update({
             "predicted_peak_bytes": after.peak_bytes,
@@ -322,7 +326,13 @@ class Recompute(Pass):
             "written_in_place": written,
         })
         return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
-                          specialized=f"its recompute plan fits budget_gb={budget_gb:g} for them")
+                          call_checks=[self._check(budget_gb, target, ctx)])
+
+    def _check(self, budget_gb: float, target: int, ctx: PassContext) -> BudgetCheck:
+        """The plan fits the budget at the example's sizes; other sizes run correctly but could
+        exceed it, so a call at them is estimated first (runtime/budget_check.py)."""
+        return BudgetCheck(budget_gb, target, ctx.train, self.optimizer, self.accumulate,
+                           (ctx.example_args, ctx.example_kwargs))
 
     def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, inputs: list, search: _Search | None,
                         plan, estimate: Estimate) -> tuple[dict, Estimate]:

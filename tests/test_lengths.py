@@ -1,0 +1,101 @@
+"""A new sequence length without a new plan: export keeps the lengths dynamic, a budget plan
+made for the longest length serves the shorter ones (its estimate checked at each new length),
+and the lazy form keeps a bounded set of graphs, building a new one only where none serves."""
+import pytest
+import torch
+
+import graphopt
+import graphopt.lazy
+from graphopt.analysis.memory import GB, estimate_peak, measure_step
+from graphopt.testing import zoo
+from graphopt.trace import placeholder_values
+
+from conftest import assert_same_step
+
+
+def _llama(length: int = 32):
+    """A causal LM as transformers' users call it (labels=input_ids), traced by torch.export."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    return model, _batch(length)
+
+
+def _batch(length: int, rows: int = 2):
+    ids = torch.randint(0, 128, (rows, length))
+    return (ids,), {"labels": ids}
+
+
+def _halfway_budget(model, args, kwargs) -> float:
+    """Halfway between the least budget a plan reaches and the unplanned step's peak."""
+    plain = graphopt.optimize(model, args, example_kwargs=kwargs, passes="normalize,cse,dce")
+    peak = estimate_peak(plain, placeholder_values(plain, args, kwargs)).peak_bytes / GB
+    with pytest.raises(graphopt.BudgetError) as refused:
+        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9)
+    return (refused.value.min_budget_gb + peak) / 2
+
+
+def test_an_exported_lm_takes_other_lengths_with_the_labels_its_users_give():
+    model, (args, kwargs) = _llama()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs)
+    assert "dim 1 of argument 1: 2 and up" in opt.graphopt_report.runs_at
+    for length in (8, 20, 48):
+        args2, kwargs2 = _batch(length)
+        kwargs2 = {"labels": kwargs2["labels"].masked_fill(torch.rand(2, length) < 0.3, -100)}  # labels apart
+        assert_same_step(model, opt, args2, kwargs2, exact=True)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_budget_plan_serves_shorter_lengths_within_the_budget_and_refuses_a_longer_one(frontend):
+    model, args, kwargs = zoo.gpt(batch=2, seq=32, layers=2)
+    budget = _halfway_budget(model, args, kwargs)
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget, frontend=frontend)
+    assert opt.graphopt_report.recompute().stats["segments"] > 0
+    for length in (24, 16):
+        shorter = (args[0][:, :length].contiguous(),), {"targets": kwargs["targets"][:, :length].contiguous()}
+        assert_same_step(model, opt, *shorter, exact=True)
+        assert measure_step(opt, *shorter) <= budget * GB  # the promise, measured: CPU is deterministic
+    longer = (args[0].repeat(1, 2),), {"targets": kwargs["targets"].repeat(1, 2)}
+    with pytest.raises(graphopt.BudgetError, match=r"plan was made for other sizes: at int64\[2, 64\].* its step "
+                                                   r"needs .* over the .* its plan for int64\[2, 32\]"):
+        opt(*longer[0], **longer[1])
+
+
+def test_the_lazy_form_plans_once_for_a_loader_whose_longest_batch_comes_first(monkeypatch):
+    model, (args, kwargs) = _llama()
+    budget = _halfway_budget(model, args, kwargs)
+    lazy = graphopt.optimize(model, budget_gb=budget)
+    builds = []
+    build = lazy._build
+    monkeypatch.setitem(lazy.__dict__, "_build", lambda *a, **k: builds.append(a[1][0].shape[1]) or build(*a, **k))
+    for length in (32, 24, 8, 16, 28, 24):
+        args2, kwargs2 = _batch(length)
+        assert_same_step(model, lazy, args2, kwargs2, exact=True)
+    assert builds == [32]
+    for length in (40, 36, 8):  # longer than the plan's and over its budget: a plan of its own, then served
+        lazy(*_batch(length)[0], **_batch(length)[1])
+    assert builds == [32, 40]
+    with pytest.raises(graphopt.BudgetError, match="below the"):  # no plan fits at twice the length
+        lazy(*_batch(64)[0], **_batch(64)[1])
+
+
+def test_the_lazy_form_keeps_at_most_max_graphs_the_least_recently_used_dropped(monkeypatch):
+    monkeypatch.setattr(graphopt.lazy, "MAX_GRAPHS", 2)
+    model, (x,), _ = zoo.mlp(batch=8)
+    lazy = graphopt.optimize(model)
+    lazy(x)
+    first = lazy.graph_module
+    lazy(x[:4])  # any batch: the same graph (torch.fx)
+    assert lazy.graph_module is first and lazy._builds == 1
+    lazy.eval()
+    with torch.no_grad():
+        lazy(x)  # the other mode: a graph of its own
+    lazy.train()
+    lazy(x.reshape(2, 4, -1))  # three dimensions: another kind of call, a third graph; the first is dropped
+    assert lazy._builds == 3 and len(lazy._graphs) == 2
+    assert first not in [g for g, _, _ in lazy._graphs.values()] and first not in lazy._built.values()
+    assert_same_step(model, lazy, (x,), {}, exact=True)  # built again
+    assert lazy._builds == 4 and len(lazy._graphs) == 2
