@@ -1,18 +1,18 @@
 """torch.export with dynamic sizes, so that an exported graph runs at other batch sizes and
 sequence lengths.
 
-Every dimension of each tensor input with the batch's rows (batch.batch_rows) is given to
-export as Dim.AUTO: export keeps a size dynamic where the model lets it, over the range it
-proves (from 2: it reasons about sizes 0 and 1 apart), and static where the model's code
-depends on its value (a convolution's channels, a position table's length, `if T == 512`).
-Dim 0 of them all is one dimension, "batch"; each other dynamic size is named by the first
-input and dimension it appears at ("dim 1 of input_ids"), the one size export proved it equal to
-elsewhere. The sizes and their ranges are what the result accepts (runtime/guards.
-install_dims_guard). Not Dim("batch", min=1): measured on torch 2.13, export then traces
-`if x.shape[0] == 1:` as false with no guard, and the graph is silently wrong at batch 1. An
-example batch of one row keeps its batch static (sizes 0 and 1 are taken as constants), its
-other sizes dynamic. Where export fails with the other sizes dynamic, the batch alone is
-tried, then none, each with the reason.
+Dim 0 of each tensor input with the batch's rows (batch.batch_rows), and every other dimension
+of those of SEQUENCE_DIMS or fewer (a sequence's length), is given to export as Dim.AUTO:
+export keeps a size dynamic where the model lets it, over the range it proves (from 2: it
+reasons about sizes 0 and 1 apart), and static where the model's code depends on its value (a
+projection's width, a position table's length, `if T == 512`). Dim 0 of them all is one
+dimension, "batch"; each other dynamic size is named by the first input and dimension it
+appears at ("dim 1 of input_ids"), the one name for every place export proved it equal to.
+The sizes and their ranges are what the result accepts (runtime/guards.install_sizes_guard).
+Not Dim("batch", min=1): measured on torch 2.13, export then traces `if x.shape[0] == 1:` as
+false with no guard, and the graph is silently wrong at batch 1. An example batch of one row
+keeps its batch static (sizes 0 and 1 are taken as constants), its lengths dynamic. Where
+export fails with the lengths dynamic, the batch alone is tried, then none, with the reason.
 """
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ class BatchRange(SizeRange):
 
 
 BATCH = "batch"
+# Inputs of up to 3 dimensions are sequences (token ids, masks, embeddings, audio, spectrograms):
+# their lengths vary from batch to batch. An image's height and width stay static: image models
+# train at a fixed crop, and export reasons slowly about convolutions' size arithmetic (timm's
+# tf_efficientnetv2_b0, whose "same" padding computes pads from the size: 2.9 s with a dynamic
+# batch, 147 s with dynamic height and width too).
+SEQUENCE_DIMS = 3
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,10 @@ class DynamicSizes:
         return f"{', '.join(outside)}" if outside else None
 
 
-def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dims) -> dict | None:
-    """export's dynamic_shapes, by forward()'s parameter names: Dim.AUTO on each dim in `dims`
-    (0 for the batch, "rest" for every other) of each batched tensor; other inputs static."""
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, batch: bool, lengths: bool) -> dict | None:
+    """export's dynamic_shapes, by forward()'s parameter names: Dim.AUTO on dim 0 of each batched
+    tensor (with batch) and, with lengths, on the other dims of one of SEQUENCE_DIMS or fewer;
+    other inputs static."""
     rows = batch_rows(args, kwargs)
     if rows is None:
         return None
@@ -108,7 +115,8 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dims) -> 
 
     def spec(value):
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
-            picked = [d for d in range(value.dim()) if (d == 0 and 0 in dims) or (d > 0 and "rest" in dims)]
+            sequence = lengths and value.dim() <= SEQUENCE_DIMS
+            picked = [d for d in range(value.dim()) if (batch if d == 0 else sequence)]
             return {d: Dim.AUTO for d in picked} or None
         return None
 
@@ -118,32 +126,29 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dims) -> 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict):
     """(ExportedProgram, DynamicSizes or None, why the batch is static: "" when it is not)."""
     rows = batch_rows(args, kwargs)
+    static = "export made the batch static: the model's code depends on its size"
+    failed = ""
     if rows is None:
-        tries = []
-        why = "no tensor input has a batch dimension that forward() names"
-    elif rows < 2:
-        tries = [("rest",)]  # sizes 0 and 1 are export's constants: the lengths alone
-        why = "an example batch of one row: export takes sizes 0 and 1 as constants"
+        tries, why = [], "no tensor input has a batch dimension that forward() names"
+    elif rows < 2:  # sizes 0 and 1 are export's constants: the lengths alone
+        tries, why = [(False, True)], "an example batch of one row: export takes sizes 0 and 1 as constants"
     else:
-        tries = [(0, "rest"), (0,)]
-        why = ""
-    for dims in tries:
-        shapes = _dynamic_shapes(model, args, kwargs, dims)
+        tries, why = [(True, True), (True, False)], ""
+    for batch, lengths in tries:
+        shapes = _dynamic_shapes(model, args, kwargs, batch, lengths)
         if shapes is None:
             why = why or "no tensor input has a batch dimension that forward() names"
             break
         try:
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
         except Exception as e:  # noqa: BLE001 (export's reason is the note; the next try decides)
-            why = why or f"export with a dynamic batch failed: {_first_line(e)}"
+            failed = f"export with a dynamic batch failed: {_first_line(e)}"
             continue
         found = dynamic_sizes(ep, args, kwargs)
-        static = "export made the batch static: the model's code depends on its size"
-        if found is None:
-            why = why or static
-            continue
-        return ep, found, "" if found.batch is not None else why if rows < 2 else static
-    return torch.export.export(model, args, kwargs, strict=False), None, why
+        if found is not None:
+            return ep, found, "" if found.batch is not None else why or static
+        failed = static
+    return torch.export.export(model, args, kwargs, strict=False), None, why or failed
 
 
 def _first_line(e: Exception) -> str:

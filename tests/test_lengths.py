@@ -48,6 +48,25 @@ def test_an_exported_lm_takes_other_lengths_with_the_labels_its_users_give():
         assert_same_step(model, opt, args2, kwargs2, exact=True)
 
 
+def test_a_call_whose_sizes_export_related_disagree_is_refused_before_a_budget_estimate():
+    model, (args, kwargs) = _llama()
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=_halfway_budget(model, args, kwargs))
+    ids = torch.randint(0, 128, (2, 16))
+    # each length in its range, the labels' not the ids': export's own check of the two, as a graphopt error
+    with pytest.raises(graphopt.UsageError, match="Guard failed"):
+        opt(ids, labels=torch.randint(0, 128, (2, 24)))
+
+
+def test_an_example_of_one_row_keeps_its_batch_static_and_its_length_dynamic():
+    model, _ = _llama()
+    args, kwargs = _batch(32, rows=1)
+    opt = graphopt.optimize(model, args, example_kwargs=kwargs)
+    assert opt.graphopt_report.runs_at.startswith("dim 1 of argument 1: 2 and up")
+    assert_same_step(model, opt, *_batch(12, rows=1), exact=True)
+    with pytest.raises(graphopt.UsageError, match="size 2 at dim 0 of an input the graph takes at size 1 only"):
+        opt(*_batch(12, rows=2)[0], **_batch(12, rows=2)[1])
+
+
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_a_budget_plan_serves_shorter_lengths_within_the_budget_and_refuses_a_longer_one(frontend):
     model, args, kwargs = zoo.gpt(batch=2, seq=32, layers=2)

@@ -138,6 +138,8 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     def check(module, call_args, call_kwargs):
         call = pytree.tree_leaves((call_args, call_kwargs))
         why = sizes.why_not(example, call) if len(call) == len(example) else "another structure of inputs"
+        if why is None:
+            why = _export_guards(gm, call_args, call_kwargs)
         if why is not None:
             raise refuse(call_args, call_kwargs, why)
 
@@ -145,7 +147,8 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
     # Inside the ranges, export's graph checks what a range cannot say (a batch the model needs
     # even, two sizes whose product must match) as its first step, before computing anything:
-    # its failure is the user's call.
+    # _export_guards runs that step here, before the passes' call checks (a budget's estimate
+    # at the call's sizes); where a torch keeps it elsewhere, its failure is the user's call.
     plain = type(gm).forward
 
     @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
@@ -158,6 +161,24 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
             raise refuse(call_args, call_kwargs, f"{e}") from None
 
     type(gm).forward = forward
+
+
+def _export_guards(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str | None:
+    """Run the checks of sizes torch.export put in gm (its `_guards_fn` submodule, called on the
+    inputs first) on this call; the failure, or None."""
+    node = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"), None)
+    if node is None:
+        return None
+    from ..trace import placeholder_values
+
+    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], placeholder_values(gm, args, kwargs)))
+    try:
+        gm.get_submodule("_guards_fn")(*[values.get(a, a) for a in node.args])
+    except AssertionError as e:
+        if not str(e).startswith("Guard failed"):
+            raise
+        return str(e)
+    return None
 
 
 def _kind(leaf, value: bool):

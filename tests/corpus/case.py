@@ -125,7 +125,7 @@ class Case:
         return Case(self.model, args, kwargs, loss, self.kinds)
 
 
-    def length(self) -> int | None:
+    def length(self) -> int:
         """The example's sequence length: the longest dim 1 of its token inputs (integer tensors
         of two or more dimensions), else the last dim of its float inputs (an audio's samples,
         an image's width)."""
@@ -136,15 +136,17 @@ class Case:
 
     def with_length(self, n: int) -> "Case":
         """The same model on a batch of sequence length n (Case.length), every input drawn again as
-        the second batch draws it: dims of the example's length become n (past dim 0; of an image,
-        its height and width)."""
+        the second batch draws it: where the length is the tokens', their dims of that size past
+        dim 0 become n; else the float inputs' last dim (an image's last two) of that size."""
         old = self.length()
+        leaves = [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
+        tokens = any(t.dim() >= 2 and not t.is_floating_point() and t.shape[1] == old for t in leaves)
 
         def resize(t):
-            if not t.dim():
+            if t.dim() < 2 or t.is_floating_point() == tokens:
                 return t
-            image = t.is_floating_point() and t.dim() == 4
-            shape = [n if size == old and d >= (2 if image else 1) else size for d, size in enumerate(t.shape)]
+            first = 1 if tokens else t.dim() - (2 if t.dim() == 4 else 1)
+            shape = [n if size == old and d >= first else size for d, size in enumerate(t.shape)]
             return torch.zeros(shape, dtype=t.dtype)
         args, kwargs = pytree.tree_map_only(torch.Tensor, resize, (self.args, self.kwargs))
         return Case(self.model, args, kwargs, self.loss, self.kinds).second()

@@ -237,7 +237,7 @@ def check_length(case: Case) -> Result:
     failed = [r for r in results if not r.passed]
     ran = [r for r in results if r.status == "ok"]
     worst = failed[0] if failed else max(ran, key=lambda r: r.error) if ran else \
-        Result("refused", None, "no other length ran")
+        Result("refused", None, "every other length refused" if results else "eager runs no other length")
     return Result(worst.status, worst.error, f"example length {length}, {'; '.join(seen)}; "
                   f"{default.graphopt_report.runs_at}; budget {budget * 1e3:.2f} MB; {worst.detail}")
 
