@@ -358,8 +358,8 @@ def test_a_planned_step_takes_its_shapes_only(planned):
     _, args4, kwargs4 = small_gpt(batch=4)
     with pytest.raises(graphopt.UsageError, match="planned for inputs"):
         step(*args4, **kwargs4)
-    # the graph, planned on one microbatch, refuses the full batch with a graphopt error too
-    with pytest.raises(graphopt.UsageError):
+    # the graph, planned on one microbatch, refuses the full batch, whose step its plan does not fit
+    with pytest.raises(graphopt.BudgetError, match="plan was made for other sizes"):
         step.graph(*args, **kwargs)
     assert all(p.grad is None for p in model.parameters())
 

@@ -138,17 +138,22 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     def check(module, call_args, call_kwargs):
         call = pytree.tree_leaves((call_args, call_kwargs))
         why = sizes.why_not(example, call) if len(call) == len(example) else "another structure of inputs"
-        if why is None:
-            why = _export_guards(gm, call_args, call_kwargs)
+        if why is not None:
+            raise refuse(call_args, call_kwargs, why)
+
+    def related(module, call_args, call_kwargs):
+        why = _export_guards(gm, call_args, call_kwargs)
         if why is not None:
             raise refuse(call_args, call_kwargs, why)
 
     # before export's own input checks, which raise bare AssertionErrors
     gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
     # Inside the ranges, export's graph checks what a range cannot say (a batch the model needs
-    # even, two sizes whose product must match) as its first step, before computing anything:
-    # _export_guards runs that step here, before the passes' call checks (a budget's estimate
-    # at the call's sizes); where a torch keeps it elsewhere, its failure is the user's call.
+    # even, two sizes whose product must match) as its first step, before computing anything.
+    # `related` runs that step after the guards installed so far (the call guard: the inputs are
+    # of the example's kinds) and before the passes' call checks (a budget's estimate at the
+    # call's sizes); where a torch keeps it elsewhere, its failure is the user's call.
+    gm.register_forward_pre_hook(related, with_kwargs=True)
     plain = type(gm).forward
 
     @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
