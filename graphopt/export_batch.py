@@ -71,11 +71,6 @@ class DynamicSizes:
         found = dict(self.ranges).get(BATCH)
         return None if found is None else BatchRange(found.low, found.high)
 
-    @property
-    def lengths(self) -> tuple[str, ...]:
-        """The dynamic sizes other than the batch (sequence lengths, image sizes)."""
-        return tuple(name for name, _ in self.ranges if name != BATCH)
-
     def __str__(self) -> str:
         return "; ".join(f"{BATCH} {r}" if name == BATCH else f"{name}: {r}" for name, r in self.ranges)
 
@@ -97,8 +92,9 @@ class DynamicSizes:
                 if bound.setdefault(name, now) != now:
                     return f"{name} is {bound[name]} in one input and {now} in another"
         ranges = dict(self.ranges)
-        outside = [f"{name} is {size} (it takes {ranges[name]})" for name, size in bound.items() if size not in ranges[name]]
-        return f"{', '.join(outside)}" if outside else None
+        outside = [f"{name} is {size} (it takes {ranges[name]})" for name, size in bound.items()
+                   if size not in ranges[name]]
+        return ", ".join(outside) if outside else None
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, batch: bool, lengths: bool) -> dict | None:
