@@ -1,13 +1,15 @@
 """Planning time against graph size: optimize() in seconds and in eager steps of the same model.
 
-    python bench/planning_time.py [--layers 2,4,8,16,32] [--models timm_densenet121,...] [--out FILE]
+    python bench/planning_time.py [--layers 2,4,8,16,32] [--models timm_densenet121,...]
+        [--timm maxvit_tiny_tf_224,...] [--out FILE]
 
 Per model: its graph's nodes (as traced), the median of 3 eager training steps, then timed once
 each: optimize() with the default passes; optimize(budget_gb=1e-9), which plans down to the least
 budget and refuses with it (BudgetError); and optimize() at a budget halfway between that least
 and the unplanned step's peak. The transformers Llama family is 256 wide (4 heads, 1024 MLP,
 vocabulary 1024) at 4 x 256 tokens with its own loss on labels=input_ids, at each depth in
---layers; --models adds corpus models at the memory tests' batch. Each time is also a ratio to
+--layers; --models adds corpus models at the memory tests' batch, --timm timm models at their
+defaults on 8 x 3 x 64 x 64 images with cross-entropy. Each time is also a ratio to
 one eager step measured in the same process just before, so that a busy machine slows both.
 With --out DIR, writes planning_time-<device>-<date>.json and .md there (results_files.py).
 """
@@ -44,6 +46,19 @@ def corpus_model(name: str):
 
     case = memory_case(name)
     return name, case.model, case.args, case.kwargs, case.loss
+
+
+def timm_model(name: str):
+    """A timm model at its defaults (10 classes) on 8 x 3 x 64 x 64 images, cross-entropy."""
+    from corpus.vision_import import import_torchvision
+
+    import_torchvision()
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, img_size=64).train()
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+    return name, model, (x,), {}, lambda out: torch.nn.functional.cross_entropy(out, y)
 
 
 def measure(name, model, args, kwargs, loss) -> dict:
@@ -92,10 +107,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="2,4,8,16,32", help="Llama depths, comma-separated ('' for none)")
     parser.add_argument("--models", default="", help="corpus models, comma-separated")
+    parser.add_argument("--timm", default="", help="timm models by name (8 x 3 x 64 x 64), comma-separated")
     parser.add_argument("--out", default=None, help="write the figures into this folder")
     args = parser.parse_args(argv)
     builders = [lambda k=int(k): llama(k) for k in args.layers.split(",") if k]
     builders += [lambda m=m: corpus_model(m) for m in args.models.split(",") if m]
+    builders += [lambda m=m: timm_model(m) for m in args.timm.split(",") if m]
     rows = []
     for build in builders:
         rows.append(measure(*build()))
