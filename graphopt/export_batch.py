@@ -49,11 +49,10 @@ class BatchRange(SizeRange):
 
 
 BATCH = "batch"
-# Inputs of up to 3 dimensions are sequences (token ids, masks, embeddings, audio, spectrograms):
-# their lengths vary from batch to batch. An image's height and width stay static: image models
-# train at a fixed crop, and export reasons slowly about convolutions' size arithmetic (timm's
-# tf_efficientnetv2_b0, whose "same" padding computes pads from the size: 2.9 s with a dynamic
-# batch, 147 s with dynamic height and width too).
+# Inputs of up to 3 dimensions are sequences (token ids, masks, embeddings, audio, spectrograms),
+# whose lengths vary from batch to batch. An image's height and width stay static: image models
+# train at a fixed crop, and export reasons about convolutions' size arithmetic for minutes where
+# padding is computed from the size, seconds with the size static.
 SEQUENCE_DIMS = 3
 
 

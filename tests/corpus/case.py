@@ -124,7 +124,6 @@ class Case:
         loss = grown.loss.first(n) if hasattr(grown.loss, "first") else grown.loss
         return Case(self.model, args, kwargs, loss, self.kinds)
 
-
     def length(self) -> int:
         """The example's sequence length: the longest dim 1 of its token inputs (integer tensors
         of two or more dimensions), else the last dim of its float inputs (an audio's samples,
