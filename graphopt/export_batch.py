@@ -16,7 +16,10 @@ export fails with the lengths dynamic, the batch alone is tried, then none, with
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from .batch import batch_rows
+from .call_signature import signature
 
 
 @dataclass(frozen=True)
@@ -204,3 +208,81 @@ def dynamic_sizes(ep, args: tuple, kwargs: dict) -> DynamicSizes | None:
         return None
     ordered = sorted(ranges.items(), key=lambda item: item[0] != BATCH)
     return DynamicSizes(tuple(names), tuple(ordered))
+
+
+def guards_failure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str | None:
+    """Run the checks of sizes torch.export put in its module gm (the `_guards_fn` submodule the
+    graph calls on its inputs first: related sizes, an even batch) on a call; the failure, or
+    None. Placeholders are the call's pytree leaves, as export flattens them."""
+    node = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"), None)
+    if node is None:
+        return None
+    import torch.fx._pytree as fx_pytree
+
+    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"],
+                      fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)))
+    try:
+        gm.get_submodule("_guards_fn")(*[values.get(a, a) for a in node.args])
+    except AssertionError as e:
+        if not str(e).startswith("Guard failed"):
+            raise
+        return str(e)
+    return None
+
+
+class ExportCache:
+    """Exported programs kept for calls of other sizes (the lazy form's new lengths): a program
+    whose dynamic sizes take a call serves it, through a fresh `ep.module()`, without a new
+    export (the slowest step of a plan). Kept by the model's mode, the call's kind (structure,
+    dtypes, devices, other values) and the identity of the model's parameters and buffers (a
+    program holds the tensors it was exported with). At most `size`, the oldest dropped first."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._kept: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def _key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        state = tuple(id(t) for t in (*model.parameters(), *model.buffers()))
+        return model.training, signature(args, kwargs, shapes=False), state
+
+    def get(self, model: torch.nn.Module, args: tuple, kwargs: dict):
+        """(ExportedProgram, DynamicSizes, why static) exported for another call whose dynamic
+        sizes take this one; None where none does (export's related-size checks are the
+        caller's, on the module: guards_failure)."""
+        kept = self._kept.get(self._key(model, args, kwargs))
+        if kept is None:
+            return None
+        ep, sizes, why, example = kept
+        if sizes.why_not(example, pytree.tree_leaves((args, kwargs))) is not None:
+            return None
+        return ep, sizes, why
+
+    def put(self, model: torch.nn.Module, args: tuple, kwargs: dict, ep, sizes, why: str) -> None:
+        """Keep ep for later calls, where it has dynamic sizes and no custom autograd Function
+        (whose graph stand-ins are replaced once, custom_functions.restore)."""
+        if sizes is None or any("autograd_function" in str(n.target) for n in ep.graph.nodes):
+            return
+        key = self._key(model, args, kwargs)
+        self._kept[key] = (ep, sizes, why, pytree.tree_leaves((args, kwargs)))
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+
+
+_KEPT: contextvars.ContextVar[ExportCache | None] = contextvars.ContextVar("graphopt_exports", default=None)
+
+
+@contextlib.contextmanager
+def keeping_exports(cache: ExportCache):
+    """While open, trace() takes its exports from `cache` and keeps new ones there (the lazy
+    form's builds, train_step's plans for each microbatch count)."""
+    token = _KEPT.set(cache)
+    try:
+        yield cache
+    finally:
+        _KEPT.reset(token)
+
+
+def kept_exports() -> ExportCache | None:
+    return _KEPT.get()

@@ -7,8 +7,9 @@ that mode, newest first: one whose checks take the call (runtime/guards.refusal:
 kept dynamic, a budget plan whose estimate fits at these sizes, causal masks) serves it, so a
 loader's shorter sequences run on the plan made for a longer one. Else a new graph is built,
 once, by `build(model, args, kwargs, dump_dir=...)`: api's optimize_now with the pipeline and
-settings optimize() checked; each build after the first dumps into dump_dir/build-K. At most
-MAX_GRAPHS graphs are kept, the least recently used dropped first.
+settings optimize() checked, which exports the model again only where no program it exported
+before takes the call's sizes (export_batch.ExportCache); each build after the first dumps into
+dump_dir/build-K. At most MAX_GRAPHS graphs are kept, the least recently used dropped first.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from collections import OrderedDict
 
 import torch
 
+from .call_signature import signature
 from .errors import UsageError
-from .runtime.guards import SAVE_ADVICE, refusal, signature
+from .export_batch import ExportCache, keeping_exports
+from .runtime.guards import SAVE_ADVICE, refusal
 
 MAX_GRAPHS = 8  # graphs kept; a plan holds no tensors, but each graph its generated code
 MAX_SIGNATURES = 1024  # signatures remembered, the least recently used forgotten first
@@ -38,6 +41,7 @@ class LazyOptimized(torch.nn.Module):
         self.__dict__["_built"] = OrderedDict()  # (signature, training) -> graph that runs it
         self.__dict__["_graphs"] = OrderedDict()  # id -> (graph, training, signature without shapes)
         self.__dict__["_builds"] = 0
+        self.__dict__["_exports"] = ExportCache(MAX_GRAPHS)  # a new length's plan needs no new export
         self.__dict__["_last"] = None
         self.training = model.training
 
@@ -63,7 +67,8 @@ class LazyOptimized(torch.nn.Module):
         if dump_dir and self._builds:
             dump_dir = os.path.join(dump_dir, f"build-{self._builds + 1}")
         self._model.train(self.training)
-        gm = self._build(self._model, args, kwargs or None, dump_dir=dump_dir)
+        with keeping_exports(self._exports):
+            gm = self._build(self._model, args, kwargs or None, dump_dir=dump_dir)
         self.__dict__["_builds"] = self._builds + 1
         self._graphs[id(gm)] = (gm, self.training, signature(args, kwargs, shapes=False))
         while len(self._graphs) > MAX_GRAPHS:

@@ -131,12 +131,20 @@ def _share_structure(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
 
 
 def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    with StateWatch(model, refuse=False):  # both run forward, and reach a buffer hidden in a list as it is
-        _register_output_dataclasses(model, args, kwargs)
-        with custom_functions.keeping("export"):
-            ep, sizes, static_why = export_batch.export(model, args, kwargs)
-    gm = ep.module()
-    custom_functions.restore(gm)
+    exports = export_batch.kept_exports()  # an earlier export whose dynamic sizes take these inputs
+    kept = exports.get(model, args, kwargs) if exports is not None else None
+    gm = kept[0].module() if kept is not None else None
+    if gm is not None and export_batch.guards_failure(gm, args, kwargs) is None:
+        _, sizes, static_why = kept
+    else:
+        with StateWatch(model, refuse=False):  # both run forward, and reach a buffer hidden in a list as it is
+            _register_output_dataclasses(model, args, kwargs)
+            with custom_functions.keeping("export"):
+                ep, sizes, static_why = export_batch.export(model, args, kwargs)
+        gm = ep.module()
+        custom_functions.restore(gm)
+        if exports is not None:
+            exports.put(model, args, kwargs, ep, sizes, static_why)
     gm.meta["graphopt_sizes"] = sizes  # the sizes the graph takes other values of; None: the example's only
     gm.meta["graphopt_batch"] = sizes.batch if sizes is not None else None  # the batch sizes it runs at
     gm.meta["graphopt_static_why"] = static_why
@@ -243,7 +251,9 @@ def trace(
 
     The GraphModule shares the model's Parameters and buffers and takes the same arguments.
     Inputs that share storage are traced as distinct tensors (input_aliases.py); the graph's
-    meta["graphopt_written_inputs"] names the placeholders the model writes in place.
+    meta["graphopt_written_inputs"] names the placeholders the model writes in place. Inside
+    export_batch.keeping_exports, an earlier export whose dynamic sizes take these inputs is
+    used again.
     Raises TraceError with each frontend's reason when none can capture the model.
     """
     if frontend not in FRONTENDS:

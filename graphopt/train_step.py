@@ -36,9 +36,11 @@ from .analysis.memory import GB, budget_text, measure_peak, predict_peak, size_t
 from .analysis.optimizer_memory import check_optimizer, optimizer_memory
 from .analysis.planning_device import planning_device
 from .api import optimize
+from .call_signature import signature
 from .errors import BudgetError, BudgetWarning, OptionError, TraceError, UsageError
+from .export_batch import ExportCache, keeping_exports
 from .passes.recompute.recompute_pass import Recompute
-from .runtime.guards import describe, signature
+from .runtime.guards import describe
 from .batch import batch_rows, batched
 from .runtime.microbatch import split_batch, splits_evenly
 from .runtime.step import step_loss
@@ -100,14 +102,16 @@ class TrainStep:
         self.notes: list[str] = []
         self.predicted_peak_bytes: int | None = None
         self._needs: dict[int, int] = {}  # k -> least budget of its step, where known exactly
-        if isinstance(microbatches, str) and microbatches == "auto":
-            self.graph = self._choose(_divisors(args, kwargs))
-        else:
-            self.microbatches = k = _check_microbatches(microbatches, args, kwargs)
-            try:
-                self.graph = self._plan(k)
-            except BudgetError as e:
-                raise self._refusal(k, self._least(k, e), e, f" in {k} microbatch{'es' if k > 1 else ''}") from None
+        with keeping_exports(ExportCache()):  # one export serves the microbatch counts its dynamic batch takes
+            if isinstance(microbatches, str) and microbatches == "auto":
+                self.graph = self._choose(_divisors(args, kwargs))
+            else:
+                self.microbatches = k = _check_microbatches(microbatches, args, kwargs)
+                try:
+                    self.graph = self._plan(k)
+                except BudgetError as e:
+                    raise self._refusal(k, self._least(k, e), e,
+                                        f" in {k} microbatch{'es' if k > 1 else ''}") from None
         self.report = self.graph.graphopt_report
         self.report.microbatches = self.microbatches
         self._warn_batchnorm()

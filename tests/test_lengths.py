@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import graphopt
+import graphopt.export_batch
 import graphopt.lazy
 from graphopt.analysis.memory import GB, estimate_peak, measure_step
 from graphopt.testing import zoo
@@ -94,9 +95,14 @@ def test_the_lazy_form_plans_once_for_a_loader_whose_longest_batch_comes_first(m
         args2, kwargs2 = _batch(length)
         assert_same_step(model, lazy, args2, kwargs2, exact=True)
     assert builds == [32]
+    exports = []
+    export = graphopt.export_batch.export
+    monkeypatch.setattr(graphopt.export_batch, "export", lambda *a: exports.append(a) or export(*a))
     for length in (40, 36, 8):  # longer than the plan's and over its budget: a plan of its own, then served
-        lazy(*_batch(length)[0], **_batch(length)[1])
+        args2, kwargs2 = _batch(length)
+        assert_same_step(model, lazy, args2, kwargs2, exact=True)
     assert builds == [32, 40]
+    assert not exports  # the program exported at 32 tokens takes 40: planned again, not exported again
     with pytest.raises(graphopt.BudgetError, match="below the"):  # no plan fits at twice the length
         lazy(*_batch(64)[0], **_batch(64)[1])
 

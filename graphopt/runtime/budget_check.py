@@ -16,7 +16,8 @@ import torch.fx
 
 from ..analysis.memory import estimate_peak, size_text
 from ..errors import BudgetError
-from .guards import describe, signature
+from ..call_signature import signature
+from .guards import describe
 
 
 @dataclass

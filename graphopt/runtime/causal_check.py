@@ -7,7 +7,8 @@ import torch
 import torch.fx
 
 from ..errors import UsageError
-from .guards import describe, signature
+from ..call_signature import signature
+from .guards import describe
 
 
 def is_causal_mask(mask) -> bool:

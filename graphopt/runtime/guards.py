@@ -14,26 +14,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..analysis.planning_device import seen_as
+from ..call_signature import signature
 from ..errors import GraphoptError, ModeError, UsageError
-
-
-def signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:
-    """A hashable description of a call: structure, and per tensor its shape (or, without
-    shapes, its number of dimensions), dtype, device."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            shape = tuple(leaf.shape) if shapes else leaf.dim()
-            device = seen_as(leaf.device)
-            parts.append(("tensor", shape, leaf.dtype, device.type, device.index))
-        else:
-            try:
-                hash(leaf)
-                parts.append(("value", type(leaf).__name__, leaf))
-            except TypeError:
-                parts.append(("value", type(leaf).__name__, repr(leaf)))
-    return (str(spec), tuple(parts))
+from ..export_batch import guards_failure
 
 
 def refusal(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | None:
@@ -142,7 +125,7 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
             raise refuse(call_args, call_kwargs, why)
 
     def related(module, call_args, call_kwargs):
-        why = _export_guards(gm, call_args, call_kwargs)
+        why = guards_failure(gm, call_args, call_kwargs)
         if why is not None:
             raise refuse(call_args, call_kwargs, why)
 
@@ -150,9 +133,10 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     gm.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
     # Inside the ranges, export's graph checks what a range cannot say (a batch the model needs
     # even, two sizes whose product must match) as its first step, before computing anything.
-    # `related` runs that step after the guards installed so far (the call guard: the inputs are
-    # of the example's kinds) and before the passes' call checks (a budget's estimate at the
-    # call's sizes); where a torch keeps it elsewhere, its failure is the user's call.
+    # `related` runs that step (export_batch.guards_failure) after the guards installed so far
+    # (the call guard: the inputs are of the example's kinds) and before the passes' call checks
+    # (a budget's estimate at the call's sizes); where a torch keeps it elsewhere, its failure
+    # is the user's call.
     gm.register_forward_pre_hook(related, with_kwargs=True)
     plain = type(gm).forward
 
@@ -166,24 +150,6 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
             raise refuse(call_args, call_kwargs, f"{e}") from None
 
     type(gm).forward = forward
-
-
-def _export_guards(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str | None:
-    """Run the checks of sizes torch.export put in gm (its `_guards_fn` submodule, called on the
-    inputs first) on this call; the failure, or None."""
-    node = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"), None)
-    if node is None:
-        return None
-    from ..trace import placeholder_values
-
-    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], placeholder_values(gm, args, kwargs)))
-    try:
-        gm.get_submodule("_guards_fn")(*[values.get(a, a) for a in node.args])
-    except AssertionError as e:
-        if not str(e).startswith("Guard failed"):
-            raise
-        return str(e)
-    return None
 
 
 def _kind(leaf, value: bool):
