@@ -234,8 +234,10 @@ class ExportCache:
     """Exported programs kept for calls of other sizes (the lazy form's new lengths): a program
     whose dynamic sizes take a call serves it, through a fresh `ep.module()`, without a new
     export (the slowest step of a plan). Kept by the model's mode, the call's kind (structure,
-    dtypes, devices, other values) and the identity of the model's parameters and buffers (a
-    program holds the tensors it was exported with). At most `size`, the oldest dropped first."""
+    dtypes, devices, other values) and the identity, dtype, device and shape of the model's
+    parameters and buffers (a program holds the tensors it was exported with, as they were: a
+    model converted in place, `model.half()`, is exported again). At most `size`, the oldest
+    dropped first."""
 
     def __init__(self, size: int = 8):
         self.size = size
@@ -243,7 +245,7 @@ class ExportCache:
 
     @staticmethod
     def _key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-        state = tuple(id(t) for t in (*model.parameters(), *model.buffers()))
+        state = tuple((id(t), t.dtype, t.device, t.shape) for t in (*model.parameters(), *model.buffers()))
         return model.training, signature(args, kwargs, shapes=False), state
 
     def get(self, model: torch.nn.Module, args: tuple, kwargs: dict):

@@ -124,3 +124,14 @@ def test_the_lazy_form_keeps_at_most_max_graphs_the_least_recently_used_dropped(
     assert first not in [g for g, _, _ in lazy._graphs.values()] and first not in lazy._built.values()
     assert_same_step(model, lazy, (x,), {}, exact=True)  # built again
     assert lazy._builds == 4 and len(lazy._graphs) == 2
+
+
+def test_an_export_is_kept_for_the_sizes_it_takes_and_the_state_it_holds():
+    model, (args, kwargs) = _llama()
+    cache = graphopt.export_batch.ExportCache()
+    with graphopt.export_batch.keeping_exports(cache):
+        graphopt.trace(model, args, kwargs, frontend="export")
+    assert cache.get(model, *_batch(16)) is not None
+    assert cache.get(model, (torch.randint(0, 128, (2, 16)).int(),), {"labels": _batch(16)[1]["labels"]}) is None
+    model.double()  # converted in place: the same Parameters, another dtype
+    assert cache.get(model, *_batch(16)) is None
