@@ -45,7 +45,7 @@ from .batch import batch_rows, batched
 from .runtime.microbatch import split_batch, splits_evenly
 from .runtime.step import step_loss
 from .trace import check_inputs
-from .trial import trial_run
+from .trial import tensor_leaves, trial_run
 
 REDUCTIONS = ("mean", "sum")
 REPLANS = 3  # plans again for a lower budget after a predicted step over it
@@ -254,14 +254,14 @@ class TrainStep:
         extra = optimizer_memory(optimizer, list(self.model.parameters())) if optimizer is not None else None
 
         def run(a, kw):  # a microbatch after the first: the running total exists
-            total = torch.zeros((), device=_tensors(a, kw)[0].device) if k > 1 else None
+            total = torch.zeros((), device=tensor_leaves((a, kw))[0].device) if k > 1 else None
             self._accumulate(step_loss(graph, a, kw, self.loss_fn), total, k)
 
         try:
             with _gradients(self.model, present=k > 1), fake_run(graph, (args, kwargs)) as (mode, (fa, fkw)):
                 grads = [p.grad for p in graph.parameters() if p.grad is not None]
                 return predict_peak(lambda: run(fa, fkw), mode,
-                                    [*graph.parameters(), *graph.buffers(), *grads, *_tensors(fa, fkw)], extra)
+                                    [*graph.parameters(), *graph.buffers(), *grads, *tensor_leaves((fa, fkw))], extra)
         except UsageError:
             raise
         except Exception as e:  # noqa: BLE001 (a loss_fn that needs real values): measure one real step
@@ -273,7 +273,7 @@ class TrainStep:
                 raise UsageError(f"graphopt.plan runs the step on FakeTensors, and the loss around the graph does "
                                  f"not run on them ({why}): give {advice}.") from None
             with trial_run(self.model, (args, kwargs)), _gradients(self.model, present=k > 1):
-                peak = measure_peak(lambda: run(args, kwargs), self.model, *_tensors(args, kwargs))
+                peak = measure_peak(lambda: run(args, kwargs), self.model, *tensor_leaves((args, kwargs)))
             return peak + (extra.state_bytes + extra.step_bytes if extra is not None else 0)
 
     def _warn_batchnorm(self) -> None:
@@ -410,10 +410,6 @@ def _divisors(args: tuple, kwargs: dict) -> list[int]:
         return [1]
     rows = batch_rows(args, kwargs)
     return [k for k in range(1, rows + 1) if splits_evenly(args, kwargs, k)]
-
-
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 def _parts(breakdown: dict) -> str:

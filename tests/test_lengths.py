@@ -11,7 +11,7 @@ from graphopt.analysis.memory import GB, estimate_peak, measure_step
 from graphopt.testing import zoo
 from graphopt.trace import placeholder_values
 
-from conftest import assert_same_step
+from conftest import assert_same_step, step
 
 
 def _llama(length: int = 32):
@@ -135,3 +135,32 @@ def test_an_export_is_kept_for_the_sizes_it_takes_and_the_state_it_holds():
     assert cache.get(model, (torch.randint(0, 128, (2, 16)).int(),), {"labels": _batch(16)[1]["labels"]}) is None
     model.double()  # converted in place: the same Parameters, another dtype
     assert cache.get(model, *_batch(16)) is None
+
+
+def test_a_budget_in_inference_serves_shorter_lengths_and_refuses_a_longer_one():
+    model, args, _ = zoo.gpt(batch=2, seq=32, layers=2, targets=False)
+    model.eval()
+    plain = graphopt.optimize(model, args, passes="normalize,cse,dce")
+    forward = estimate_peak(plain, placeholder_values(plain, args, {}), train=False).peak_bytes
+    opt = graphopt.optimize(model, args, budget_gb=forward * 1.01 / GB)  # inference: the forward as it is
+    with torch.no_grad():
+        shorter = args[0][:, :16].contiguous()
+        assert torch.equal(opt(shorter).logits, model(shorter).logits)
+        with pytest.raises(graphopt.BudgetError, match="plan was made for other sizes"):
+            opt(args[0].repeat(1, 2))
+
+
+def test_a_bf16_plan_serves_a_shorter_length_as_the_bf16_graph_without_a_budget():
+    model, (args, kwargs) = _llama()
+    plain = graphopt.optimize(model, args, example_kwargs=kwargs, passes="normalize,cse,dce", precision="bf16")
+    peak = estimate_peak(plain, placeholder_values(plain, args, kwargs)).peak_bytes / GB
+    with pytest.raises(graphopt.BudgetError) as refused:
+        graphopt.optimize(model, args, example_kwargs=kwargs, precision="bf16", budget_gb=1e-9)
+    planned = graphopt.optimize(model, args, example_kwargs=kwargs, precision="bf16",
+                                budget_gb=(refused.value.min_budget_gb + peak) / 2)
+    assert planned.graphopt_report.recompute().stats["segments"] > 0
+    ids = torch.randint(0, 128, (2, 20))
+    labels = torch.randint(0, 128, (2, 20)).masked_fill(torch.rand(2, 20) < 0.3, -100)  # apart from the ids
+    want, got = step(plain, (ids,), {"labels": labels}), step(planned, (ids,), {"labels": labels})
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0]))
+    assert want[1].keys() == got[1].keys() and all(torch.equal(want[1][k], got[1][k]) for k in want[1])

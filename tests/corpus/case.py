@@ -124,22 +124,23 @@ class Case:
         loss = grown.loss.first(n) if hasattr(grown.loss, "first") else grown.loss
         return Case(self.model, args, kwargs, loss, self.kinds)
 
+    def _sequences(self) -> list[torch.Tensor]:
+        """The tensor inputs of two or more dimensions: token ids, masks, labels, audio, images."""
+        return [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+
     def length(self) -> int:
         """The example's sequence length: the longest dim 1 of its token inputs (integer tensors
         of two or more dimensions), else the last dim of its float inputs (an audio's samples,
         an image's width)."""
-        leaves = [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
-        tokens = [t.shape[1] for t in leaves if t.dim() >= 2 and not t.is_floating_point()]
-        signals = [t.shape[-1] for t in leaves if t.dim() >= 2 and t.is_floating_point()]
-        return max(tokens or signals)
+        tokens = [t.shape[1] for t in self._sequences() if not t.is_floating_point()]
+        return max(tokens or [t.shape[-1] for t in self._sequences()])
 
     def with_length(self, n: int) -> "Case":
         """The same model on a batch of sequence length n (Case.length), every input drawn again as
         the second batch draws it: where the length is the tokens', their dims of that size past
         dim 0 become n; else the float inputs' last dim (an image's last two) of that size."""
         old = self.length()
-        leaves = [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
-        tokens = any(t.dim() >= 2 and not t.is_floating_point() and t.shape[1] == old for t in leaves)
+        tokens = any(not t.is_floating_point() and t.shape[1] == old for t in self._sequences())
 
         def resize(t):
             if t.dim() < 2 or t.is_floating_point() == tokens:
