@@ -93,7 +93,8 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
             step = TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=budget_gb, **options)
         except BudgetError:
             return StepPlan(device, budget, least)
-    stats = step.report.recompute().stats if step.report.recompute() is not None else {}
+    record = step.report.recompute()
+    stats = record.stats if record is not None else {}
     return StepPlan(device, budget, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes))
