@@ -5,8 +5,8 @@ import random
 import pytest
 
 from graphopt.analysis.saved import SAVES_INPUTS, SAVES_NOTHING, SAVES_OWN
-from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, RecomputePlan, Segment, make_atoms, model_peak,
-                                              rerun_cost, rerun_end, solve)
+from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, RecomputePlan, Segment, fits, make_atoms,
+                                              model_peak, rerun_cost, rerun_end, solve)
 
 
 def _segmentations(atoms, kinds=(FULL, SELECTIVE)):
@@ -81,6 +81,61 @@ def test_matches_brute_force_on_small_instances(selective):
     assert with_selective > 5 if selective else with_selective == 0
 
 
+def _random_atoms(rng, n):
+    kept = [rng.randint(0, 1 << 16) for _ in range(n)]
+    live = [rng.randint(1 << 10, 1 << 18) for _ in range(n)]
+    cost = [rng.randint(1, 1000) for _ in range(n)]
+    matmul = [rng.random() < 0.3 for _ in range(n)]
+    return make_atoms(kept, live, cost, [rng.random() > 0.1 for _ in range(n)], sel=[k if m else 0 for k, m in
+                      zip(kept, matmul)], sel_cost=[c if m else 0 for c, m in zip(cost, matmul)], max_cuts=24,
+                      param_grads=[rng.randint(0, 1 << 12) for _ in range(n)])
+
+
+def test_fits_says_what_solve_finds_at_every_allowance():
+    # the least allowance is bisected with fits: it must agree with solve exactly, rounding included
+    rng = random.Random(3)
+    agreed = refused = 0
+    for _ in range(12):
+        atoms = _random_atoms(rng, rng.randint(20, 60))
+        high = model_peak(atoms, [])
+        for allowance in [rng.randint(0, high) for _ in range(10)] + [high, high + 1, 1, 0]:
+            for buckets in (1024, 64):
+                found = solve(atoms, allowance, buckets=buckets) is not None
+                assert fits(atoms, allowance, buckets=buckets) == found, (allowance, buckets)
+                agreed += found
+                refused += not found
+    assert agreed > 20 and refused > 20
+
+
+def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid():
+    # Scan solves each line from the top until a plan fits, one allowance more; the search's
+    # choice, the cheapest plan that fits, is the one every allowance solved would give
+    from types import SimpleNamespace
+
+    from graphopt.passes.recompute.candidates import PlanSpace, Scan
+    from graphopt.passes.recompute.solver import SegmentCost
+    rng = random.Random(5)
+    for trial in range(6):
+        n = 40
+        nodes = [SimpleNamespace(op="call_function", meta={}) for _ in range(n)]
+        matmul = [rng.random() < 0.3 for _ in range(n)]
+        space = PlanSpace(nodes, [rng.random() > 0.05 for _ in range(n)], kept=[rng.randint(1, 100) for _ in range(n)],
+                          live_after=[rng.randint(50, 300) for _ in range(n)], grads=[0] * n,
+                          cost=[rng.randint(5, 60) for _ in range(n)], saves=[SAVES_OWN] * n,
+                          sel=[10 if m else 0 for m in matmul], ops=[1] * n, flops=[1000 if m else 0 for m in matmul],
+                          segment_cost=SegmentCost(fixed=3, per_selective_op=1))
+        every = space.candidates()
+        peaks = [p.predicted_peak for p in every]
+        target = sorted(peaks)[len(peaks) // 2]  # the solver's model stands in for the price
+        scan = Scan(space)
+        found = scan.down(lambda plan: plan.predicted_peak <= target)
+        cheapest = lambda plans: min((p.recompute_cost for p in plans if p.predicted_peak <= target), default=None)  # noqa: E731
+        assert cheapest(found) == cheapest(p for p in every if p not in space.blocks)
+        assert len(found) < len([p for p in every if p not in space.blocks])  # fewer solved
+        assert {tuple(p.segments) for p in found + scan.rest()} == {tuple(p.segments) for p in every
+                                                                     if p not in space.blocks}
+
+
 def test_rerun_stops_at_the_last_node_that_saves():
     # nodes: saves its output, saves nothing, saves only its inputs (a matmul), saves nothing
     saves = [SAVES_OWN, SAVES_NOTHING, SAVES_INPUTS, SAVES_NOTHING]
@@ -131,6 +186,7 @@ class _Given:
         self.peaks, self.asked = peaks, []
         search = _Search.__new__(_Search)
         search.estimates, search.prices, search.pricer = {}, {}, None
+        search.scan, search.ranks = None, {}
         search.leaner = lambda plan: list(leaner)
         search.grown = lambda plan: list(grown)
 

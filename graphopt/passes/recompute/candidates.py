@@ -17,7 +17,9 @@ Where plans come from:
      cheapest that fits by the price as well, was never proposed: the search took 6 segments,
      5 of them selective, priced 17% dearer. The full-only solve is skipped at an allowance
      where the selective one chose no selective segment: it would choose the same plan among
-     fewer.
+     fewer. Each line (a view, selective or full only) is solved from its largest allowance
+     down as the search needs it (Scan): its cheapest plan that fits is its first from the top
+     that does, and the least budget, which no plan meets, is among its lowest.
   2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them,
      and cut after their first matmul, as timm's DenseNet checkpoints its dense layers.
   3. Near a chosen plan's allowance (leaner), the solver with a matmul's rerun priced as the
@@ -35,11 +37,15 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from .solver import RecomputePlan, Segment, SegmentCost, make_atoms, model_peak, rerun_cost, rerun_end, solve
+from .solver import RecomputePlan, Segment, SegmentCost, fits, make_atoms, model_peak, rerun_cost, rerun_end, solve
 
-CANDIDATES = 16   # allowances solved per view; every plan found is priced (pricing.py)
+CANDIDATES = 16   # allowances per line; every plan found is priced (pricing.py)
+# The solver's lines, (view, selective): the rerun as it runs with selective segments and with
+# full ones only, every node rerun with selective segments.
+LINES = ((0, True), (0, False), (1, True))
 LEAN_ALLOWANCES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)  # of a chosen plan's allowance, for leaner plans
 GROW_BY = (1, 2, 4, 8)  # nodes a segment of a plan over the budget is grown by
+_NO_PLAN = RecomputePlan([], 0, 0)
 _NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")  # a child numbered by its name: layer2, denselayer3
 
 
@@ -64,6 +70,8 @@ class PlanSpace:
     segment_cost: SegmentCost
     views: list = field(init=False)
     blocks: list = field(init=False)
+    _solved: dict = field(init=False, default_factory=dict)  # line_plan's, by (line, k)
+    _bounds: dict = field(init=False, default_factory=dict)  # per view: the least allowance and none
 
     def __post_init__(self):
         self.sel_cost = [c if b else 0 for c, b in zip(self.cost, self.sel)]
@@ -85,24 +93,36 @@ class PlanSpace:
         return RecomputePlan(list(segments), cost, predicted_peak, lean)
 
     def candidates(self) -> list[RecomputePlan]:
-        """Steps 1 and 2: the distinct plans by increasing cost (and so, roughly, decreasing peak)."""
+        """Steps 1 and 2, every allowance solved: the distinct plans by increasing cost (and so,
+        roughly, decreasing peak). The search solves them as it needs them (Scan)."""
         plans = {}
-        for atoms, kinds in ((self.views[0], (True, False)), (self.views[1], (True,))):
-            low, high = _least_allowance(atoms), model_peak(atoms, [])
-            with_selective = {}
-            for selective in kinds:
-                for k in range(CANDIDATES):
-                    allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
-                    if not selective and not with_selective.get(k, True):
-                        continue  # full segments only are a subset of what that solve chose among: its plan
-                    plan = solve(atoms, allowance, segment_cost=self.segment_cost, selective=selective)
-                    if selective:
-                        with_selective[k] = plan is not None and any(s.selective for s in plan.segments)
-                    if plan is not None and plan.segments and tuple(plan.segments) not in plans:
-                        plans[tuple(plan.segments)] = self.priced(plan.segments, plan.predicted_peak)
+        for line in LINES:
+            for k in range(CANDIDATES):
+                plan = self.line_plan(line, k)
+                if plan is not None:
+                    plans.setdefault(tuple(plan.segments), plan)
         for plan in self.blocks:
             plans.setdefault(tuple(plan.segments), plan)
         return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
+
+    def line_plan(self, line: tuple[int, bool], k: int) -> RecomputePlan | None:
+        """Step 1: the solver's plan on a line (view, selective) at its k-th allowance, from the
+        least it can meet (k = 0) to none (CANDIDATES - 1), priced; None where it cuts no segment,
+        and for full segments only where the selective solve there chose no selective segment
+        (the same plan among fewer)."""
+        if (line, k) not in self._solved:
+            view, selective = line
+            atoms = self.views[view]
+            if view not in self._bounds:
+                self._bounds[view] = (_least_allowance(atoms), model_peak(atoms, []))
+            low, high = self._bounds[view]
+            allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
+            plan = None
+            if selective or any(s.selective for s in (self.line_plan((view, True), k) or _NO_PLAN).segments):
+                plan = solve(atoms, allowance, segment_cost=self.segment_cost, selective=selective)
+            self._solved[line, k] = (self.priced(plan.segments, plan.predicted_peak)
+                                     if plan is not None and plan.segments else None)
+        return self._solved[line, k]
 
     def leaner(self, plan: RecomputePlan) -> list[RecomputePlan]:
         """Step 3."""
@@ -125,12 +145,47 @@ class PlanSpace:
         return sorted(found.values(), key=lambda p: p.recompute_cost)
 
 
+class Scan:
+    """The lines' plans solved as the search needs them, each line from its largest allowance
+    down: the solver's cost falls as the allowance grows, so the cheapest plan of a line that
+    fits is its first from the top that does. Past it, one allowance more (a plan a little
+    dearer with fewer matmul FLOPs can win: the search's tie rule). What the search cannot
+    meet solves every allowance (the least is among the lowest)."""
+
+    def __init__(self, space: PlanSpace):
+        self.space = space
+        self.next = {line: CANDIDATES - 1 for line in LINES}  # the next allowance down to solve
+        self.solved = {line: [] for line in LINES}             # the allowances with a plan, from the top
+
+    def down(self, fits) -> list[RecomputePlan]:
+        """Solve on down each line whose plans so far hold none that fits (fits(plan): the search's
+        word, by price or by fake step, which can change), to one allowance past the first that
+        does; the plans solved now."""
+        found = []
+        for line in LINES:
+            while self.next[line] >= 0:
+                fit = next((k for k in self.solved[line] if fits(self.space.line_plan(line, k))), None)
+                if fit is not None and self.next[line] < fit - 1:
+                    break
+                k = self.next[line]
+                self.next[line] -= 1
+                plan = self.space.line_plan(line, k)
+                if plan is not None:
+                    self.solved[line].append(k)
+                    found.append(plan)
+        return found
+
+    def rest(self) -> list[RecomputePlan]:
+        """Every allowance not solved yet, solved."""
+        return self.down(lambda plan: False)
+
+
 def _least_allowance(atoms) -> int:
     """Smallest activation allowance the solver can meet, by bisection."""
     lo, hi = 0, model_peak(atoms, [])
     while hi - lo > max(hi // 256, 1):
         mid = (lo + hi) // 2
-        if solve(atoms, mid) is None:
+        if not fits(atoms, mid):
             lo = mid
         else:
             hi = mid

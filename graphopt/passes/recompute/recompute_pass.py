@@ -15,10 +15,10 @@ Algorithm:
      recompute cost: its time, estimated from FLOPs and bytes for the graph's device, or with
      profile=True measured (analysis/cost.py).
   3. Candidate plans (candidates.py): the solver's least recompute cost at activation
-     allowances from the least it can meet to none, under two views of the cost, and the plans
-     that recompute each repeated block whole, as the model's own checkpointing would; each
-     priced as it runs, distinct, by increasing cost. The solver's model ranks plans; it is
-     not exact.
+     allowances from the least it can meet to none, under two views of the cost, solved from
+     the largest allowance down as step 4 needs them, and the plans that recompute each
+     repeated block whole, as the model's own checkpointing would; each priced as it runs,
+     distinct. The solver's model ranks plans; it is not exact.
   4. Each candidate is priced from the log of the step as it is (pricing.py: where every
      storage comes and goes, changed as torch.utils.checkpoint changes it; about a
      millisecond a plan, where a fake step of the rewritten graph takes seconds). The
@@ -32,14 +32,15 @@ Algorithm:
      lowest is estimated, and up to LOOK_LEAST in all while the next is priced within
      PRICE_MARGIN of the smallest estimate, and BudgetError names the smallest estimated peak
      (the step as it is included) as the least budget that works.
-  5. Rewrite with that plan. With calibrate=True, run one real step (memory.measure_step,
+  5. With calibrate=True, rewrite with that plan, run one real step (memory.measure_step,
      model state restored) and, while it measures over budget, plan again for a budget
-     lowered by the overshoot (at most CALIBRATIONS times).
+     lowered by the overshoot (at most CALIBRATIONS times). The plan's segments are cut in
+     step 6.
   6. Where the pipeline has the inplace pass (a budget skips it by default), write elementwise
-     ops in place within the plan: decided on the graph before its segments are cut, by the
-     inplace pass's rules and the plan's (in_place.py: a segment's inputs are read again by its
-     rerun), then cut again; the estimate is made again, and writes that raise it are undone.
-     Also when the budget needs no plan.
+     ops in place within the plan: decided on the graph before its segments are cut, from step
+     2's record, by the inplace pass's rules and the plan's (in_place.py: a segment's inputs are
+     read again by its rerun), then cut; the estimate is made again, and writes that raise it
+     are undone. Also when the budget needs no plan.
   7. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
      before and after, recompute FLOPs, time and its share of the step, and a picture of
      predicted memory through the step, before and after (kk-recompute.memory.png).
@@ -72,7 +73,7 @@ from ...trace import annotate
 from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
 from ..registry import register
-from .candidates import PlanSpace
+from .candidates import PlanSpace, Scan
 from .in_place import write_within
 from .pricing import PlanPricer
 from .rewrite import checkpoint_segments, inline_segments, recomputable
@@ -257,7 +258,7 @@ class Recompute(Pass):
             before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
             _warn_idle(stats)
-            written, before = self._write_in_place(gm, ctx, inputs, None, None, before)
+            written, before = self._write_in_place(gm, ctx, None, None, before)
             return PassResult(gm, tidied or chunk is not None or bool(written),
                               {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0,
                                "written_in_place": written}, _pictures({"as traced": before}, limit),
@@ -274,19 +275,17 @@ class Recompute(Pass):
         space = PlanSpace(nodes, ok, kept, live_after, grads, cost, saves, sel, policy_calls, flops,
                           SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9)))
         # Step 3
-        candidates = space.candidates()
-        if not candidates:  # nothing may be recomputed: the step as it is is the least
-            raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=False)
         pricer = PlanPricer(before.log, facts, nodes, saves)
-        search = _Search(gm, inputs, nodes, sel, saves, candidates, self.optimizer, self.accumulate, space.leaner,
-                         space.grown, pricer)
+        search = _Search(gm, inputs, nodes, sel, saves, sorted(space.blocks, key=lambda p: (p.recompute_cost,
+                         p.predicted_peak)), self.optimizer, self.accumulate, space.leaner, space.grown, pricer,
+                         Scan(space))
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
-        if plan is None:
-            least = min(after, before, key=lambda e: e.peak_bytes)
+        if plan is None:  # without a plan at all, nothing may be recomputed: the step as it is is the least
+            least = min((e for e in (after, before) if e is not None), key=lambda e: e.peak_bytes)
             raise self._error(budget_gb, least.peak_bytes, least.breakdown, inference=False)
-        search.rewrite(plan)
         if self.settings["calibrate"]:
+            search.rewrite(plan)
             for round_ in range(1, CALIBRATIONS + 1):
                 measured = _measure(gm, ctx, self.accumulate)
                 stats.update(measured_peak_bytes=measured, calibration_rounds=round_)
@@ -304,8 +303,9 @@ class Recompute(Pass):
                 if stats["measured_peak_bytes"] > limit:
                     raise self._error(budget_gb, stats["measured_peak_bytes"], after.breakdown,
                                       inference=False, measured=True)
-        # Step 6
-        written, after = self._write_in_place(gm, ctx, inputs, search, plan, after)
+            search.undo()
+        # Step 6, and the plan's segments cut
+        written, after = self._write_in_place(gm, ctx, search, plan, after)
         # Step 7
         for n in gm.graph.nodes:
             if isinstance(n.target, SegmentCall):
@@ -334,39 +334,36 @@ class Recompute(Pass):
         return BudgetCheck(budget_gb, target, ctx.train, self.optimizer, self.accumulate,
                            (ctx.example_args, ctx.example_kwargs))
 
-    def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, inputs: list, search: _Search | None,
-                        plan, estimate: Estimate) -> tuple[dict, Estimate]:
-        """Step 6, where the pipeline has the inplace pass (which a budget skips by default): the
-        ops written in place within the plan, by name (in_place.py), and the step's estimate.
-        Measured, not assumed: where the writes raise the estimate, the graph goes back to
-        the plan without them (GPT-NeoX's per-layer plan, before the inplace rules left views
-        autograd tracks alone: 2.89 -> 3.15 MB)."""
-        if "inplace" not in ctx.pipeline:
-            return {}, estimate
-        if search is not None:
-            search.undo()  # the writes are decided on the graph before its segments are cut
-        before = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
-        before.output(before.graph_copy(gm.graph, {}))
-        before._codegen = gm.graph._codegen  # export's pytree calling convention
-        nodes = list(gm.graph.nodes)
-        sel = search.sel if search is not None else [0] * len(nodes)
-        written, _ = write_within(gm, nodes, plan, record_step(gm, inputs), sel)
-        if written:
-            annotate(gm, inputs)  # the writes' storage, for the segments' check (rewrite._writes_inside)
-            self._cut(gm, search, plan)
-            after = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
-            if after.peak_bytes <= estimate.peak_bytes:
-                return written, after
-            if search is not None:
-                search.undo()
-            gm.graph = before
-            gm.recompile()
+    def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, search: _Search | None, plan,
+                        estimate: Estimate) -> tuple[dict, Estimate]:
+        """Step 6, on gm before its segments are cut, which it then cuts: where the pipeline has
+        the inplace pass (which a budget skips by default), the ops written in place within the
+        plan, by name (in_place.py), and the step's estimate. Measured, not assumed: where the
+        writes raise the estimate, the graph goes back to the plan without them (GPT-NeoX's
+        per-layer plan, before the inplace rules left views autograd tracks alone)."""
+        if "inplace" in ctx.pipeline:
+            before = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+            before.output(before.graph_copy(gm.graph, {}))  # its nodes' metadata copied with them
+            before._codegen = gm.graph._codegen  # export's pytree calling convention
+            nodes = list(gm.graph.nodes)
+            sel = search.sel if search is not None else [0] * len(nodes)
+            # the step's record before any plan (step 2's): the graph is that one, node by node
+            written, _ = write_within(gm, nodes, plan, ctx.analysis(record_step, gm), sel)
+            if written:
+                inputs = ctx.flat_inputs(gm)
+                annotate(gm, inputs)  # the writes' storage, for the segments' check (rewrite._writes_inside)
+                self._cut(gm, search, plan)
+                after = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
+                if after.peak_bytes <= estimate.peak_bytes:
+                    return written, after
+                gm.graph = before
+                gm.recompile()
         self._cut(gm, search, plan)
         return {}, estimate
 
     @staticmethod
     def _cut(gm: torch.fx.GraphModule, search: _Search | None, plan) -> None:
-        """The plan's segments cut again in gm's graph as it now is."""
+        """The plan's segments cut in gm's graph as it now is."""
         if search is not None:
             search.nodes[:] = list(gm.graph.nodes)  # each write replaced its node where it stood
             search.rewrite(plan)
@@ -394,9 +391,12 @@ class _Search:
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list, nodes: list[torch.fx.Node], sel: list[int],
                  saves: list[int], candidates: list, optimizer, accumulate: bool, leaner=lambda plan: [],
-                 grown=lambda plan: [], pricer: PlanPricer | None = None):
+                 grown=lambda plan: [], pricer: PlanPricer | None = None, scan: Scan | None = None):
         self.gm, self.inputs, self.nodes, self.sel, self.candidates = gm, inputs, nodes, sel, candidates
-        self.pricer = pricer
+        self.pricer, self.scan = pricer, scan
+        # Where ties go: the solver's and the blocks' plans by cost and model peak, then those
+        # the search made (leaner, grown) in the order it made them
+        self.ranks = {k: (0, p.recompute_cost, p.predicted_peak, k) for k, p in enumerate(candidates)}
         self.saves, self.leaner, self.grown = saves, leaner, grown
         self.optimizer, self.accumulate = optimizer, accumulate
         self.annotated = False
@@ -440,7 +440,8 @@ class _Search:
 
     def cheapest_within(self, target: int):
         """(plan, estimate) of the cheapest candidate whose peak is within target, confirmed by
-        its fake step; (None, the smallest estimate seen) when none is."""
+        its fake step; (None, the smallest estimate seen) when none is, (None, None) when there
+        is no plan at all."""
         while True:
             hi = self._cheapest_by_peak(target)
             if hi is None:
@@ -449,13 +450,18 @@ class _Search:
                 near = sorted((k for k, p in self.prices.items() if k not in self.estimates and
                                target < p <= target * (1 + PRICE_MARGIN) and
                                self.candidates[k].recompute_cost < self.candidates[hi].recompute_cost),
-                              key=lambda k: self.candidates[k].recompute_cost)
+                              key=lambda k: (self.candidates[k].recompute_cost, self._rank(k)))
                 hi = next((k for k in near[:LOOK_NEAR] if self.estimate(k).peak_bytes <= target), hi)
                 return self.candidates[hi], self.estimates[hi]
             # over after all: its fake step now stands for it, and the search runs again
         # none within target: the least is the smallest fake step of the plans priced lowest,
         # the next ones looked at only while priced within PRICE_MARGIN of the smallest so far
-        ranked = sorted(range(len(self.candidates)), key=self.peak)
+        if self.scan is not None:
+            for plan in self.scan.rest():
+                self._add(plan, solved=True)
+        if not self.candidates:
+            return None, None
+        ranked = sorted(self._ordered(), key=self.peak)
         smallest = self.estimate(ranked[0]).peak_bytes
         for k in ranked[1:LOOK_LEAST]:
             if self.peak(k) * (1 - PRICE_MARGIN) >= smallest:
@@ -466,23 +472,42 @@ class _Search:
             return self.candidates[best], self.estimates[best]
         return None, self.estimates[best]
 
+    def _add(self, plan, solved: bool = False) -> int:
+        """plan's index among the candidates, added where it is new; solved: one of the solver's
+        lines (ranked with the first candidates), else one the search made."""
+        known = {tuple(p.segments): k for k, p in enumerate(self.candidates)}
+        k = known.get(tuple(plan.segments))
+        if k is None:
+            k = len(self.candidates)
+            self.candidates.append(plan)
+            if solved:
+                self.ranks[k] = (0, plan.recompute_cost, plan.predicted_peak, k)
+        return k
+
+    def _rank(self, k: int) -> tuple:
+        return self.ranks.get(k, (1, k))
+
+    def _ordered(self) -> list[int]:
+        return sorted(range(len(self.candidates)), key=self._rank)
+
     def _cheapest_by_peak(self, target: int) -> int | None:
         fits = lambda k: self.peak(k) <= target  # noqa: E731
-        fitting = [k for k in range(len(self.candidates)) if fits(k)]
+        if self.scan is not None:
+            for plan in self.scan.down(lambda plan: fits(self._add(plan, solved=True))):
+                self._add(plan, solved=True)
+        fitting = [k for k in self._ordered() if fits(k)]
         if not fitting:
             return None
-        hi = min(fitting, key=lambda k: (self.candidates[k].recompute_cost, k))
+        hi = min(fitting, key=lambda k: self.candidates[k].recompute_cost)
         hi = self._grow(hi, fits)
         # Costs within the time model's resolution are a tie: the plan rerunning fewer matmul FLOPs wins
         chosen = self.candidates[hi]
-        known = {tuple(p.segments) for p in self.candidates}
         for plan in self.leaner(chosen):
-            if tuple(plan.segments) not in known:
-                known.add(tuple(plan.segments))
-                self.candidates.append(plan)
-        leaner = sorted((k for k, p in enumerate(self.candidates) if p.matmul_flops < chosen.matmul_flops
-                         and (p.recompute_cost <= chosen.recompute_cost or len(p.segments) <= len(chosen.segments))
-                         and p.recompute_cost <= chosen.recompute_cost * (1 + TIME_RESOLUTION)),
+            self._add(plan)
+        leaner = sorted((k for k in self._ordered() if self.candidates[k].matmul_flops < chosen.matmul_flops
+                         and (self.candidates[k].recompute_cost <= chosen.recompute_cost
+                              or len(self.candidates[k].segments) <= len(chosen.segments))
+                         and self.candidates[k].recompute_cost <= chosen.recompute_cost * (1 + TIME_RESOLUTION)),
                         key=lambda k: (self.candidates[k].matmul_flops, self.candidates[k].recompute_cost))
         return next((k for k in leaner if fits(k)), hi)
 
@@ -490,16 +515,16 @@ class _Search:
         """The cheapest of the dearest plan over the target grown (candidates.PlanSpace.grown)
         that fits and costs less than candidates[hi]; hi when none does."""
         cost = self.candidates[hi].recompute_cost
-        over = [k for k in range(len(self.candidates)) if self.candidates[k].recompute_cost < cost and not fits(k)]
+        over = [k for k in self._ordered() if self.candidates[k].recompute_cost < cost and not fits(k)]
         if not over:
             return hi
         known = {tuple(p.segments) for p in self.candidates}
         grown = [p for p in self.grown(self.candidates[max(over, key=lambda k: self.candidates[k].recompute_cost)])
                  if p.recompute_cost < cost and tuple(p.segments) not in known]
         for plan in grown[:LOOK_GROWN]:
-            self.candidates.append(plan)
-            if fits(len(self.candidates) - 1):
-                return len(self.candidates) - 1
+            k = self._add(plan)
+            if fits(k):
+                return k
         return hi
 
     def _decide(self, plan) -> None:

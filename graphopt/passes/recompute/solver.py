@@ -199,37 +199,8 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
         return RecomputePlan([], 0, as_is)
     if allowance <= 0:
         return None
-    buckets = int(min(buckets, allowance))
-    unit = allowance / buckets
-
-    def units(nbytes: int) -> int:
-        return math.ceil(nbytes / unit - 1e-9)
-
-    def held_units(nbytes: int) -> int:
-        # What an atom adds to the memory held: rounded to nearest, as hundreds of small atoms
-        # each rounded up would claim more than the allowance itself.
-        return math.floor(nbytes / unit + 0.5)
-
-    n = len(atoms)
-    # Per run of atoms [i, j): sums as differences of prefix sums, the rerun up to its last atom
-    # that saves anything (saving[j]: that atom's index among atoms[:j], -1 for none).
-    prefix = lambda values: np.concatenate(([0], np.cumsum(np.array(values, dtype=np.int64))))  # noqa: E731
-    kept_p, cost_p = prefix([a.kept for a in atoms]), prefix([a.cost for a in atoms])
-    cost_sel_p = prefix([a.cost - a.sel_cost for a in atoms])
-    sel_p, ops_p = prefix([a.sel for a in atoms]), prefix([a.ops for a in atoms])
-    rerun_full = np.array([a.rerun(False) for a in atoms] + [0], dtype=np.int64)
-    rerun_part = np.array([a.rerun(True) for a in atoms] + [0], dtype=np.int64)
-    out = np.array([0] + [a.out for a in atoms], dtype=np.int64)  # out[j]: atoms[j - 1]'s
-    saving = np.maximum.accumulate(np.array([-1] + [k if a.saves else -1 for k, a in enumerate(atoms)]))
-    stop = n  # one past the last atom of the recomputable run from i on
-    ends = [0] * n
-    for i in range(n - 1, -1, -1):
-        stop = stop if atoms[i].recomputable else i
-        ends[i] = stop
-
-    def units_of(nbytes: np.ndarray) -> np.ndarray:
-        return np.ceil(nbytes / unit - 1e-9).astype(np.int64)
-
+    moves = _Moves(atoms, allowance, buckets, segment_cost, selective)
+    n, buckets = len(atoms), moves.buckets
     # Step 2. cost[i, m]: least cost covering atoms[:i] holding m units; how[i, m]: (previous i, kind).
     cost = np.full((n + 1, buckets + 1), INF, dtype=np.int64)
     how = np.full((n + 1, buckets + 1, 2), -1, dtype=np.int64)
@@ -241,32 +212,8 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
         held = np.flatnonzero(row < np.concatenate(([INF], np.minimum.accumulate(row)[:-1])))
         if held.size == 0:
             continue
-        spent_now = row[held]
-        in_backward = atoms[i].kept + atoms[i].grads + atoms[i].out
-        one = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
-        _relax(cost, how, held, spent_now, one(i + 1), one(held_units(atoms[i].kept)),
-               one(buckets - units(in_backward)), one(0), (i, PLAIN))
-        if not atoms[i].recomputable:
-            continue
-        # A checkpointed segment atoms[i:j], for each j while its backward can fit at all.
-        j = np.arange(i + 1, ends[i] + 1)
-        kept = kept_p[j] - kept_p[i]
-        cross, grads = atoms[i].cross, atoms[i].grads
-        j, kept = (v[:np.searchsorted(units_of(cross + kept + grads) > buckets, True)] for v in (j, kept))
-        last = saving[j]
-        runs = last >= i
-        rerun = np.where(runs, cost_p[np.maximum(last, i)] - cost_p[i] + rerun_full[last], 0)
-        rerun_sel = np.where(runs, cost_sel_p[np.maximum(last, i)] - cost_sel_p[i] + rerun_part[last], 0)
-        backward = kept + grads + out[j]
-        _relax(cost, how, held, spent_now, j, np.full_like(j, units(cross)), buckets - units_of(cross + backward),
-               rerun + segment_cost.fixed, (i, FULL))
-        if selective:
-            sel = sel_p[j] - sel_p[i]
-            some = sel > 0
-            _relax(cost, how, held, spent_now, j[some], units_of(cross + sel[some]),
-                   buckets - units_of(cross + sel[some] + backward[some]),
-                   rerun_sel[some] + segment_cost.fixed + segment_cost.per_selective_op * (ops_p[j[some]] - ops_p[i]),
-                   (i, SELECTIVE))
+        for j, add, limit, spent, kind in moves.from_atom(i):
+            _relax(cost, how, held, row[held], j, add, limit, spent, (i, kind))
     # Step 3
     final = cost[n]
     if final.min() >= INF:
@@ -277,15 +224,104 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
     while i > 0:
         prev, kind = (int(v) for v in how[i, m])
         if kind == PLAIN:
-            m -= held_units(atoms[prev].kept)
+            m -= moves.held_units(atoms[prev].kept)
         else:
             run_sel = sum(a.sel for a in atoms[prev:i]) if kind == SELECTIVE else 0
-            m -= units(atoms[prev].cross + run_sel)
+            m -= moves.units(atoms[prev].cross + run_sel)
             chosen.append((prev, i, kind))
         i = prev
     chosen.reverse()
     segments = [Segment(atoms[a].start, atoms[b - 1].stop, kind == SELECTIVE) for a, b, kind in chosen]
     return RecomputePlan(segments, cost_total, model_peak(atoms, chosen))
+
+
+def fits(atoms: list[Atom], allowance: int, buckets: int = 1024) -> bool:
+    """Whether solve(atoms, allowance, buckets) finds a plan, without its costs: the same moves,
+    keeping per atom only the fewest units held (holding less never fails a later constraint),
+    so that bisecting for the least allowance takes a vector per atom instead of a table."""
+    if model_peak(atoms, []) <= allowance:
+        return True
+    if allowance <= 0:
+        return False
+    moves = _Moves(atoms, allowance, buckets, SegmentCost(), selective=True)
+    least = np.full(len(atoms) + 1, INF, dtype=np.int64)
+    least[0] = 0
+    for i in range(len(atoms)):
+        m = least[i]
+        if m >= INF:
+            continue
+        for j, add, limit, _, _ in moves.from_atom(i):
+            ok = (m <= limit) & (m + add <= moves.buckets)
+            np.minimum.at(least, j[ok], m + add[ok])
+    return bool(least[-1] < INF)
+
+
+class _Moves:
+    """The program's moves and its rounding of bytes to units of allowance / buckets."""
+
+    def __init__(self, atoms: list[Atom], allowance: int, buckets: int, segment_cost: SegmentCost, selective: bool):
+        self.atoms, self.segment_cost, self.selective = atoms, segment_cost, selective
+        self.buckets = int(min(buckets, allowance))
+        self.unit = allowance / self.buckets
+        n = len(atoms)
+        # Per run of atoms [i, j): sums as differences of prefix sums, the rerun up to its last atom
+        # that saves anything (saving[j]: that atom's index among atoms[:j], -1 for none).
+        prefix = lambda values: np.concatenate(([0], np.cumsum(np.array(values, dtype=np.int64))))  # noqa: E731
+        self.kept_p, self.cost_p = prefix([a.kept for a in atoms]), prefix([a.cost for a in atoms])
+        self.cost_sel_p = prefix([a.cost - a.sel_cost for a in atoms])
+        self.sel_p, self.ops_p = prefix([a.sel for a in atoms]), prefix([a.ops for a in atoms])
+        self.rerun_full = np.array([a.rerun(False) for a in atoms] + [0], dtype=np.int64)
+        self.rerun_part = np.array([a.rerun(True) for a in atoms] + [0], dtype=np.int64)
+        self.out = np.array([0] + [a.out for a in atoms], dtype=np.int64)  # out[j]: atoms[j - 1]'s
+        self.saving = np.maximum.accumulate(np.array([-1] + [k if a.saves else -1 for k, a in enumerate(atoms)]))
+        stop = n  # one past the last atom of the recomputable run from i on
+        self.ends = [0] * n
+        for i in range(n - 1, -1, -1):
+            stop = stop if atoms[i].recomputable else i
+            self.ends[i] = stop
+
+    def units(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.unit - 1e-9)
+
+    def held_units(self, nbytes: int) -> int:
+        # What an atom adds to the memory held: rounded to nearest, as hundreds of small atoms
+        # each rounded up would claim more than the allowance itself.
+        return math.floor(nbytes / self.unit + 0.5)
+
+    def units_of(self, nbytes: np.ndarray) -> np.ndarray:
+        return np.ceil(nbytes / self.unit - 1e-9).astype(np.int64)
+
+    def from_atom(self, i: int) -> list[tuple]:
+        """The moves from having covered atoms[:i], each (j, add, limit, spent, kind) over the rows
+        j it reaches: units added to those held, the most units held before it for the step to
+        fit, and its cost."""
+        atom, buckets, one = self.atoms[i], self.buckets, lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+        in_backward = atom.kept + atom.grads + atom.out
+        moves = [(one(i + 1), one(self.held_units(atom.kept)), one(buckets - self.units(in_backward)), one(0), PLAIN)]
+        if not atom.recomputable:
+            return moves
+        # A checkpointed segment atoms[i:j], for each j while its backward can fit at all.
+        j = np.arange(i + 1, self.ends[i] + 1)
+        kept = self.kept_p[j] - self.kept_p[i]
+        cross, grads = atom.cross, atom.grads
+        j, kept = (v[:np.searchsorted(self.units_of(cross + kept + grads) > buckets, True)] for v in (j, kept))
+        last = self.saving[j]
+        runs = last >= i
+        rerun = np.where(runs, self.cost_p[np.maximum(last, i)] - self.cost_p[i] + self.rerun_full[last], 0)
+        backward = kept + grads + self.out[j]
+        fixed = self.segment_cost.fixed
+        moves.append((j, np.full_like(j, self.units(cross)), buckets - self.units_of(cross + backward), rerun + fixed,
+                      FULL))
+        if self.selective:
+            rerun_sel = np.where(runs, self.cost_sel_p[np.maximum(last, i)] - self.cost_sel_p[i]
+                                 + self.rerun_part[last], 0)
+            sel = self.sel_p[j] - self.sel_p[i]
+            some = sel > 0
+            j, sel, backward = j[some], sel[some], backward[some]
+            moves.append((j, self.units_of(cross + sel), buckets - self.units_of(cross + sel + backward),
+                          rerun_sel[some] + fixed + self.segment_cost.per_selective_op * (self.ops_p[j] - self.ops_p[i]),
+                          SELECTIVE))
+        return moves
 
 
 def _relax(cost, how, held, spent_now, j, add, limit, spent, how_value):
