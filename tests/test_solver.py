@@ -336,3 +336,18 @@ def test_a_selective_solve_without_selective_segments_is_the_full_solve():
             assert (full.segments, full.recompute_cost) == (with_selective.segments, with_selective.recompute_cost)
             compared += bool(full.segments)
     assert compared > 30
+
+
+@pytest.mark.parametrize("off, looked", [(0, False), (3, True)])
+def test_a_plan_priced_a_hair_over_gets_a_fake_step_where_prices_were_off(off, looked):
+    # candidate 1 fits by price (95 at target 100) and by its fake step (95 + off); candidate 0,
+    # cheaper, is priced 0.5% over: worth a look only where a price was seen off its step
+    from types import SimpleNamespace
+
+    given = _Given([99, 95 + off, 300])
+    prices = {0: 100.5, 1: 95, 2: 300}
+    given.search.candidates = [_plan(0, 80, 0), _plan(1, 90, 0), _plan(2, 300, 0)]
+    given.search.pricer = SimpleNamespace(price=lambda segments: prices[segments[0].start])
+    plan, est = given.search.cheapest_within(100)
+    assert (0 in given.asked) == looked
+    assert plan.recompute_cost == (80 if looked else 90)

@@ -157,14 +157,14 @@ class Scan:
         self.next = {line: CANDIDATES - 1 for line in LINES}  # the next allowance down to solve
         self.solved = {line: [] for line in LINES}             # the allowances with a plan, from the top
 
-    def down(self, fits) -> list[RecomputePlan]:
-        """Solve on down each line whose plans so far hold none that fits (fits(plan): the search's
-        word, by price or by fake step, which can change), to one allowance past the first that
-        does; the plans solved now."""
+    def down(self, holds) -> list[RecomputePlan]:
+        """Solve on down each line whose plans so far hold none that fits (holds(plan): the
+        search's word, by price or by fake step, which can change), to one allowance past the
+        first that does; the plans solved now."""
         found = []
         for line in LINES:
             while self.next[line] >= 0:
-                fit = next((k for k in self.solved[line] if fits(self.space.line_plan(line, k))), None)
+                fit = next((k for k in self.solved[line] if holds(self.space.line_plan(line, k))), None)
                 if fit is not None and self.next[line] < fit - 1:
                     break
                 k = self.next[line]

@@ -28,7 +28,8 @@ Algorithm:
      near it) takes its place. The full estimate of the chosen plan (rewritten through
      torch.utils.checkpoint, rewrite.py, then undone) confirms it; over the target, its
      estimate stands for its price and the search runs again. Cheaper plans priced within
-     PRICE_MARGIN over the target get their estimate too. When none fits, the plan priced
+     PRICE_MARGIN over the target get their estimate too, where as far over as the prices
+     were off the estimates made so far. When none fits, the plan priced
      lowest is estimated, and up to LOOK_LEAST in all while the next is priced within
      PRICE_MARGIN of the smallest estimate, and BudgetError names the smallest estimated peak
      (the step as it is included) as the least budget that works.
@@ -447,8 +448,9 @@ class _Search:
             if hi is None:
                 break
             if self.estimate(hi).peak_bytes <= target:  # a price over by a hair gets its own look
+                over = min(target * PRICE_MARGIN, self._price_error())
                 near = sorted((k for k, p in self.prices.items() if k not in self.estimates and
-                               target < p <= target * (1 + PRICE_MARGIN) and
+                               target < p <= target + over and
                                self.candidates[k].recompute_cost < self.candidates[hi].recompute_cost),
                               key=lambda k: (self.candidates[k].recompute_cost, self._rank(k)))
                 hi = next((k for k in near[:LOOK_NEAR] if self.estimate(k).peak_bytes <= target), hi)
@@ -471,6 +473,12 @@ class _Search:
         if self.estimates[best].peak_bytes <= target:
             return self.candidates[best], self.estimates[best]
         return None, self.estimates[best]
+
+    def _price_error(self) -> int:
+        """The most a price was off its plan's fake step so far: on a graph the prices hold
+        exactly, a plan priced over the target is over."""
+        return max((abs(self.prices[k] - e.peak_bytes) for k, e in self.estimates.items() if k in self.prices),
+                   default=0)
 
     def _add(self, plan, solved: bool = False) -> int:
         """plan's index among the candidates, added where it is new; solved: one of the solver's
