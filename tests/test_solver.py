@@ -351,3 +351,18 @@ def test_a_plan_priced_a_hair_over_gets_a_fake_step_where_prices_were_off(off, l
     plan, est = given.search.cheapest_within(100)
     assert (0 in given.asked) == looked
     assert plan.recompute_cost == (80 if looked else 90)
+
+
+@pytest.mark.parametrize("off, looked", [(0, False), (3, True)])
+def test_the_least_looks_at_the_next_lowest_price_where_prices_were_off(off, looked):
+    # no plan fits 50: the lowest priced (200) is estimated; the next, priced 0.5% higher, gets
+    # a fake step of its own only where the first's was off its price
+    from types import SimpleNamespace
+
+    given = _Given([200 + off, 190, 400])
+    prices = {0: 200, 1: 201, 2: 400}
+    given.search.candidates = [_plan(0, 80, 0), _plan(1, 90, 0), _plan(2, 300, 0)]
+    given.search.pricer = SimpleNamespace(price=lambda segments: prices[segments[0].start])
+    plan, est = given.search.cheapest_within(50)
+    assert plan is None and (1 in given.asked) == looked
+    assert est.peak_bytes == (190 if looked else 200)

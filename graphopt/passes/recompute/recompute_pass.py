@@ -28,11 +28,11 @@ Algorithm:
      near it) takes its place. The full estimate of the chosen plan (rewritten through
      torch.utils.checkpoint, rewrite.py, then undone) confirms it; over the target, its
      estimate stands for its price and the search runs again. Cheaper plans priced within
-     PRICE_MARGIN over the target get their estimate too, where as far over as the prices
-     were off the estimates made so far. When none fits, the plan priced
-     lowest is estimated, and up to LOOK_LEAST in all while the next is priced within
-     PRICE_MARGIN of the smallest estimate, and BudgetError names the smallest estimated peak
-     (the step as it is included) as the least budget that works.
+     PRICE_MARGIN over the target get their estimate too, where no further over than the
+     prices were off the estimates made so far. When none fits, the plan priced lowest is
+     estimated, and up to LOOK_LEAST in all while the next is priced within PRICE_MARGIN (and
+     the prices' error so far) of the smallest estimate, and BudgetError names the smallest
+     estimated peak (the step as it is included) as the least budget that works.
   5. With calibrate=True, rewrite with that plan, run one real step (memory.measure_step,
      model state restored) and, while it measures over budget, plan again for a budget
      lowered by the overshoot (at most CALIBRATIONS times). The plan's segments are cut in
@@ -458,6 +458,7 @@ class _Search:
             # over after all: its fake step now stands for it, and the search runs again
         # none within target: the least is the smallest fake step of the plans priced lowest,
         # the next ones looked at only while priced within PRICE_MARGIN of the smallest so far
+        # and within as much as the prices were off
         if self.scan is not None:
             for plan in self.scan.rest():
                 self._add(plan, solved=True)
@@ -466,7 +467,7 @@ class _Search:
         ranked = sorted(self._ordered(), key=self.peak)
         smallest = self.estimate(ranked[0]).peak_bytes
         for k in ranked[1:LOOK_LEAST]:
-            if self.peak(k) * (1 - PRICE_MARGIN) >= smallest:
+            if self.peak(k) - min(self.peak(k) * PRICE_MARGIN, self._price_error()) >= smallest:
                 break
             smallest = min(smallest, self.estimate(k).peak_bytes)
         best = min(self.estimates, key=lambda k: self.estimates[k].peak_bytes)
