@@ -149,13 +149,15 @@ class Scan:
     """The lines' plans solved as the search needs them, each line from its largest allowance
     down: the solver's cost falls as the allowance grows, so the cheapest plan of a line that
     fits is its first from the top that does. Past it, one allowance more (a plan a little
-    dearer with fewer matmul FLOPs can win: the search's tie rule). What the search cannot
-    meet solves every allowance (the least is among the lowest)."""
+    dearer with fewer matmul FLOPs can win: the search's tie rule). For the least, each line
+    from its least allowance up, while its plans are priced among the lowest (up)."""
 
     def __init__(self, space: PlanSpace):
         self.space = space
         self.next = {line: CANDIDATES - 1 for line in LINES}  # the next allowance down to solve
         self.solved = {line: [] for line in LINES}             # the allowances with a plan, from the top
+        self.low = {line: 0 for line in LINES}                 # the next allowance up to solve (up)
+        self.climbed = False                                   # up ran (once: the least's plans)
 
     def down(self, holds) -> list[RecomputePlan]:
         """Solve on down each line whose plans so far hold none that fits (holds(plan): the
@@ -175,9 +177,33 @@ class Scan:
                     found.append(plan)
         return found
 
-    def rest(self) -> list[RecomputePlan]:
-        """Every allowance not solved yet, solved."""
-        return self.down(lambda plan: False)
+    def bottoms(self):
+        """Each line's plan at its least allowance, solved as the caller takes it."""
+        for line in LINES:
+            plan = self.space.line_plan(line, 0)
+            if plan is not None:
+                yield plan
+
+    def up(self, price, lowest: int) -> list[RecomputePlan]:
+        """For the least, which the plans priced lowest hold: each line solved from its least
+        allowance up, until two allowances in a row are priced (price(plan)) over the `lowest`-th
+        lowest price so far; the plans solved now, once."""
+        found, prices = [], []
+        if self.climbed:
+            return found
+        self.climbed = True
+        for line in LINES:
+            over = 0
+            while over < 2 and self.low[line] <= self.next[line]:
+                plan = self.space.line_plan(line, self.low[line])
+                self.low[line] += 1
+                if plan is None:
+                    continue
+                found.append(plan)
+                p = price(plan)
+                over = over + 1 if len(prices) >= lowest and p > sorted(prices)[lowest - 1] else 0
+                prices.append(p)
+        return found
 
 
 def _least_allowance(atoms) -> int:

@@ -95,6 +95,10 @@ LOOK_GROWN = 8    # grown plans priced against the budget
 PRICE_MARGIN = 0.01
 LOOK_NEAR = 4
 LOOK_LEAST = 3
+# Plans a line solves at larger allowances keep more: when its lowest are priced this far over
+# the target, the search looks for the least only (the corpus's prices rise along each line
+# by a few percent an allowance, and fall back by less).
+REACH = 0.1
 CALIBRATIONS = 3  # re-plans after a measured step over budget
 # On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
 # allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
@@ -443,7 +447,7 @@ class _Search:
         """(plan, estimate) of the cheapest candidate whose peak is within target, confirmed by
         its fake step; (None, the smallest estimate seen) when none is, (None, None) when there
         is no plan at all."""
-        while True:
+        while not self._beyond_reach(target):
             hi = self._cheapest_by_peak(target)
             if hi is None:
                 break
@@ -459,9 +463,7 @@ class _Search:
         # none within target: the least is the smallest fake step of the plans priced lowest,
         # the next ones looked at only while priced within PRICE_MARGIN of the smallest so far
         # and within as much as the prices were off
-        if self.scan is not None:
-            for plan in self.scan.rest():
-                self._add(plan, solved=True)
+        self._lowest()
         if not self.candidates:
             return None, None
         ranked = sorted(self._ordered(), key=self.peak)
@@ -474,6 +476,22 @@ class _Search:
         if self.estimates[best].peak_bytes <= target:
             return self.candidates[best], self.estimates[best]
         return None, self.estimates[best]
+
+    def _lowest(self) -> None:
+        """The solver's plans priced lowest, solved where not yet (candidates.Scan.up)."""
+        if self.scan is not None:
+            for plan in self.scan.up(lambda plan: self.peak(self._add(plan, solved=True)), LOOK_LEAST):
+                self._add(plan, solved=True)
+
+    def _beyond_reach(self, target: int) -> bool:
+        """Whether the plans priced lowest (the solver's at its least allowances, the blocks) are
+        all priced over the target by more than REACH: then the least is what the search is for,
+        and the solver's other allowances, dearer in memory, are not solved."""
+        if self.scan is None:
+            return False
+        over = lambda k: self.peak(k) > target * (1 + REACH)  # noqa: E731
+        return all(over(k) for k in range(len(self.candidates))) and \
+            all(over(self._add(plan, solved=True)) for plan in self.scan.bottoms())
 
     def _price_error(self) -> int:
         """The most a price was off its plan's fake step so far: on a graph the prices hold
