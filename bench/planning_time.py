@@ -1,7 +1,7 @@
 """Planning time against graph size: optimize() in seconds and in eager steps of the same model.
 
     python bench/planning_time.py [--layers 2,4,8,16,32] [--models timm_densenet121,...]
-        [--timm maxvit_tiny_tf_224,...] [--out FILE]
+        [--timm maxvit_tiny_tf_224,...] [--train-step LAYERS] [--out DIR]
 
 Per model: its graph's nodes (as traced), the median of 3 eager training steps, then timed once
 each: optimize() with the default passes; optimize(budget_gb=1e-9), which plans down to the least
@@ -11,6 +11,8 @@ vocabulary 1024) at 4 x 256 tokens with its own loss on labels=input_ids, at eac
 --layers; --models adds corpus models at the memory tests' batch, --timm timm models at their
 defaults on 8 x 3 x 64 x 64 images with cross-entropy. Each time is also a ratio to
 one eager step measured in the same process just before, so that a busy machine slows both.
+--train-step L adds graphopt.train_step choosing its microbatches for the L-layer Llama at
+budgets 5% above the least of 2 and of 4 microbatches, against one optimize() at the k it chose.
 With --out DIR, writes planning_time-<device>-<date>.json and .md there (results_files.py).
 """
 from __future__ import annotations
@@ -92,6 +94,43 @@ def measure(name, model, args, kwargs, loss) -> dict:
             "plan_s": plan_s, "least_mb": least / 1e6, "budget_mb": budget / 1e6, "peak_mb": peak / 1e6}
 
 
+def train_step_choice(layers: int) -> list[dict]:
+    """graphopt.train_step choosing k for the Llama at one depth, at budgets 5% above the least
+    of 2 and of 4 microbatches of its 4-row batch, against one optimize() at the k it chose."""
+    import graphopt
+
+    name, model, (ids,), _, _ = llama(layers)
+
+    def least(rows: int) -> float:
+        try:
+            graphopt.optimize(model, (ids[:rows],), example_kwargs={"labels": ids[:rows]}, budget_gb=1e-9,
+                              accumulate=rows < len(ids))
+        except graphopt.BudgetError as e:
+            return e.min_budget_gb
+        return 1e-9
+
+    rows = []
+    for k in (2, 4):
+        budget = least(len(ids) // k) * 1.05
+        start = time.perf_counter()
+        step = graphopt.train_step(model, (ids,), {"labels": ids}, budget_gb=budget)
+        chose_s = time.perf_counter() - start
+        part = ids[:len(ids) // step.microbatches]
+        start = time.perf_counter()
+        graphopt.optimize(model, (part,), example_kwargs={"labels": part}, budget_gb=budget,
+                          accumulate=step.microbatches > 1)
+        rows.append({"model": name, "budget_mb": budget * 1e3, "k": step.microbatches, "train_step_s": chose_s,
+                     "plan_s": time.perf_counter() - start})
+    return rows
+
+
+def train_step_table(rows: list[dict]) -> str:
+    lines = ["| model | budget | k chosen | train_step | one plan at k | ratio |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['budget_mb']:.1f} MB | {r['k']} | {r['train_step_s']:.1f} s | {r['plan_s']:.1f} s | "
+              f"{r['train_step_s'] / r['plan_s']:.2f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | call nodes | eager step | optimize() | least (BudgetError) | plan at halfway | "
              "plan / eager step | least, budget, peak |",
@@ -108,6 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="2,4,8,16,32", help="Llama depths, comma-separated ('' for none)")
     parser.add_argument("--models", default="", help="corpus models, comma-separated")
     parser.add_argument("--timm", default="", help="timm models by name (8 x 3 x 64 x 64), comma-separated")
+    parser.add_argument("--train-step", type=int, default=0, metavar="LAYERS",
+                        help="also train_step's choice of microbatches for the Llama of this depth")
     parser.add_argument("--out", default=None, help="write the figures into this folder")
     args = parser.parse_args(argv)
     builders = [lambda k=int(k): llama(k) for k in args.layers.split(",") if k]
@@ -120,6 +161,10 @@ def main(argv=None) -> int:
     result = {"device": device_name(), "date": today(), "torch": torch.__version__, "rows": rows}
     text = (f"# Planning time (bench/planning_time.py)\n\n{result['device']}, torch {result['torch']}, "
             f"{result['date']}\n\n" + table(rows))
+    if args.train_step:
+        result["train_step"] = train_step_choice(args.train_step)
+        text += "\ntrain_step's choice of microbatches against one plan at the k it chose:\n\n" + \
+            train_step_table(result["train_step"])
     print(text)
     if args.out:
         write_results("planning_time", result, text, args.out)
