@@ -51,6 +51,10 @@ Algorithm:
      gives.
   3. The plan of least cost, ties broken by least memory. Deterministic: the same graph and
      budget give the same plan.
+
+`fits` answers whether `solve` finds a plan at an allowance with the same moves and rounding
+(one class, _Moves, owns them), keeping per atom only the fewest units held: the caller's
+bisection for the least allowance.
 """
 from __future__ import annotations
 
