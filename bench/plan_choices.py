@@ -21,6 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # graphopt from this checkout, and the corpus
 
+from least_budget import least_bytes  # noqa: E402  (bench/, beside this script)
+
 DEFAULT = ("hf_llama,hf_gpt2,hf_bert,hf_t5,hf_phi,hf_mixtral,hf_gpt_neox,hf_whisper,hf_qwen2,hf_bart,hf_distilbert,"
            "hf_segformer,hf_deepseek_v3,hf_convnext,timm_densenet121,timm_efficientnet_b0,timm_vit_tiny_patch16_224,"
            "timm_regnetx_002,timm_mobilevit_xxs,timm_resnet18,tv_resnet18,tv_swin_t,tv_convnext_tiny")
@@ -34,14 +36,10 @@ def choices(name: str) -> dict:
 
     case = memory_case(name)
     start = time.perf_counter()
-    try:
-        graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=1e-9)
-        least = None
-    except graphopt.BudgetError as e:
-        least = round(e.min_budget_gb * 1e9)
+    least = least_bytes(case.model, case.args, case.kwargs)
     row = {"model": name, "least": least, "least_s": round(time.perf_counter() - start, 2), "plans": []}
     peak = step_peak(case.model, case.model, case.args, case.kwargs, lambda out, *a, **k: case.loss(out))
-    for f in FRACTIONS if least is not None else ():
+    for f in FRACTIONS:
         start = time.perf_counter()
         try:
             graph = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs,

@@ -28,7 +28,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # graphopt from this checkout, and the corpus
 
-from results_files import device_name, today, write_results  # noqa: E402  (bench/, beside this script)
+from least_budget import least_bytes  # noqa: E402  (bench/, beside this script)
+from results_files import device_name, today, write_results  # noqa: E402
 
 
 def llama(layers: int):
@@ -86,8 +87,7 @@ def measure(name, model, args, kwargs, loss) -> dict:
     default_s, opt = timed(lambda: graphopt.optimize(model, args, example_kwargs=kwargs))
     nodes = sum(1 for n in opt.graph.nodes if n.op == "call_function")
     peak = step_peak(model, model, args, kwargs, lambda out, *a, **k: loss(out))
-    least_s, refused = timed(lambda: graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9))
-    least = refused.min_budget_gb * GB
+    least_s, least = timed(lambda: least_bytes(model, args, kwargs))
     budget = (least + peak) / 2
     plan_s, _ = timed(lambda: graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget / GB))
     return {"model": name, "nodes": nodes, "eager_s": eager, "default_s": default_s, "least_s": least_s,
@@ -101,17 +101,10 @@ def train_step_choice(layers: int) -> list[dict]:
 
     name, model, (ids,), _, _ = llama(layers)
 
-    def least(rows: int) -> float:
-        try:
-            graphopt.optimize(model, (ids[:rows],), example_kwargs={"labels": ids[:rows]}, budget_gb=1e-9,
-                              accumulate=rows < len(ids))
-        except graphopt.BudgetError as e:
-            return e.min_budget_gb
-        return 1e-9
-
     rows = []
     for k in (2, 4):
-        budget = least(len(ids) // k) * 1.05
+        part = ids[:len(ids) // k]
+        budget = least_bytes(model, (part,), {"labels": part}, accumulate=k > 1) * 1.05 / 1e9
         start = time.perf_counter()
         step = graphopt.train_step(model, (ids,), {"labels": ids}, budget_gb=budget)
         chose_s = time.perf_counter() - start

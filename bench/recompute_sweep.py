@@ -34,7 +34,7 @@ def sweep_model(name: str, points: int, device: str) -> dict:
     from corpus.memory import (memory_case, optimized_point, own_checkpointing, own_checkpointing_step, step_flops,
                                user_step, user_step_peak)
     from graphopt.runtime.step import step_seconds
-    from graphopt.analysis.memory import GB
+    from least_budget import least_bytes  # bench/, beside this script
 
     case = memory_case(name)
     if device != "cpu":
@@ -52,10 +52,7 @@ def sweep_model(name: str, points: int, device: str) -> dict:
                 "recompute_gflops": round((step_flops(opt, case) - eager_flops) / 1e9, 4) if opt is not None else "",
                 "recomputed": point.recomputed if opt is not None else "", "refused": point.refused}
 
-    try:
-        graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, budget_gb=1e-9)
-    except graphopt.BudgetError as e:
-        least = int(e.min_budget_gb * GB)
+    least = least_bytes(case.model, case.args, case.kwargs)
     rows = []
     budgets = [int(least + (eager_peak - least) * k / (points - 1)) for k in range(points)]
     for k, budget in enumerate(budgets):

@@ -23,18 +23,11 @@ from graphopt.runtime.step import clear_grads, run_step, step_peak, step_seconds
 from graphopt.testing import zoo
 
 from conftest import rounds
+from least_budget import least_bytes
 
 SIZES = {True: dict(batch=8, seq=32, layers=2, dim=32, heads=2, vocab=128),
          False: dict(batch=16, seq=64, layers=4, dim=64, heads=4, vocab=256)}
 TIGHT = 0.85
-
-
-def _least_full_batch(model, args, kwargs) -> float:
-    try:
-        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9)
-    except graphopt.BudgetError as e:
-        return e.min_budget_gb * GB
-    raise AssertionError("a budget of 1 byte was met")
 
 
 def _first_rows(args, kwargs, rows):
@@ -79,7 +72,7 @@ def compare(quick: bool) -> dict:
     torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(**SIZES[quick])
     full = int(args[0].shape[0])
-    budget = TIGHT * _least_full_batch(model, args, kwargs)
+    budget = TIGHT * least_bytes(model, args, kwargs)
     step = graphopt.train_step(model, args, kwargs, budget_gb=budget / GB)
     step_peak_ = _measured(lambda: step(*args, **kwargs), model, args, kwargs)
     runs = {"eager full batch": _step(lambda: run_step(model, args, kwargs), model),

@@ -29,7 +29,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from planning_time import llama  # noqa: E402  (bench/, beside this script)
+from least_budget import least_bytes  # noqa: E402  (bench/, beside this script)
+from planning_time import llama  # noqa: E402
 from results_files import device_name, today, write_results  # noqa: E402
 
 
@@ -53,10 +54,7 @@ def main(argv=None) -> int:
     name, model, _, _, _ = llama(options.layers)
     args, kwargs = batch(longest)
     peak = step_peak(model, model, args, kwargs, lambda out, *a, **k: out.loss)
-    try:
-        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9)
-    except graphopt.BudgetError as e:
-        least = e.min_budget_gb * GB
+    least = least_bytes(model, args, kwargs)
     budget_gb = (least + peak) / 2 / GB
 
     def step(module, length):

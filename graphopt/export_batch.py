@@ -210,6 +210,14 @@ def dynamic_sizes(ep, args: tuple, kwargs: dict) -> DynamicSizes | None:
     return DynamicSizes(tuple(names), tuple(ordered))
 
 
+def program_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The values the placeholders of an exported program's module take for a call: the pytree
+    leaves of (args, kwargs), flattened by the program's input spec."""
+    import torch.fx._pytree as fx_pytree
+
+    return list(fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec))
+
+
 def guards_failure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str | None:
     """Run the checks of sizes torch.export put in its module gm (the `_guards_fn` submodule the
     graph calls on its inputs first: related sizes, an even batch) on a call; the failure, or
@@ -217,10 +225,7 @@ def guards_failure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str |
     node = next((n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"), None)
     if node is None:
         return None
-    import torch.fx._pytree as fx_pytree
-
-    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"],
-                      fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)))
+    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], program_inputs(gm, args, kwargs)))
     try:
         gm.get_submodule("_guards_fn")(*[values.get(a, a) for a in node.args])
     except AssertionError as e:

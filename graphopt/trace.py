@@ -203,11 +203,8 @@ def register_dataclasses(value) -> None:
 
 def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """The values the graph's placeholders take for a call gm(*args, **kwargs), in order."""
-    in_spec = getattr(gm, "_in_spec", None)
-    if in_spec is not None:  # export: placeholders are the pytree leaves of (args, kwargs)
-        import torch.fx._pytree as fx_pytree
-
-        return list(fx_pytree.tree_flatten_spec((args, kwargs), in_spec))
+    if getattr(gm, "_in_spec", None) is not None:  # export: placeholders are the pytree leaves of (args, kwargs)
+        return export_batch.program_inputs(gm, args, kwargs)
     sig = inspect.signature(gm.forward)
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()

@@ -107,6 +107,16 @@ def test_fits_says_what_solve_finds_at_every_allowance():
     assert agreed > 20 and refused > 20
 
 
+def _whole_grid(space) -> list[RecomputePlan]:
+    """Every line at every allowance, the blocks too: the plans the search could look at."""
+    from graphopt.passes.recompute.candidates import CANDIDATES, LINES
+    plans = {}
+    for plan in [space.line_plan(line, k) for line in LINES for k in range(CANDIDATES)] + space.blocks:
+        if plan is not None:
+            plans.setdefault(tuple(plan.segments), plan)
+    return list(plans.values())
+
+
 def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid():
     # Scan solves each line from the top until a plan fits, one allowance more; the search's
     # choice, the cheapest plan that fits, is the one every allowance solved would give
@@ -124,7 +134,7 @@ def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid
                           cost=[rng.randint(5, 60) for _ in range(n)], saves=[SAVES_OWN] * n,
                           sel=[10 if m else 0 for m in matmul], ops=[1] * n, flops=[1000 if m else 0 for m in matmul],
                           segment_cost=SegmentCost(fixed=3, per_selective_op=1))
-        every = space.candidates()
+        every = _whole_grid(space)
         peaks = [p.predicted_peak for p in every]
         target = sorted(peaks)[len(peaks) // 2]  # the solver's model stands in for the price
         scan = Scan(space)
@@ -292,7 +302,7 @@ def test_candidates_hold_plans_of_full_segments_where_selective_ones_are_priced_
                                             for a in allowances) if p is not None and p.segments}
     only_full = proposed(False) - proposed(True)
     assert only_full  # the solver, free to cut selective segments, never proposes these
-    assert only_full <= {tuple(p.segments) for p in space.candidates()}
+    assert only_full <= {tuple(p.segments) for p in _whole_grid(space)}
 
 
 def test_block_plans_keep_blocks_whose_state_writes_moved_and_cut_them_after_their_first_matmul():

@@ -45,7 +45,6 @@ CANDIDATES = 16   # allowances per line; every plan found is priced (pricing.py)
 LINES = ((0, True), (0, False), (1, True))
 LEAN_ALLOWANCES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)  # of a chosen plan's allowance, for leaner plans
 GROW_BY = (1, 2, 4, 8)  # nodes a segment of a plan over the budget is grown by
-_NO_PLAN = RecomputePlan([], 0, 0)
 _NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")  # a child numbered by its name: layer2, denselayer3
 
 
@@ -92,19 +91,6 @@ class PlanSpace:
                    for i in range(s.start, rerun_end(self.saves, s.start, s.stop)))
         return RecomputePlan(list(segments), cost, predicted_peak, lean)
 
-    def candidates(self) -> list[RecomputePlan]:
-        """Steps 1 and 2, every allowance solved: the distinct plans by increasing cost (and so,
-        roughly, decreasing peak). The search solves them as it needs them (Scan)."""
-        plans = {}
-        for line in LINES:
-            for k in range(CANDIDATES):
-                plan = self.line_plan(line, k)
-                if plan is not None:
-                    plans.setdefault(tuple(plan.segments), plan)
-        for plan in self.blocks:
-            plans.setdefault(tuple(plan.segments), plan)
-        return sorted(plans.values(), key=lambda p: (p.recompute_cost, p.predicted_peak))
-
     def line_plan(self, line: tuple[int, bool], k: int) -> RecomputePlan | None:
         """Step 1: the solver's plan on a line (view, selective) at its k-th allowance, from the
         least it can meet (k = 0) to none (CANDIDATES - 1), priced; None where it cuts no segment,
@@ -117,8 +103,9 @@ class PlanSpace:
                 self._bounds[view] = (_least_allowance(atoms), model_peak(atoms, []))
             low, high = self._bounds[view]
             allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
+            beside = None if selective else self.line_plan((view, True), k)  # the selective solve there
             plan = None
-            if selective or any(s.selective for s in (self.line_plan((view, True), k) or _NO_PLAN).segments):
+            if selective or (beside is not None and any(s.selective for s in beside.segments)):
                 plan = solve(atoms, allowance, segment_cost=self.segment_cost, selective=selective)
             self._solved[line, k] = (self.priced(plan.segments, plan.predicted_peak)
                                      if plan is not None and plan.segments else None)
