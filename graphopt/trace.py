@@ -12,6 +12,7 @@ TensorInfo on every tensor-producing node: a 10 GB model traces on a laptop.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -137,10 +138,8 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx
     if gm is not None and export_batch.guards_failure(gm, args, kwargs) is None:
         _, sizes, static_why = kept
     else:
-        with StateWatch(model, refuse=False):  # both run forward, and reach a buffer hidden in a list as it is
-            _register_output_dataclasses(model, args, kwargs)
-            with custom_functions.keeping("export"):
-                ep, sizes, static_why = export_batch.export(model, args, kwargs)
+        with StateWatch(model, refuse=False), _registering_outputs(model), custom_functions.keeping("export"):
+            ep, sizes, static_why = export_batch.export(model, args, kwargs)
         gm = ep.module()
         custom_functions.restore(gm)
         if exports is not None:
@@ -156,15 +155,16 @@ def _trace_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx
     return gm
 
 
-def _register_output_dataclasses(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """export flattens outputs with pytree, which must know each dataclass the model returns.
-
-    One forward on FakeTensors finds them (no memory, nothing real written); each unknown one
-    is registered, as torch.export asks users to do by hand.
-    """
-    with fake_run(model, (args, kwargs)) as (mode, (fake_args, fake_kwargs)), mode:
-        out = model(*fake_args, **fake_kwargs)
-    register_dataclasses(out)
+@contextlib.contextmanager
+def _registering_outputs(model: torch.nn.Module):
+    """export flattens outputs with pytree, which must know each dataclass the model returns: a
+    forward hook registers each unknown one (as torch.export asks users to do by hand) as export's
+    own run of forward returns it, before it flattens it."""
+    handle = model.register_forward_hook(lambda module, inputs, out: register_dataclasses(out))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _register_cache(value) -> bool:

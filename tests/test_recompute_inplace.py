@@ -120,3 +120,25 @@ def test_writes_that_raise_the_estimate_are_undone(monkeypatch):
     assert len(graphs) > 1 and "relu" in ops and not any(op.endswith("_") for op in ops)
     assert measure_step(opt, args, kwargs) <= budget * GB
     assert_same_step(model, opt, args, kwargs, exact=False)
+
+
+def test_writes_within_the_plan_take_no_fake_step_of_their_own(monkeypatch):
+    # The plan with its writes is what the search's one fake step confirms: as many estimates as
+    # the same plan without the inplace pass in the pipeline, and the result's own.
+    import graphopt.passes.recompute.recompute_pass as rp
+    model, args, kwargs = zoo.convnet(batch=8, size=16, blocks=4)
+    gm = graphopt.trace(model, args)
+    budget = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
+    calls, real_estimate = [], rp.estimate_peak
+    monkeypatch.setattr(rp, "estimate_peak", lambda *a, **k: calls.append(1) or real_estimate(*a, **k))
+    counted = {}
+    for name, passes in (("plain", f"normalize,recompute{{budget_gb={budget}}}"), ("written", None)):
+        calls.clear()
+        opt = graphopt.optimize(model, args, passes=passes, budget_gb=None if passes else budget)
+        counted[name] = len(calls), opt.graphopt_report.passes[-1].stats
+    (plain, plain_stats), (written, stats) = counted["plain"], counted["written"]
+    assert stats["written_in_place"] and not plain_stats["written_in_place"]
+    assert written == plain == 2  # the step as traced, and the plan's
+    assert stats["segments"] == plain_stats["segments"]
+    assert stats["predicted_peak_bytes"] == estimate_peak(opt, placeholder_values(opt, args, kwargs)).peak_bytes
+    assert_same_step(model, opt, args, kwargs, exact=False)

@@ -1,12 +1,14 @@
 """The recompute solver against brute force."""
 import itertools
+import math
 import random
 
 import pytest
 
 from graphopt.analysis.saved import SAVES_INPUTS, SAVES_NOTHING, SAVES_OWN
-from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, RecomputePlan, Segment, fits, make_atoms,
-                                              model_peak, rerun_cost, rerun_end, solve)
+from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, RecomputePlan, Segment, SegmentCost, fits,
+                                              make_atoms, model_peak, rerun_cost, rerun_end, segments_cost,
+                                              solve)
 
 
 def _segmentations(atoms, kinds=(FULL, SELECTIVE)):
@@ -107,6 +109,29 @@ def test_fits_says_what_solve_finds_at_every_allowance():
     assert agreed > 20 and refused > 20
 
 
+def test_a_bound_on_the_cost_only_saves_time():
+    # a bound at, over or under the least cost, or at a smaller allowance's: the same plan
+    rng = random.Random(4)
+    bounded = 0
+    for _ in range(12):
+        atoms = _random_atoms(rng, rng.randint(20, 60))
+        high = model_peak(atoms, [])
+        for allowance in sorted(rng.randint(high // 3, high) for _ in range(6)):
+            plan = solve(atoms, allowance, segment_cost=SegmentCost(fixed=5, per_selective_op=1))
+            if plan is None:
+                continue
+            # what a plan costs in the program's terms, which the other lines' bounds are made of
+            assert segments_cost(atoms, plan.segments, SegmentCost(fixed=5, per_selective_op=1)) == plan.recompute_cost
+            tighter = solve(atoms, allowance * 9 // 10, segment_cost=SegmentCost(fixed=5, per_selective_op=1))
+            for bound in {plan.recompute_cost, plan.recompute_cost - 1, 2 * plan.recompute_cost, 0,
+                          tighter.recompute_cost if tighter is not None else None}:
+                again = solve(atoms, allowance, segment_cost=SegmentCost(fixed=5, per_selective_op=1), bound=bound)
+                assert (again.segments, again.recompute_cost, again.predicted_peak) == \
+                    (plan.segments, plan.recompute_cost, plan.predicted_peak), bound
+                bounded += bound is not None and bound >= plan.recompute_cost
+    assert bounded > 20
+
+
 def _whole_grid(space) -> list[RecomputePlan]:
     """Every line at every allowance, the blocks too: the plans the search could look at."""
     from graphopt.passes.recompute.candidates import CANDIDATES, LINES
@@ -123,7 +148,6 @@ def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid
     from types import SimpleNamespace
 
     from graphopt.passes.recompute.candidates import PlanSpace, Scan
-    from graphopt.passes.recompute.solver import SegmentCost
     rng = random.Random(5)
     for trial in range(6):
         n = 40
@@ -134,6 +158,10 @@ def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid
                           cost=[rng.randint(5, 60) for _ in range(n)], saves=[SAVES_OWN] * n,
                           sel=[10 if m else 0 for m in matmul], ops=[1] * n, flops=[1000 if m else 0 for m in matmul],
                           segment_cost=SegmentCost(fixed=3, per_selective_op=1))
+        # the views differ in cost only: one least allowance serves them all
+        memory = lambda atoms: [(a.start, a.stop, a.kept, a.cross, a.sel, a.grads, a.out, a.recomputable)  # noqa: E731
+                                for a in atoms]
+        assert memory(space.views[0]) == memory(space.views[1]) == memory(space.views[2])
         every = _whole_grid(space)
         peaks = [p.predicted_peak for p in every]
         target = sorted(peaks)[len(peaks) // 2]  # the solver's model stands in for the price
@@ -196,7 +224,7 @@ class _Given:
         self.peaks, self.asked = peaks, []
         search = _Search.__new__(_Search)
         search.estimates, search.prices, search.pricer = {}, {}, None
-        search.scan, search.ranks = None, {}
+        search.scan, search.ranks, search.finish = None, {}, None
         search.leaner = lambda plan: list(leaner)
         search.grown = lambda plan: list(grown)
 
@@ -285,7 +313,6 @@ def test_candidates_hold_plans_of_full_segments_where_selective_ones_are_priced_
     from types import SimpleNamespace
 
     from graphopt.passes.recompute.candidates import CANDIDATES, PlanSpace, _least_allowance
-    from graphopt.passes.recompute.solver import SegmentCost
     n = 12
     nodes = [SimpleNamespace(op="call_function", meta={}) for _ in range(n)]
     matmul = [i % 2 == 0 for i in range(n)]  # a matmul, then what reads it

@@ -103,6 +103,16 @@ def is_annotated(node: torch.fx.Node) -> bool:
     return node.meta.get(ANNOTATED, False)
 
 
+def gather(dst: torch.fx.Node, srcs: list[torch.fx.Node], single: bool) -> None:
+    """dst's metadata for a call that returns srcs' values, as one FakeTensor run would record
+    it: their value itself where single, else their tuple, in the run that annotated srcs
+    (nothing where one of them lacks it), without running the graph again."""
+    for key in ("val", "tensor_meta", KEY, ANNOTATED, "stack_trace"):
+        values = [s.meta.get(key) for s in srcs]
+        if values and all(v is not None for v in values):
+            dst.meta[key] = values[0] if single or key in (ANNOTATED, "stack_trace") else tuple(values)
+
+
 def invalidate(node: torch.fx.Node) -> None:
     """For a pass that rewrites a node in place so it computes something else: its metadata
     is stale, and the pass manager re-annotates the graph."""

@@ -45,7 +45,7 @@ from ..analysis.epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
 from ..analysis.effects import written_values
 from ..analysis.fusion import FusionGroup, candidates, find_groups, memory_bound, traffic
 from ..analysis.memory import estimate_peak
-from ..analysis.meta import ANNOTATED, KEY, graph_device
+from ..analysis.meta import KEY, gather, graph_device
 from ..analysis.row_members import StateInput, as_state, info_of
 from ..codegen.row_group import RowGroup
 from ..codegen.row_kernel import layout as row_layout
@@ -60,8 +60,6 @@ from .base import Option, Pass, PassContext, PassResult, to_bool
 from .fuse_head_loss import chunk_heads
 from .fuse_views import lift_views
 from .registry import register
-
-COPIED_META = ("val", "tensor_meta", KEY, ANNOTATED, "stack_trace")
 
 
 def _outside_users(group: FusionGroup) -> list[torch.fx.Node]:
@@ -91,14 +89,6 @@ def _replaced(value, replaced: dict):
     return replaced.get(value, value)
 
 
-def _copy_meta(dst: torch.fx.Node, srcs: list[torch.fx.Node]) -> None:
-    for key in COPIED_META:
-        values = [s.meta.get(key) for s in srcs]
-        if any(v is None for v in values):
-            continue
-        dst.meta[key] = values[0] if len(srcs) == 1 or key in (ANNOTATED, "stack_trace") else tuple(values)
-
-
 def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node, label: str, replaced: dict):
     """Step 3 for one group: returns the fused call node; records what replaced each member in `replaced`."""
     graph = gm.graph
@@ -119,13 +109,13 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
         runs = FusedRowOp(group.group, group.finish, group.orders, group.rows.col_dims, group.updates, draws) \
             if isinstance(group.group, RowGroup) else FusedOp(group.group, draws)
         call = graph.call_function(runs, tuple(inputs))
-        _copy_meta(call, group.outputs)
+        gather(call, group.outputs, single=len(group.outputs) == 1)
         note(call, "fuse", label)
         results = [call]
         if len(group.outputs) > 1:
             results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(group.outputs))]
             for i, (result, node) in enumerate(zip(results, group.outputs)):
-                _copy_meta(result, [node])
+                gather(result, [node], single=True)
                 note(result, "fuse", f"{label} output {i}")
     for result, node in zip(results, group.outputs):
         node.replace_all_uses_with(result)
@@ -149,7 +139,7 @@ def _without_bias(gm: torch.fx.GraphModule, value: BiasFree) -> torch.fx.Node:
             state, weight = weight, gm.graph.get_attr(weight.target)
             weight.meta[KEY] = state.info
         node = gm.graph.call_function(WITHOUT_BIAS[value.op], (bound.operands[0], weight, None, *extra))
-    _copy_meta(node, [value.node])
+    gather(node, [value.node], single=True)
     note(node, "fuse", "its bias is added by the group after it")
     return node
 

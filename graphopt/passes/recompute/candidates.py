@@ -19,7 +19,10 @@ Where plans come from:
      where the selective one chose no selective segment: it would choose the same plan among
      fewer. Each line (a view, selective or full only) is solved from its largest allowance
      down as the search needs it (Scan): its cheapest plan that fits is its first from the top
-     that does, and the least budget, which no plan meets, is among its lowest.
+     that does, and the least budget, which no plan meets, is among its lowest. A solve is
+     given a cost its least is likely within, which only saves it time (solver.solve's bound):
+     the line's least at the allowance below, solved first for it, and the first line's plan
+     at the same allowance in the others' terms.
   2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them,
      and cut after their first matmul, as timm's DenseNet checkpoints its dense layers.
   3. Near a chosen plan's allowance (leaner), the solver with a matmul's rerun priced as the
@@ -37,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from .solver import RecomputePlan, Segment, SegmentCost, fits, make_atoms, model_peak, rerun_cost, rerun_end, solve
+from .solver import (RecomputePlan, Segment, SegmentCost, fits, make_atoms, model_peak, rerun_cost, rerun_end,
+                     segments_cost, solve)
 
 CANDIDATES = 16   # allowances per line; every plan found is priced (pricing.py)
 # The solver's lines, (view, selective): the rerun as it runs with selective segments and with
@@ -70,7 +74,9 @@ class PlanSpace:
     views: list = field(init=False)
     blocks: list = field(init=False)
     _solved: dict = field(init=False, default_factory=dict)  # line_plan's, by (line, k)
-    _bounds: dict = field(init=False, default_factory=dict)  # per view: the least allowance and none
+    # the least allowance and none: the views differ in cost only, their atoms and memory the same
+    _allowances: tuple | None = field(init=False, default=None)
+    _costs: dict = field(init=False, default_factory=dict)   # the solver's cost of line_plan's, by (line, k)
 
     def __post_init__(self):
         self.sel_cost = [c if b else 0 for c, b in zip(self.cost, self.sel)]
@@ -99,23 +105,42 @@ class PlanSpace:
         if (line, k) not in self._solved:
             view, selective = line
             atoms = self.views[view]
-            if view not in self._bounds:
-                self._bounds[view] = (_least_allowance(atoms), model_peak(atoms, []))
-            low, high = self._bounds[view]
+            if self._allowances is None:
+                self._allowances = (_least_allowance(atoms), model_peak(atoms, []))
+            low, high = self._allowances
             allowance = int(low * (high / low) ** (k / (CANDIDATES - 1))) if low else high
             beside = None if selective else self.line_plan((view, True), k)  # the selective solve there
             plan = None
             if selective or (beside is not None and any(s.selective for s in beside.segments)):
-                plan = solve(atoms, allowance, segment_cost=self.segment_cost, selective=selective)
+                plan = solve(atoms, allowance, segment_cost=self.segment_cost, selective=selective,
+                             bound=self._bound(line, k))
+            if plan is not None and plan.segments:
+                self._costs[line, k] = plan.recompute_cost
             self._solved[line, k] = (self.priced(plan.segments, plan.predicted_peak)
                                      if plan is not None and plan.segments else None)
         return self._solved[line, k]
 
+    def _bound(self, line: tuple[int, bool], k: int) -> int | None:
+        """A cost the solver's least at (line, k) is likely within, which saves the solve time
+        (solver.solve's bound): the least solved on the line at a smaller allowance, and what
+        the first line's plan at k costs in this line's terms (its view, its segments full where
+        the line has none selective)."""
+        found = [c for (at, j), c in self._costs.items() if at == line and j < k]
+        first = self._solved.get((LINES[0], k))
+        if line != LINES[0] and first is not None:
+            view, selective = line
+            found.append(segments_cost(self.views[view], first.segments, self.segment_cost, selective))
+        return min(found, default=None)
+
     def leaner(self, plan: RecomputePlan) -> list[RecomputePlan]:
-        """Step 3."""
-        found = (solve(self.views[2], int(plan.predicted_peak * f), segment_cost=self.segment_cost)
-                 for f in LEAN_ALLOWANCES)
-        return [self.priced(p.segments, p.predicted_peak) for p in found if p is not None and p.segments]
+        """Step 3, from the smallest allowance up: each plan's cost bounds the next's."""
+        found, bound = [], None
+        for f in sorted(LEAN_ALLOWANCES):
+            p = solve(self.views[2], int(plan.predicted_peak * f), segment_cost=self.segment_cost, bound=bound)
+            if p is not None and p.segments:
+                found.append(self.priced(p.segments, p.predicted_peak))
+                bound = p.recompute_cost
+        return found[::-1]  # as LEAN_ALLOWANCES
 
     def grown(self, plan: RecomputePlan) -> list[RecomputePlan]:
         """Step 4: plan with one segment grown by GROW_BY nodes at its start or its end, over
@@ -158,6 +183,8 @@ class Scan:
                     break
                 k = self.next[line]
                 self.next[line] -= 1
+                if fit is None and k >= 1:  # a look for the first fit: the allowance below, which the
+                    self.space.line_plan(line, k - 1)  # scan solves next, first, as its cost bounds k's
                 plan = self.space.line_plan(line, k)
                 if plan is not None:
                     self.solved[line].append(k)

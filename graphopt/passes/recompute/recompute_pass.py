@@ -27,7 +27,9 @@ Algorithm:
      TIME_RESOLUTION of its cost that reruns fewer matmul FLOPs (candidates.py proposes some
      near it) takes its place. The full estimate of the chosen plan (rewritten through
      torch.utils.checkpoint, rewrite.py, then undone) confirms it; over the target, its
-     estimate stands for its price and the search runs again. Cheaper plans priced within
+     estimate stands for its price and the search runs again. Where step 6 writes anything
+     within the plan, the estimate is of the plan with its writes: within the target and the
+     plan's price, it confirms both, and the plan stays written and cut. Cheaper plans priced within
      PRICE_MARGIN over the target get their estimate too, where no further over than the
      prices were off the estimates made so far. When none fits, the plan priced lowest is
      estimated, and up to LOOK_LEAST in all while the next is priced within PRICE_MARGIN (and
@@ -40,8 +42,8 @@ Algorithm:
   6. Where the pipeline has the inplace pass (a budget skips it by default), write elementwise
      ops in place within the plan: decided on the graph before its segments are cut, from step
      2's record, by the inplace pass's rules and the plan's (in_place.py: a segment's inputs are
-     read again by its rerun), then cut; the estimate is made again, and writes that raise it
-     are undone. Also when the budget needs no plan.
+     read again by its rerun), then cut; the estimate is made again (in step 4, as the plan's
+     own), and writes that raise it are undone. Also when the budget needs no plan.
   7. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
      before and after, recompute FLOPs, time and its share of the step, and a picture of
      predicted memory through the step, before and after (kk-recompute.memory.png).
@@ -284,6 +286,8 @@ class Recompute(Pass):
         search = _Search(gm, inputs, nodes, sel, saves, sorted(space.blocks, key=lambda p: (p.recompute_cost,
                          p.predicted_peak)), self.optimizer, self.accumulate, space.leaner, space.grown, pricer,
                          Scan(space))
+        if not self.settings["calibrate"]:  # calibrating measures the plan without the writes first
+            search.finish = lambda plan: self._written(gm, ctx, search, plan)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:  # without a plan at all, nothing may be recomputed: the step as it is is the least
@@ -309,8 +313,11 @@ class Recompute(Pass):
                     raise self._error(budget_gb, stats["measured_peak_bytes"], after.breakdown,
                                       inference=False, measured=True)
             search.undo()
-        # Step 6, and the plan's segments cut
-        written, after = self._write_in_place(gm, ctx, search, plan, after)
+        # Step 6, and the plan's segments cut, where the search did not do both
+        if search.finished is not None:
+            written, after = search.finished
+        else:
+            written, after = self._write_in_place(gm, ctx, search, plan, after)
         # Step 7
         for n in gm.graph.nodes:
             if isinstance(n.target, SegmentCall):
@@ -341,30 +348,42 @@ class Recompute(Pass):
 
     def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, search: _Search | None, plan,
                         estimate: Estimate) -> tuple[dict, Estimate]:
-        """Step 6, on gm before its segments are cut, which it then cuts: where the pipeline has
-        the inplace pass (which a budget skips by default), the ops written in place within the
-        plan, by name (in_place.py), and the step's estimate. Measured, not assumed: where the
+        """Step 6, on gm before its segments are cut, which it then cuts: the ops written in
+        place within the plan, by name, and the step's estimate. Measured, not assumed: where the
         writes raise the estimate, the graph goes back to the plan without them (GPT-NeoX's
         per-layer plan, before the inplace rules left views autograd tracks alone)."""
-        if "inplace" in ctx.pipeline:
-            before = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
-            before.output(before.graph_copy(gm.graph, {}))  # its nodes' metadata copied with them
-            before._codegen = gm.graph._codegen  # export's pytree calling convention
-            nodes = list(gm.graph.nodes)
-            sel = search.sel if search is not None else [0] * len(nodes)
-            # the step's record before any plan (step 2's): the graph is that one, node by node
-            written, _ = write_within(gm, nodes, plan, ctx.analysis(record_step, gm), sel)
-            if written:
-                inputs = ctx.flat_inputs(gm)
-                annotate(gm, inputs)  # the writes' storage, for the segments' check (rewrite._writes_inside)
-                self._cut(gm, search, plan)
-                after = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
-                if after.peak_bytes <= estimate.peak_bytes:
-                    return written, after
-                gm.graph = before
-                gm.recompile()
+        found = self._written(gm, ctx, search, plan)
+        if found is not None:
+            written, after, before = found
+            if after.peak_bytes <= estimate.peak_bytes:
+                return written, after
+            _put_back(gm, before, search)
         self._cut(gm, search, plan)
         return {}, estimate
+
+    def _written(self, gm: torch.fx.GraphModule, ctx: PassContext, search: _Search | None,
+                 plan) -> tuple[dict, Estimate, torch.fx.Graph] | None:
+        """Where the pipeline has the inplace pass (which a budget skips by default) and its rules
+        and the plan's allow a write (in_place.py): the writes, by name, made in gm with the plan's
+        segments cut, the step's estimate and gm's graph as it was (for _put_back); None, gm
+        untouched, where no write is allowed."""
+        if "inplace" not in ctx.pipeline:
+            return None
+        before = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        # its nodes' metadata copied with them, and the output's type (the code's return annotation)
+        before.output(before.graph_copy(gm.graph, {}), type_expr=output.type)
+        before._codegen = gm.graph._codegen  # export's pytree calling convention
+        nodes = list(gm.graph.nodes)
+        sel = search.sel if search is not None else [0] * len(nodes)
+        # the step's record before any plan (step 2's): the graph is that one, node by node
+        written, _ = write_within(gm, nodes, plan, ctx.analysis(record_step, gm), sel)
+        if not written:
+            return None
+        inputs = ctx.flat_inputs(gm)
+        annotate(gm, inputs)  # the writes' storage, for the segments' check (rewrite._writes_inside)
+        self._cut(gm, search, plan)
+        return written, estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate), before
 
     @staticmethod
     def _cut(gm: torch.fx.GraphModule, search: _Search | None, plan) -> None:
@@ -404,33 +423,28 @@ class _Search:
         self.ranks = {k: (0, p.recompute_cost, p.predicted_peak, k) for k, p in enumerate(candidates)}
         self.saves, self.leaner, self.grown = saves, leaner, grown
         self.optimizer, self.accumulate = optimizer, accumulate
-        self.annotated = False
+        # Step 6 done ahead of the plan's own fake step (the pass sets it): plan -> (writes, estimate,
+        # the graph before) with gm written and cut, or None; what it did for the plan chosen
+        self.finish = None
+        self.finished: tuple[dict, Estimate] | None = None
         self.estimates: dict[int, Estimate] = {}  # by fake step
         self.prices: dict[int, int] = {}          # by pricing.py
         self.decision: dict[torch.fx.Node, str] = {}
 
-    def rewrite(self, plan, annotated: bool = True) -> None:
-        """Rewrite gm with plan; annotated: re-annotate it (the segment calls are new nodes)."""
+    def rewrite(self, plan) -> None:
+        """Rewrite gm with plan: its segment calls take their metadata from the nodes they replace."""
         self._decide(plan)  # before the rewrite: the nodes' copies in the segments share the notes
         checkpoint_segments(self.gm, [self.nodes[s.start:s.stop] for s in plan.segments],
                             [s.selective for s in plan.segments])
-        self.annotated = annotated
-        if annotated:
-            annotate(self.gm, self.inputs)
 
     def undo(self) -> None:
-        """Put the segments' nodes back. Their copies keep the metadata the nodes had: after a
-        rewrite that was not annotated, that is the graph's metadata as before, all of one
-        FakeTensor run; after one that was, the rest of the graph is of a newer run."""
+        """Put the segments' nodes back. Their copies keep the metadata the nodes had."""
         inline_segments(self.gm)
-        if self.annotated:
-            annotate(self.gm, self.inputs)
         self.nodes[:] = list(self.gm.graph.nodes)  # the inlined copies, in the same order
 
     def estimate(self, k: int) -> Estimate:
-        # estimate_peak runs the module, not its metadata: a plan looked at is not annotated.
         if k not in self.estimates:
-            self.rewrite(self.candidates[k], annotated=False)
+            self.rewrite(self.candidates[k])
             self.estimates[k] = estimate_peak(self.gm, self.inputs, optimizer=self.optimizer, accumulate=self.accumulate)
             self.undo()
         return self.estimates[k]
@@ -451,13 +465,10 @@ class _Search:
             hi = self._cheapest_by_peak(target)
             if hi is None:
                 break
+            if self._finished_within(hi, target):
+                return self.candidates[hi], self.finished[1]
             if self.estimate(hi).peak_bytes <= target:  # a price over by a hair gets its own look
-                over = min(target * PRICE_MARGIN, self._price_error())
-                near = sorted((k for k, p in self.prices.items() if k not in self.estimates and
-                               target < p <= target + over and
-                               self.candidates[k].recompute_cost < self.candidates[hi].recompute_cost),
-                              key=lambda k: (self.candidates[k].recompute_cost, self._rank(k)))
-                hi = next((k for k in near[:LOOK_NEAR] if self.estimate(k).peak_bytes <= target), hi)
+                hi = next((k for k in self._near(hi, target)[:LOOK_NEAR] if self.estimate(k).peak_bytes <= target), hi)
                 return self.candidates[hi], self.estimates[hi]
             # over after all: its fake step now stands for it, and the search runs again
         # none within target: the least is the smallest fake step of the plans priced lowest,
@@ -476,6 +487,31 @@ class _Search:
         if self.estimates[best].peak_bytes <= target:
             return self.candidates[best], self.estimates[best]
         return None, self.estimates[best]
+
+    def _near(self, hi: int, target: int) -> list[int]:
+        """The plans cheaper than candidates[hi] priced over the target by no more than PRICE_MARGIN
+        and than prices were off their fake steps so far, not yet estimated, cheapest first."""
+        over = min(target * PRICE_MARGIN, self._price_error())
+        return sorted((k for k, p in self.prices.items() if k not in self.estimates and target < p <= target + over
+                       and self.candidates[k].recompute_cost < self.candidates[hi].recompute_cost),
+                      key=lambda k: (self.candidates[k].recompute_cost, self._rank(k)))
+
+    def _finished_within(self, hi: int, target: int) -> bool:
+        """Step 6 in place of candidates[hi]'s own fake step, where it writes anything: the one
+        fake step, of the plan with its writes, confirms both where it is within the target and
+        the plan's price (the writes raise nothing, as far as the price knows) and no cheaper plan
+        is near enough to look at. Otherwise gm goes back, and the plan is estimated alone."""
+        if self.finish is None or hi in self.estimates or hi not in self.prices:
+            return False
+        found = self.finish(self.candidates[hi])
+        if found is None:
+            return False
+        written, estimate, before = found
+        if estimate.peak_bytes <= min(target, self.prices[hi]) and not self._near(hi, target):
+            self.finished = written, estimate
+            return True
+        _put_back(self.gm, before, self)
+        return False
 
     def _lowest(self) -> None:
         """The solver's plans priced lowest, solved where not yet (candidates.Scan.up)."""
@@ -566,6 +602,14 @@ class _Search:
         for n in self.nodes:
             if n.op.startswith("call"):
                 note(n, "recompute", self.decision.get(n, "kept"))
+
+
+def _put_back(gm: torch.fx.GraphModule, before: torch.fx.Graph, search: _Search | None) -> None:
+    """gm's graph as it was before _written wrote in place and cut, and the search's nodes with it."""
+    gm.graph = before
+    gm.recompile()
+    if search is not None:
+        search.nodes[:] = list(gm.graph.nodes)
 
 
 def _measure(gm: torch.fx.GraphModule, ctx: PassContext, accumulate: bool) -> int:

@@ -29,6 +29,7 @@ import torch.fx
 from ... import ops
 from ...analysis.aliases import Aliases
 from ...analysis.effects import CALLS, declared_functional, function_writes, may_draw, size_arithmetic, state_effect
+from ...analysis.meta import gather
 from ...analysis.segments import SegmentCall
 from ...custom_functions import FunctionCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
@@ -146,6 +147,7 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
                 item.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in out.meta.items()}
                 out.replace_all_uses_with(item, delete_user_cb=lambda user, inside=inside: user not in inside)
                 items[item] = out.name
+        gather(call, outputs, single=False)  # it returns what its outputs made: no FakeTensor run needed
         for n in reversed(nodes):
             gm.graph.erase_node(n)
         # the names are free only now that the segment's nodes are gone

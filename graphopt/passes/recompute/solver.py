@@ -47,8 +47,10 @@ Algorithm:
      another state of the same row beats with fewer units held is dropped before its moves
      (every later constraint bounds the units held from above, so it leads to no plan the
      other does not match at least as well); the moves from one row, each to its own row,
-     are one vectorised update. Both only save time: the plan is the one the plain program
-     gives.
+     are one vectorised update. Given a bound on the cost (a plan's at a smaller allowance),
+     the states that cost more are dropped: no move lowers a cost, and where no plan is found
+     within it the program runs again without. All three only save time: the plan is the one
+     the plain program gives.
   3. The plan of least cost, ties broken by least memory. Deterministic: the same graph and
      budget give the same plan.
 
@@ -194,15 +196,46 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
     return max(peak, held)
 
 
+def segments_cost(atoms: list[Atom], segments: list[Segment], segment_cost: SegmentCost, selective: bool = True) -> int:
+    """What the program's moves cost for segments (node ranges starting and ending at atoms'
+    bounds); selective False: each as a full segment."""
+    first = {a.start: i for i, a in enumerate(atoms)}
+    total = 0
+    for s in segments:
+        i = first[s.start]
+        j = next(k for k in range(i, len(atoms)) if atoms[k].stop == s.stop) + 1
+        kept = s.selective and selective
+        last = max((k for k in range(i, j) if atoms[k].saves), default=None)
+        if last is not None:
+            total += sum(a.cost - (a.sel_cost if kept else 0) for a in atoms[i:last]) + atoms[last].rerun(kept)
+        total += segment_cost.fixed + (segment_cost.per_selective_op * sum(a.ops for a in atoms[i:j]) if kept else 0)
+    return total
+
+
 def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost(),
-          selective: bool = True) -> RecomputePlan | None:
+          selective: bool = True, bound: int | None = None) -> RecomputePlan | None:
     """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does.
-    selective False: full segments only."""
+    selective False: full segments only. bound: a cost the least is likely within (a plan's at a
+    smaller allowance), which only saves time: the same plan either way."""
     as_is = model_peak(atoms, [])
     if as_is <= allowance:
         return RecomputePlan([], 0, as_is)
     if allowance <= 0:
         return None
+    if bound is not None and segment_cost.fixed >= 0 and segment_cost.per_selective_op >= 0 and \
+            all(a.cost >= a.sel_cost >= 0 for a in atoms):  # no move lowers a cost: the bound holds
+        plan = _solve(atoms, allowance, buckets, segment_cost, selective, bound)
+        if plan is not None:
+            return plan
+    return _solve(atoms, allowance, buckets, segment_cost, selective, None)
+
+
+def _solve(atoms: list[Atom], allowance: int, buckets: int, segment_cost: SegmentCost, selective: bool,
+           bound: int | None) -> RecomputePlan | None:
+    """solve's program. With a bound, the states that cost more are dropped: every move costs
+    nothing or more, so none of them leads to a plan within the bound, and the states within it
+    (the program's every choice among them) are as without it: a plan found is solve's, and where
+    none is found the least costs more than the bound."""
     moves = _Moves(atoms, allowance, buckets, segment_cost, selective)
     n, buckets = len(atoms), moves.buckets
     # Step 2. cost[i, m]: least cost covering atoms[:i] holding m units; how[i, m]: (previous i, kind).
@@ -214,13 +247,15 @@ def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: 
         # is an upper bound on units held, so the others lead to no plan these do not match.
         row = cost[i]
         held = np.flatnonzero(row < np.concatenate(([INF], np.minimum.accumulate(row)[:-1])))
+        if bound is not None:
+            held = held[row[held] <= bound]
         if held.size == 0:
             continue
         for j, add, limit, spent, kind in moves.from_atom(i):
             _relax(cost, how, held, row[held], j, add, limit, spent, (i, kind))
     # Step 3
     final = cost[n]
-    if final.min() >= INF:
+    if final.min() >= INF or (bound is not None and final.min() > bound):
         return None
     m = int(np.argmin(final))  # least cost; argmin takes the least memory among ties
     cost_total = int(final[m])
