@@ -29,9 +29,9 @@ Algorithm:
      torch.utils.checkpoint, rewrite.py, then undone) confirms it; over the target, its
      estimate stands for its price and the search runs again. Where step 6 writes anything
      within the plan, the estimate is of the plan with its writes: within the target and the
-     plan's price, it confirms both, and the plan stays written and cut. Cheaper plans priced within
-     PRICE_MARGIN over the target get their estimate too, where no further over than the
-     prices were off the estimates made so far. When none fits, the plan priced lowest is
+     plan's price, it confirms both, and the plan stays written and cut. Cheaper plans priced
+     within PRICE_MARGIN over the target get their estimate too, where no further over than
+     the prices were off the estimates made so far. When none fits, the plan priced lowest is
      estimated, and up to LOOK_LEAST in all while the next is priced within PRICE_MARGIN (and
      the prices' error so far) of the smallest estimate, and BudgetError names the smallest
      estimated peak (the step as it is included) as the least budget that works.
@@ -501,13 +501,13 @@ class _Search:
         fake step, of the plan with its writes, confirms both where it is within the target and
         the plan's price (the writes raise nothing, as far as the price knows) and no cheaper plan
         is near enough to look at. Otherwise gm goes back, and the plan is estimated alone."""
-        if self.finish is None or hi in self.estimates or hi not in self.prices:
+        if self.finish is None or hi in self.estimates or hi not in self.prices or self._near(hi, target):
             return False
         found = self.finish(self.candidates[hi])
         if found is None:
             return False
         written, estimate, before = found
-        if estimate.peak_bytes <= min(target, self.prices[hi]) and not self._near(hi, target):
+        if estimate.peak_bytes <= min(target, self.prices[hi]):
             self.finished = written, estimate
             return True
         _put_back(self.gm, before, self)

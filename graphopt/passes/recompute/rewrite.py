@@ -129,11 +129,13 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         nodes = [n for n in sorted(nodes, key=order.__getitem__) if n.op != "get_attr"]
         if not nodes:
             continue
-        inside, aliases = set(nodes), Aliases(gm)
+        inside, aliases = set(nodes), None
         for n in nodes:
             why = recomputable(n, gm)
-            if why and not _writes_inside(n, gm, inside, aliases):
-                raise ValueError(f"node {n.name} cannot be recomputed: {why}")
+            if why:
+                aliases = aliases or Aliases(gm)  # a pass over the graph: only for a node that asks
+                if not _writes_inside(n, gm, inside, aliases):
+                    raise ValueError(f"node {n.name} cannot be recomputed: {why}")
         module, inputs, outputs = _segment_module(gm, nodes)
         inside, last = set(nodes), nodes[-1]
         with gm.graph.inserting_after(last):
