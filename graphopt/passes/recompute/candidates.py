@@ -120,6 +120,9 @@ class PlanSpace:
                                      if plan is not None and plan.segments else None)
         return self._solved[line, k]
 
+    def solved(self, line: tuple[int, bool], k: int) -> bool:
+        return (line, k) in self._solved
+
     def _bound(self, line: tuple[int, bool], k: int) -> int | None:
         """A cost the solver's least at (line, k) is likely within, which saves the solve time
         (solver.solve's bound): the least solved on the line at a smaller allowance, and what
@@ -183,8 +186,10 @@ class Scan:
                     break
                 k = self.next[line]
                 self.next[line] -= 1
-                if fit is None and k >= 1:  # a look for the first fit: the allowance below, which the
-                    self.space.line_plan(line, k - 1)  # scan solves next, first, as its cost bounds k's
+                if fit is None and k >= 1 and not self.space.solved(line, k):
+                    # a look for the first fit: the allowance below, which the scan solves next,
+                    # solved first, as its cost bounds k's (every other solve of a line bounded so)
+                    self.space.line_plan(line, k - 1)
                 plan = self.space.line_plan(line, k)
                 if plan is not None:
                     self.solved[line].append(k)
