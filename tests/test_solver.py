@@ -1,6 +1,5 @@
 """The recompute solver against brute force."""
 import itertools
-import math
 import random
 
 import pytest
