@@ -33,6 +33,31 @@ def test_output_structure_matches():
         assert type(opt(*args, **kwargs)) is kind
 
 
+def test_an_output_dataclass_export_has_never_seen_is_registered_as_export_runs():
+    # a type made here, so no earlier test registered it with pytree; a second batch of other rows
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+        logits: torch.Tensor
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            z = self.linear(x)
+            return Out(torch.nn.functional.cross_entropy(z, y), z)
+
+    model = Head()
+    opt = graphopt.optimize(model, (torch.randn(6, 8), torch.randint(0, 4, (6,))), frontend="export")
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    out = opt(x, y)
+    assert type(out) is Out and torch.allclose(out.loss, model(x, y).loss)
+
+
 def test_optimizer_trains_shared_parameters_and_batchnorm_stats_update():
     model, args, kwargs = zoo.convnet()
     opt = graphopt.optimize(model, args, passes=[])

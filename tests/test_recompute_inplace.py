@@ -94,7 +94,7 @@ def test_writes_that_raise_the_estimate_are_undone(monkeypatch):
     gm = graphopt.trace(model, args)
     budget = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
     unwritten = graphopt.optimize(model, args, passes=f"normalize,recompute{{budget_gb={budget}}}")
-    written, real_estimate = {}, rp.estimate_peak
+    written, real_estimate, estimates = {}, rp.estimate_peak, []
 
     def writes(*a, **k):
         out = real_write(*a, **k)
@@ -102,6 +102,7 @@ def test_writes_that_raise_the_estimate_are_undone(monkeypatch):
         return out
 
     def estimate(*a, **k):  # the first estimate after the writes reads one byte over
+        estimates.append(1)
         e = real_estimate(*a, **k)
         if written.pop("now", False):
             e = dataclasses.replace(e, peak_bytes=e.peak_bytes + 1)
@@ -113,6 +114,7 @@ def test_writes_that_raise_the_estimate_are_undone(monkeypatch):
     opt = graphopt.optimize(model, args, budget_gb=budget)
     stats = opt.graphopt_report.passes[-1].stats
     assert stats["written_in_place"] == {}
+    assert len(estimates) == 3  # the step as traced, the plan with its writes, the plan alone: no more
     assert stats["predicted_peak_bytes"] == unwritten.graphopt_report.passes[-1].stats["predicted_peak_bytes"]
     graphs = [opt.graph] + [n.target.module.graph for n in opt.graph.nodes if isinstance(n.target, SegmentCall)]
     ops = [getattr(n.target, "__name__", str(n.target)).split(".")[0] for g in graphs for n in g.nodes

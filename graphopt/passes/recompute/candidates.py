@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from .solver import (RecomputePlan, Segment, SegmentCost, fits, make_atoms, model_peak, rerun_cost, rerun_end,
-                     segments_cost, solve)
+from .solver import RecomputePlan, Segment, SegmentCost, fits, make_atoms, model_peak, rerun_cost, rerun_end, solve
 
 CANDIDATES = 16   # allowances per line; every plan found is priced (pricing.py)
 # The solver's lines, (view, selective): the rerun as it runs with selective segments and with
@@ -79,23 +78,30 @@ class PlanSpace:
     _costs: dict = field(init=False, default_factory=dict)   # the solver's cost of line_plan's, by (line, k)
 
     def __post_init__(self):
-        self.sel_cost = [c if b else 0 for c, b in zip(self.cost, self.sel)]
         self.matmul_flops = [f if b else 0 for f, b in zip(self.flops, self.sel)]  # what a selective segment keeps
+        heavy = [c + (sum(self.cost) if m else 0) for c, m in zip(self.cost, self.matmul_flops)]
+        # per view, each node's cost, save point (None: every node reruns) and cost a selective segment keeps
+        self.view_costs = [(c, saves, [x if b else 0 for x, b in zip(c, self.sel)])
+                           for c, saves in ((self.cost, self.saves), (self.cost, None), (heavy, self.saves))]
         self.blocks = block_plans(self.nodes, self.ok, self.live_after, self.sel, self.priced)
         bounds = {k for p in self.blocks for s in p.segments for k in (s.start, s.stop)}
-        heavy = [c + (sum(self.cost) if m else 0) for c, m in zip(self.cost, self.matmul_flops)]
-        self.views = [make_atoms(self.kept, self.live_after, c, self.ok, self.sel, [x if b else 0 for x, b in zip(c, self.sel)],
-                                 param_grads=self.grads, ops=self.ops, saves=saves, boundaries=bounds)
-                      for c, saves in ((self.cost, self.saves), (self.cost, None), (heavy, self.saves))]
+        self.views = [make_atoms(self.kept, self.live_after, c, self.ok, self.sel, kept, param_grads=self.grads,
+                                 ops=self.ops, saves=saves, boundaries=bounds)
+                      for c, saves, kept in self.view_costs]
 
     def priced(self, segments, predicted_peak: int = 0) -> RecomputePlan:
-        cost = sum(rerun_cost(self.cost, self.saves, s.start, s.stop, self.sel_cost if s.selective else None)
-                   + self.segment_cost.fixed + (self.segment_cost.per_selective_op * sum(self.ops[s.start:s.stop])
-                                                if s.selective else 0)
-                   for s in segments)
         lean = sum(self.matmul_flops[i] for s in segments if not s.selective
                    for i in range(s.start, rerun_end(self.saves, s.start, s.stop)))
-        return RecomputePlan(list(segments), cost, predicted_peak, lean)
+        return RecomputePlan(list(segments), self.cost_in(segments), predicted_peak, lean)
+
+    def cost_in(self, segments, view: int = 0, selective: bool = True) -> int:
+        """What segments cost in a view's terms, as its solver counts it; selective False: each as a
+        full segment."""
+        cost, saves, kept = self.view_costs[view]
+        return sum(rerun_cost(cost, saves, s.start, s.stop, kept if s.selective and selective else None)
+                   + self.segment_cost.fixed + (self.segment_cost.per_selective_op * sum(self.ops[s.start:s.stop])
+                                                if s.selective and selective else 0)
+                   for s in segments)
 
     def line_plan(self, line: tuple[int, bool], k: int) -> RecomputePlan | None:
         """Step 1: the solver's plan on a line (view, selective) at its k-th allowance, from the
@@ -132,7 +138,7 @@ class PlanSpace:
         first = self._solved.get((LINES[0], k))
         if line != LINES[0] and first is not None:
             view, selective = line
-            found.append(segments_cost(self.views[view], first.segments, self.segment_cost, selective))
+            found.append(self.cost_in(first.segments, view, selective))
         return min(found, default=None)
 
     def leaner(self, plan: RecomputePlan) -> list[RecomputePlan]:

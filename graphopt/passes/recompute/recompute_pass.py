@@ -317,7 +317,8 @@ class Recompute(Pass):
         if search.finished is not None:
             written, after = search.finished
         else:
-            written, after = self._write_in_place(gm, ctx, search, plan, after)
+            written, after = self._write_in_place(gm, ctx, search, plan, after,
+                                                  search.with_writes.get(tuple(plan.segments)))
         # Step 7
         for n in gm.graph.nodes:
             if isinstance(n.target, SegmentCall):
@@ -347,12 +348,16 @@ class Recompute(Pass):
                            (ctx.example_args, ctx.example_kwargs))
 
     def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, search: _Search | None, plan,
-                        estimate: Estimate) -> tuple[dict, Estimate]:
+                        estimate: Estimate, known: Estimate | None = None) -> tuple[dict, Estimate]:
         """Step 6, on gm before its segments are cut, which it then cuts: the ops written in
         place within the plan, by name, and the step's estimate. Measured, not assumed: where the
         writes raise the estimate, the graph goes back to the plan without them (GPT-NeoX's
-        per-layer plan, before the inplace rules left views autograd tracks alone)."""
-        found = self._written(gm, ctx, search, plan)
+        per-layer plan, before the inplace rules left views autograd tracks alone). known: the
+        estimate of the plan with its writes, where the search made it already."""
+        if known is not None and known.peak_bytes > estimate.peak_bytes:
+            self._cut(gm, search, plan)
+            return {}, estimate
+        found = self._written(gm, ctx, search, plan, known)
         if found is not None:
             written, after, before = found
             if after.peak_bytes <= estimate.peak_bytes:
@@ -361,12 +366,12 @@ class Recompute(Pass):
         self._cut(gm, search, plan)
         return {}, estimate
 
-    def _written(self, gm: torch.fx.GraphModule, ctx: PassContext, search: _Search | None,
-                 plan) -> tuple[dict, Estimate, torch.fx.Graph] | None:
+    def _written(self, gm: torch.fx.GraphModule, ctx: PassContext, search: _Search | None, plan,
+                 known: Estimate | None = None) -> tuple[dict, Estimate, torch.fx.Graph] | None:
         """Where the pipeline has the inplace pass (which a budget skips by default) and its rules
         and the plan's allow a write (in_place.py): the writes, by name, made in gm with the plan's
         segments cut, the step's estimate and gm's graph as it was (for _put_back); None, gm
-        untouched, where no write is allowed."""
+        untouched, where no write is allowed. known: that estimate, made before on the same graph."""
         if "inplace" not in ctx.pipeline:
             return None
         before = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
@@ -383,7 +388,9 @@ class Recompute(Pass):
         inputs = ctx.flat_inputs(gm)
         annotate(gm, inputs)  # the writes' storage, for the segments' check (rewrite._writes_inside)
         self._cut(gm, search, plan)
-        return written, estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate), before
+        if known is None:
+            known = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
+        return written, known, before
 
     @staticmethod
     def _cut(gm: torch.fx.GraphModule, search: _Search | None, plan) -> None:
@@ -427,6 +434,7 @@ class _Search:
         # the graph before) with gm written and cut, or None; what it did for the plan chosen
         self.finish = None
         self.finished: tuple[dict, Estimate] | None = None
+        self.with_writes: dict[tuple, Estimate] = {}  # by a plan's segments, where it was not kept
         self.estimates: dict[int, Estimate] = {}  # by fake step
         self.prices: dict[int, int] = {}          # by pricing.py
         self.decision: dict[torch.fx.Node, str] = {}
@@ -510,6 +518,7 @@ class _Search:
         if estimate.peak_bytes <= min(target, self.prices[hi]):
             self.finished = written, estimate
             return True
+        self.with_writes[tuple(self.candidates[hi].segments)] = estimate  # step 6 reads it again
         _put_back(self.gm, before, self)
         return False
 

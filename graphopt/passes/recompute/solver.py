@@ -196,22 +196,6 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
     return max(peak, held)
 
 
-def segments_cost(atoms: list[Atom], segments: list[Segment], segment_cost: SegmentCost, selective: bool = True) -> int:
-    """What the program's moves cost for segments (node ranges starting and ending at atoms'
-    bounds); selective False: each as a full segment."""
-    first = {a.start: i for i, a in enumerate(atoms)}
-    total = 0
-    for s in segments:
-        i = first[s.start]
-        j = next(k for k in range(i, len(atoms)) if atoms[k].stop == s.stop) + 1
-        kept = s.selective and selective
-        last = max((k for k in range(i, j) if atoms[k].saves), default=None)
-        if last is not None:
-            total += sum(a.cost - (a.sel_cost if kept else 0) for a in atoms[i:last]) + atoms[last].rerun(kept)
-        total += segment_cost.fixed + (segment_cost.per_selective_op * sum(a.ops for a in atoms[i:j]) if kept else 0)
-    return total
-
-
 def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost(),
           selective: bool = True, bound: int | None = None) -> RecomputePlan | None:
     """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does.
