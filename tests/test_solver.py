@@ -5,7 +5,7 @@ import random
 import pytest
 
 from graphopt.analysis.saved import SAVES_INPUTS, SAVES_NOTHING, SAVES_OWN
-from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, RecomputePlan, Segment, SegmentCost, fits,
+from graphopt.passes.recompute.solver import (FULL, SELECTIVE, Atom, _solve, RecomputePlan, Segment, SegmentCost, fits,
                                               make_atoms, model_peak, rerun_cost, rerun_end, solve)
 
 
@@ -108,24 +108,30 @@ def test_fits_says_what_solve_finds_at_every_allowance():
 
 
 def test_a_bound_on_the_cost_only_saves_time():
-    # a bound at, over or under the least cost, or at a smaller allowance's: the same plan
+    # a bound at, over or under the least cost, or at a smaller allowance's; a floor under,
+    # at or over it, or none (guesses from the whole cost): the plain program's plan
     rng = random.Random(4)
+    cost = SegmentCost(fixed=5, per_selective_op=1)
     bounded = 0
-    for _ in range(12):
+    for _ in range(6):
         atoms = _random_atoms(rng, rng.randint(20, 60))
         high = model_peak(atoms, [])
         for allowance in sorted(rng.randint(high // 3, high) for _ in range(6)):
-            plan = solve(atoms, allowance, segment_cost=SegmentCost(fixed=5, per_selective_op=1))
+            if allowance >= high:
+                continue
+            plan = _solve(atoms, allowance, 1024, cost, True, None)
             if plan is None:
                 continue
-            tighter = solve(atoms, allowance * 9 // 10, segment_cost=SegmentCost(fixed=5, per_selective_op=1))
-            for bound in {plan.recompute_cost, plan.recompute_cost - 1, 2 * plan.recompute_cost, 0,
-                          tighter.recompute_cost if tighter is not None else None}:
-                again = solve(atoms, allowance, segment_cost=SegmentCost(fixed=5, per_selective_op=1), bound=bound)
+            tighter = solve(atoms, allowance * 9 // 10, segment_cost=cost)
+            least = plan.recompute_cost
+            hints = [(b, None) for b in {least, least - 1, 2 * least, 0, tighter and tighter.recompute_cost}]
+            hints += [(None, f) for f in (None, 0, least // 3, least // 2, least, 2 * least)]
+            for bound, floor in hints:
+                again = solve(atoms, allowance, segment_cost=cost, bound=bound, floor=floor)
                 assert (again.segments, again.recompute_cost, again.predicted_peak) == \
-                    (plan.segments, plan.recompute_cost, plan.predicted_peak), bound
-                bounded += bound is not None and bound >= plan.recompute_cost
-    assert bounded > 20
+                    (plan.segments, plan.recompute_cost, plan.predicted_peak), (bound, floor)
+                bounded += bound is not None and bound >= least
+    assert bounded > 10
 
 
 def _whole_grid(space) -> list[RecomputePlan]:

@@ -22,7 +22,8 @@ Where plans come from:
      that does, and the least budget, which no plan meets, is among its lowest. A solve is
      given a cost its least is likely within, which only saves it time (solver.solve's bound):
      the line's least at the allowance below, solved first for it, and the first line's plan
-     at the same allowance in the others' terms.
+     at the same allowance in the others' terms; else one it likely exceeds (the line's most
+     at a larger allowance), from which the solver guesses bounds.
   2. The model's own blocks (block_plans), as its one-line checkpointing would recompute them,
      and cut after their first matmul, as timm's DenseNet checkpoints its dense layers.
   3. Near a chosen plan's allowance (leaner), the solver with a matmul's rerun priced as the
@@ -119,7 +120,7 @@ class PlanSpace:
             plan = None
             if selective or (beside is not None and any(s.selective for s in beside.segments)):
                 plan = solve(atoms, allowance, segment_cost=self.segment_cost, selective=selective,
-                             bound=self._bound(line, k))
+                             bound=self._bound(line, k), floor=self._floor(line, k))
             if plan is not None and plan.segments:
                 self._costs[line, k] = plan.recompute_cost
             self._solved[line, k] = (self.priced(plan.segments, plan.predicted_peak)
@@ -140,6 +141,11 @@ class PlanSpace:
             view, selective = line
             found.append(self.cost_in(first.segments, view, selective))
         return min(found, default=None)
+
+    def _floor(self, line: tuple[int, bool], k: int) -> int | None:
+        """A cost the solver's least at (line, k) likely exceeds: the most solved on the line at a
+        larger allowance (the solver's cost falls as the allowance grows)."""
+        return max((c for (at, j), c in self._costs.items() if at == line and j > k), default=None)
 
     def leaner(self, plan: RecomputePlan) -> list[RecomputePlan]:
         """Step 3, from the smallest allowance up: each plan's cost bounds the next's."""

@@ -47,10 +47,11 @@ Algorithm:
      another state of the same row beats with fewer units held is dropped before its moves
      (every later constraint bounds the units held from above, so it leads to no plan the
      other does not match at least as well); the moves from one row, each to its own row,
-     are one vectorised update. Given a bound on the cost (a plan's at a smaller allowance),
-     the states that cost more are dropped: no move lowers a cost, and where no plan is found
-     within it the program runs again without. All three only save time: the plan is the one
-     the plain program gives.
+     are one vectorised update. Given a bound on the cost (a plan's at a smaller allowance,
+     or a guess: twice a plan's at a larger one), the states and moves that cost more are
+     dropped: no move lowers a cost, and where no plan is found within it the program runs
+     again with the next guess, and at last without. All three only save time: the plan is
+     the one the plain program gives.
   3. The plan of least cost, ties broken by least memory. Deterministic: the same graph and
      budget give the same plan.
 
@@ -60,6 +61,7 @@ bisection for the least allowance.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -197,21 +199,33 @@ def model_peak(atoms: list[Atom], segments: list[tuple[int, int, int]]) -> int:
 
 
 def solve(atoms: list[Atom], allowance: int, buckets: int = 1024, segment_cost: SegmentCost = SegmentCost(),
-          selective: bool = True, bound: int | None = None) -> RecomputePlan | None:
+          selective: bool = True, bound: int | None = None, floor: int | None = None) -> RecomputePlan | None:
     """The least-cost plan whose predicted activation memory fits `allowance` bytes; None if none does.
     selective False: full segments only. bound: a cost the least is likely within (a plan's at a
-    smaller allowance), which only saves time: the same plan either way."""
+    smaller allowance); without one, floor: a cost it likely exceeds (a plan's at a larger
+    allowance). Both only save time: the same plan either way."""
     as_is = model_peak(atoms, [])
     if as_is <= allowance:
         return RecomputePlan([], 0, as_is)
     if allowance <= 0:
         return None
-    if bound is not None and segment_cost.fixed >= 0 and segment_cost.per_selective_op >= 0 and \
-            all(a.cost >= a.sel_cost >= 0 for a in atoms):  # no move lowers a cost: the bound holds
-        plan = _solve(atoms, allowance, buckets, segment_cost, selective, bound)
-        if plan is not None:
-            return plan
+    if segment_cost.fixed >= 0 and segment_cost.per_selective_op >= 0 and \
+            all(a.cost >= a.sel_cost >= 0 for a in atoms):  # no move lowers a cost: a bound holds
+        for guess in _guesses(atoms, bound, floor):
+            plan = _solve(atoms, allowance, buckets, segment_cost, selective, guess)
+            if plan is not None:
+                return plan
     return _solve(atoms, allowance, buckets, segment_cost, selective, None)
+
+
+def _guesses(atoms: list[Atom], bound: int | None, floor: int | None) -> list[int]:
+    """The bounds solve tries before none: the one given, else the floor doubled up to three times
+    (the whole cost's 1/32 for none). A bound a little over the least prunes most states, one
+    under it costs a pruned program that finds nothing: a guess is cheap where no plan bounds it."""
+    if bound is not None:
+        return [bound]
+    seed = floor if floor else sum(a.cost for a in atoms) // 64
+    return [seed * 2 ** t for t in (1, 2, 3)] if seed > 0 else []
 
 
 def _solve(atoms: list[Atom], allowance: int, buckets: int, segment_cost: SegmentCost, selective: bool,
@@ -236,7 +250,7 @@ def _solve(atoms: list[Atom], allowance: int, buckets: int, segment_cost: Segmen
         if held.size == 0:
             continue
         for j, add, limit, spent, kind in moves.from_atom(i):
-            _relax(cost, how, held, row[held], j, add, limit, spent, (i, kind))
+            _relax(cost, how, held, row[held], j, add, limit, spent, (i, kind), bound)
     # Step 3
     final = cost[n]
     if final.min() >= INF or (bound is not None and final.min() > bound):
@@ -280,35 +294,24 @@ def fits(atoms: list[Atom], allowance: int, buckets: int = 1024) -> bool:
 
 
 class _Moves:
-    """The program's moves and its rounding of bytes to units of allowance / buckets."""
+    """The program's moves and its rounding of bytes to units of allowance / buckets: the moves
+    in bytes are the atoms' (_table, built once for all allowances), their units this allowance's."""
 
     def __init__(self, atoms: list[Atom], allowance: int, buckets: int, segment_cost: SegmentCost, selective: bool):
-        self.atoms, self.segment_cost, self.selective = atoms, segment_cost, selective
+        self.table = _table(tuple(atoms), segment_cost, selective)
         self.buckets = int(min(buckets, allowance))
         self.unit = allowance / self.buckets
-        n = len(atoms)
-        # Per run of atoms [i, j): sums as differences of prefix sums, the rerun up to its last atom
-        # that saves anything (saving[j]: that atom's index among atoms[:j], -1 for none).
-        prefix = lambda values: np.concatenate(([0], np.cumsum(np.array(values, dtype=np.int64))))  # noqa: E731
-        self.kept_p, self.cost_p = prefix([a.kept for a in atoms]), prefix([a.cost for a in atoms])
-        self.cost_sel_p = prefix([a.cost - a.sel_cost for a in atoms])
-        self.sel_p, self.ops_p = prefix([a.sel for a in atoms]), prefix([a.ops for a in atoms])
-        self.rerun_full = np.array([a.rerun(False) for a in atoms] + [0], dtype=np.int64)
-        self.rerun_part = np.array([a.rerun(True) for a in atoms] + [0], dtype=np.int64)
-        self.out = np.array([0] + [a.out for a in atoms], dtype=np.int64)  # out[j]: atoms[j - 1]'s
-        self.saving = np.maximum.accumulate(np.array([-1] + [k if a.saves else -1 for k, a in enumerate(atoms)]))
-        stop = n  # one past the last atom of the recomputable run from i on
-        self.ends = [0] * n
-        for i in range(n - 1, -1, -1):
-            stop = stop if atoms[i].recomputable else i
-            self.ends[i] = stop
+        t = self.table
+        # a plain atom adds to the units held rounded to nearest, as hundreds of small atoms each
+        # rounded up would claim more than the allowance itself; a segment's crossing rounded up
+        self.add = np.where(t.kind == PLAIN, np.floor(t.add / self.unit + 0.5), np.ceil(t.add / self.unit - 1e-9)
+                            ).astype(np.int64)
+        self.limit = self.buckets - self.units_of(t.held)
 
     def units(self, nbytes: int) -> int:
         return math.ceil(nbytes / self.unit - 1e-9)
 
     def held_units(self, nbytes: int) -> int:
-        # What an atom adds to the memory held: rounded to nearest, as hundreds of small atoms
-        # each rounded up would claim more than the allowance itself.
         return math.floor(nbytes / self.unit + 0.5)
 
     def units_of(self, nbytes: np.ndarray) -> np.ndarray:
@@ -318,49 +321,102 @@ class _Moves:
         """The moves from having covered atoms[:i], each (j, add, limit, spent, kind) over the rows
         j it reaches: units added to those held, the most units held before it for the step to
         fit, and its cost."""
-        atom, buckets, one = self.atoms[i], self.buckets, lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
-        in_backward = atom.kept + atom.grads + atom.out
-        moves = [(one(i + 1), one(self.held_units(atom.kept)), one(buckets - self.units(in_backward)), one(0), PLAIN)]
-        if not atom.recomputable:
-            return moves
-        # A checkpointed segment atoms[i:j], for each j while its backward can fit at all.
-        j = np.arange(i + 1, self.ends[i] + 1)
-        kept = self.kept_p[j] - self.kept_p[i]
-        cross, grads = atom.cross, atom.grads
-        j, kept = (v[:np.searchsorted(self.units_of(cross + kept + grads) > buckets, True)] for v in (j, kept))
-        last = self.saving[j]
-        runs = last >= i
-        rerun = np.where(runs, self.cost_p[np.maximum(last, i)] - self.cost_p[i] + self.rerun_full[last], 0)
-        backward = kept + grads + self.out[j]
-        fixed = self.segment_cost.fixed
-        moves.append((j, np.full_like(j, self.units(cross)), buckets - self.units_of(cross + backward), rerun + fixed,
-                      FULL))
-        if self.selective:
-            rerun_sel = np.where(runs, self.cost_sel_p[np.maximum(last, i)] - self.cost_sel_p[i]
-                                 + self.rerun_part[last], 0)
-            sel = self.sel_p[j] - self.sel_p[i]
-            some = sel > 0
-            j, sel, backward = j[some], sel[some], backward[some]
-            moves.append((j, self.units_of(cross + sel), buckets - self.units_of(cross + sel + backward),
-                          rerun_sel[some] + fixed + self.segment_cost.per_selective_op * (self.ops_p[j] - self.ops_p[i]),
-                          SELECTIVE))
-        return moves
+        t, found = self.table, []
+        for kind in (PLAIN, FULL, SELECTIVE):
+            a, b = t.groups[i, kind], t.groups[i, kind + 1]
+            if a < b:
+                found.append((t.j[a:b], self.add[a:b], self.limit[a:b], t.spent[a:b], kind))
+        return found
 
 
-def _relax(cost, how, held, spent_now, j, add, limit, spent, how_value):
+@dataclass(frozen=True)
+class _Table:
+    """Every move of the program in bytes, one row each, grouped by the atom it leaves and its
+    kind (rows groups[i, kind] to groups[i, kind + 1]): the row j it reaches, the bytes it adds
+    to those held, the bytes its backward holds besides them, its cost."""
+    j: np.ndarray
+    add: np.ndarray
+    held: np.ndarray
+    spent: np.ndarray
+    kind: np.ndarray
+    groups: np.ndarray
+
+
+@functools.lru_cache(maxsize=8)
+def _table(atoms: tuple[Atom, ...], segment_cost: SegmentCost, selective: bool) -> _Table:
+    """The moves from each atom: plain, and a checkpointed segment atoms[i:j], full or (with
+    selective) keeping its matmuls' outputs, for each j over the recomputable run from i while
+    its backward holds less than the step as it is (no solve looks at a larger allowance)."""
+    n = len(atoms)
+    as_is = model_peak(list(atoms), [])
+    # Per run of atoms [i, j): sums as differences of prefix sums, the rerun up to its last atom
+    # that saves anything (saving[j]: that atom's index among atoms[:j], -1 for none).
+    prefix = lambda values: np.concatenate(([0], np.cumsum(np.array(values, dtype=np.int64))))  # noqa: E731
+    kept_p, cost_p = prefix([a.kept for a in atoms]), prefix([a.cost for a in atoms])
+    cost_sel_p, sel_p, ops_p = prefix([a.cost - a.sel_cost for a in atoms]), prefix([a.sel for a in atoms]), \
+        prefix([a.ops for a in atoms])
+    rerun_full = np.array([a.rerun(False) for a in atoms] + [0], dtype=np.int64)
+    rerun_part = np.array([a.rerun(True) for a in atoms] + [0], dtype=np.int64)
+    out = np.array([0] + [a.out for a in atoms], dtype=np.int64)  # out[j]: atoms[j - 1]'s
+    saving = np.maximum.accumulate(np.array([-1] + [k if a.saves else -1 for k, a in enumerate(atoms)]))
+    rows: list[tuple] = []
+    groups = np.zeros((n + 1, 4), dtype=np.int64)
+    count, stop = 0, n  # stop: one past the last atom of the recomputable run from i on
+    pieces = [None] * n
+    for i in range(n - 1, -1, -1):
+        stop = stop if atoms[i].recomputable else i
+        pieces[i] = stop
+    for i, atom in enumerate(atoms):
+        one = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+        moves = [(one(i + 1), one(atom.kept), one(atom.kept + atom.grads + atom.out), one(0), PLAIN)]
+        if atom.recomputable:
+            j = np.arange(i + 1, pieces[i] + 1)
+            kept = kept_p[j] - kept_p[i]
+            j, kept = (v[:np.searchsorted(atom.cross + kept + atom.grads > as_is, True)] for v in (j, kept))
+            last = saving[j]
+            runs = last >= i
+            rerun = np.where(runs, cost_p[np.maximum(last, i)] - cost_p[i] + rerun_full[last], 0)
+            backward = kept + atom.grads + out[j]
+            moves.append((j, np.full_like(j, atom.cross), atom.cross + backward, rerun + segment_cost.fixed, FULL))
+            if selective:
+                rerun_sel = np.where(runs, cost_sel_p[np.maximum(last, i)] - cost_sel_p[i] + rerun_part[last], 0)
+                sel = sel_p[j] - sel_p[i]
+                some = sel > 0
+                j, sel, backward = j[some], sel[some], backward[some]
+                moves.append((j, atom.cross + sel, atom.cross + sel + backward,
+                              rerun_sel[some] + segment_cost.fixed + segment_cost.per_selective_op * (ops_p[j] - ops_p[i]),
+                              SELECTIVE))
+        for kind in (PLAIN, FULL, SELECTIVE):
+            groups[i, kind] = count
+            for move in moves:
+                if move[4] == kind:
+                    rows.append(move)
+                    count += move[0].size
+        groups[i, 3] = count
+    groups[n, :] = count
+    join = lambda k: np.concatenate([r[k] for r in rows]).astype(np.int64)  # noqa: E731
+    kind = np.concatenate([np.full(r[0].size, r[4], dtype=np.int64) for r in rows])
+    return _Table(join(0), join(1), join(2), join(3), kind, groups)
+
+
+def _relax(cost, how, held, spent_now, j, add, limit, spent, how_value, bound=None):
     """For each move k: cost[j[k], m + add[k]] = min(it, spent_now + spent[k]) for the states m in
-    held with m <= limit[k], and how there = how_value where that lowered it. Each move writes
-    its own row, so one vectorised update does them all."""
-    # held is sorted: move k reaches its first `count[k]` states
-    count = np.searchsorted(held, np.minimum(limit, cost.shape[1] - 1 - add), side="right")
+    held with m <= limit[k] (and the sum within bound), and how there = how_value where that
+    lowered it. Each move writes its own row, so one vectorised update does them all."""
+    # held is sorted and spent_now falls along it: move k reaches states begin[k] to stop[k]
+    width = cost.shape[1]
+    stop = np.searchsorted(held, np.minimum(limit, width - 1 - add), side="right")
+    begin = 0 if bound is None else np.searchsorted(-spent_now, spent - bound, side="left")
+    count = np.maximum(stop - begin, 0)
     total = int(count.sum())
     if total == 0:
         return
     k = np.repeat(np.arange(j.size), count)
-    state = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-    rows, cols = j[k], add[k] + held[state]
+    state = np.arange(total) - np.repeat(np.cumsum(count) - count - begin, count)
+    at = (j * width + add)[k] + held[state]  # flat indices into cost
     values = spent[k] + spent_now[state]
-    better = values < cost[rows, cols]
-    rows, cols = rows[better], cols[better]
-    cost[rows, cols] = values[better]
-    how[rows, cols] = how_value
+    flat = cost.reshape(-1)
+    better = values < flat[at]
+    at = at[better]
+    flat[at] = values[better]
+    how.reshape(-1, 2)[at] = how_value
