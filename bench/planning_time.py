@@ -12,7 +12,8 @@ vocabulary 1024) at 4 x 256 tokens with its own loss on labels=input_ids, at eac
 defaults on 8 x 3 x 64 x 64 images with cross-entropy. Each time is also a ratio to
 one eager step measured in the same process just before, so that a busy machine slows both.
 --train-step L adds graphopt.train_step choosing its microbatches for the L-layer Llama at
-budgets 5% above the least of 2 and of 4 microbatches, against one optimize() at the k it chose.
+budgets 5% above the least of 2 and of 4 microbatches, against one optimize() at the k it chose,
+each in a fresh process, two of each in turn (medians).
 With --out DIR, writes planning_time-<device>-<date>.json and .md there (results_files.py).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -96,25 +98,42 @@ def measure(name, model, args, kwargs, loss) -> dict:
 
 def train_step_choice(layers: int) -> list[dict]:
     """graphopt.train_step choosing k for the Llama at one depth, at budgets 5% above the least
-    of 2 and of 4 microbatches of its 4-row batch, against one optimize() at the k it chose."""
-    import graphopt
-
+    of 2 and of 4 microbatches of its 4-row batch, against one optimize() at the k it chose: each
+    timed in a fresh process (FakeTensor's caches and the machine's pace alike for both), two
+    pairs in turn, the medians compared."""
     name, model, (ids,), _, _ = llama(layers)
-
     rows = []
     for k in (2, 4):
         part = ids[:len(ids) // k]
         budget = least_bytes(model, (part,), {"labels": part}, accumulate=k > 1) * 1.05 / 1e9
-        start = time.perf_counter()
-        step = graphopt.train_step(model, (ids,), {"labels": ids}, budget_gb=budget)
-        chose_s = time.perf_counter() - start
-        part = ids[:len(ids) // step.microbatches]
-        start = time.perf_counter()
-        graphopt.optimize(model, (part,), example_kwargs={"labels": part}, budget_gb=budget,
-                          accumulate=step.microbatches > 1)
-        rows.append({"model": name, "budget_mb": budget * 1e3, "k": step.microbatches, "train_step_s": chose_s,
-                     "plan_s": time.perf_counter() - start})
+        chose, plan = [], []
+        for _ in range(2):
+            chosen_k, seconds = _in_process("train_step", layers, budget, 0)
+            chose.append(seconds)
+            plan.append(_in_process("plan", layers, budget, chosen_k)[1])
+        rows.append({"model": name, "budget_mb": budget * 1e3, "k": chosen_k, "train_step_s": statistics.median(chose),
+                     "plan_s": statistics.median(plan), "train_step_runs": chose, "plan_runs": plan})
     return rows
+
+
+def _in_process(what: str, layers: int, budget_gb: float, k: int) -> tuple[int, float]:
+    """(k, seconds) of one train_step (k its choice) or one optimize() at k, in a process of its own."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", what, str(layers), repr(budget_gb), str(k)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return int(out[-2]), float(out[-1])
+
+
+def _one(what: str, layers: int, budget_gb: float, k: int) -> None:
+    import graphopt
+
+    _, model, (ids,), _, _ = llama(layers)
+    start = time.perf_counter()
+    if what == "train_step":
+        k = graphopt.train_step(model, (ids,), {"labels": ids}, budget_gb=budget_gb).microbatches
+    else:
+        part = ids[:len(ids) // k]
+        graphopt.optimize(model, (part,), example_kwargs={"labels": part}, budget_gb=budget_gb, accumulate=k > 1)
+    print(k, time.perf_counter() - start)
 
 
 def train_step_table(rows: list[dict]) -> str:
@@ -136,6 +155,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--one"]:  # one side of train_step_choice's comparison
+        _one(argv[1], int(argv[2]), float(argv[3]), int(argv[4]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="2,4,8,16,32", help="Llama depths, comma-separated ('' for none)")
     parser.add_argument("--models", default="", help="corpus models, comma-separated")

@@ -72,7 +72,6 @@ from ...plot import memory_csv, memory_png
 from ...report import idle_budget
 from ...runtime.budget_check import BudgetCheck
 from ...runtime.chunked_loss import ChunkedHeadLoss, chunk_rows
-from ...trace import annotate
 from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
 from ..registry import register
@@ -385,11 +384,12 @@ class Recompute(Pass):
         written, _ = write_within(gm, nodes, plan, ctx.analysis(record_step, gm), sel)
         if not written:
             return None
-        inputs = ctx.flat_inputs(gm)
-        annotate(gm, inputs)  # the writes' storage, for the segments' check (rewrite._writes_inside)
+        # No FakeTensor run for the writes: each keeps the metadata of the node it replaced, and the
+        # segments' check (rewrite._writes_inside) asks whether a tensor shares storage with its own
+        # inputs, which a write into one of them does not change.
         self._cut(gm, search, plan)
         if known is None:
-            known = estimate_peak(gm, inputs, optimizer=self.optimizer, accumulate=self.accumulate)
+            known = estimate_peak(gm, ctx.flat_inputs(gm), optimizer=self.optimizer, accumulate=self.accumulate)
         return written, known, before
 
     @staticmethod
