@@ -23,6 +23,7 @@ import torch
 from .analysis.memory import GB, size_text
 from .analysis.planning_device import planning_for
 from .errors import BudgetError, OptionError
+from .export_batch import ExportCache, keeping_exports
 from .train_step import TrainStep
 from .trial import tensor_leaves
 
@@ -84,7 +85,8 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                           f"or on {device!r}; this one has tensors on {', '.join(sorted(found - {'meta'}))}. Build it "
                           "under `with torch.device('meta'):` (nothing is allocated), or plan for its device.")
     options = dict(optimize_options, optimizer=optimizer)
-    with planning_for(device):
+    # the least's step and the budget's share one export (train_step keeps the one open)
+    with planning_for(device), keeping_exports(ExportCache()):
         least = _least(model, example_inputs, example_kwargs, loss_fn, options)
         if budget_gb is None:
             return StepPlan(device, None, least)

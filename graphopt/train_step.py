@@ -38,7 +38,7 @@ from .analysis.planning_device import planning_device
 from .api import optimize
 from .call_signature import signature
 from .errors import BudgetError, BudgetWarning, OptionError, TraceError, UsageError
-from .export_batch import ExportCache, keeping_exports
+from .export_batch import ExportCache, kept_exports, keeping_exports
 from .passes.recompute.recompute_pass import Recompute
 from .runtime.guards import describe
 from .batch import batch_rows, batched
@@ -102,7 +102,8 @@ class TrainStep:
         self.notes: list[str] = []
         self.predicted_peak_bytes: int | None = None
         self._needs: dict[int, int] = {}  # k -> least budget of its step, where known exactly
-        with keeping_exports(ExportCache()):  # one export serves the microbatch counts its dynamic batch takes
+        # one export serves the microbatch counts its dynamic batch takes (and a caller's other steps: plan's)
+        with keeping_exports(kept_exports() or ExportCache()):
             if isinstance(microbatches, str) and microbatches == "auto":
                 self.graph = self._choose(_divisors(args, kwargs))
             else:
