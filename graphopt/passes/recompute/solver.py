@@ -359,39 +359,36 @@ def _table(atoms: tuple[Atom, ...], segment_cost: SegmentCost, selective: bool) 
     rerun_part = np.array([a.rerun(True) for a in atoms] + [0], dtype=np.int64)
     out = np.array([0] + [a.out for a in atoms], dtype=np.int64)  # out[j]: atoms[j - 1]'s
     saving = np.maximum.accumulate(np.array([-1] + [k if a.saves else -1 for k, a in enumerate(atoms)]))
+    ends = [n] * n  # one past the last atom of the recomputable run from atoms[i] on
+    for i in range(n - 2, -1, -1):
+        ends[i] = ends[i + 1] if atoms[i + 1].recomputable else i + 1
+    one = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
     rows: list[tuple] = []
     groups = np.zeros((n + 1, 4), dtype=np.int64)
-    count, stop = 0, n  # stop: one past the last atom of the recomputable run from i on
-    pieces = [None] * n
-    for i in range(n - 1, -1, -1):
-        stop = stop if atoms[i].recomputable else i
-        pieces[i] = stop
+    count = 0
     for i, atom in enumerate(atoms):
-        one = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
-        moves = [(one(i + 1), one(atom.kept), one(atom.kept + atom.grads + atom.out), one(0), PLAIN)]
+        moves = {PLAIN: (one(i + 1), one(atom.kept), one(atom.kept + atom.grads + atom.out), one(0))}
         if atom.recomputable:
-            j = np.arange(i + 1, pieces[i] + 1)
+            j = np.arange(i + 1, ends[i] + 1)
             kept = kept_p[j] - kept_p[i]
             j, kept = (v[:np.searchsorted(atom.cross + kept + atom.grads > as_is, True)] for v in (j, kept))
             last = saving[j]
             runs = last >= i
             rerun = np.where(runs, cost_p[np.maximum(last, i)] - cost_p[i] + rerun_full[last], 0)
             backward = kept + atom.grads + out[j]
-            moves.append((j, np.full_like(j, atom.cross), atom.cross + backward, rerun + segment_cost.fixed, FULL))
+            moves[FULL] = (j, np.full_like(j, atom.cross), atom.cross + backward, rerun + segment_cost.fixed)
             if selective:
                 rerun_sel = np.where(runs, cost_sel_p[np.maximum(last, i)] - cost_sel_p[i] + rerun_part[last], 0)
                 sel = sel_p[j] - sel_p[i]
                 some = sel > 0
                 j, sel, backward = j[some], sel[some], backward[some]
-                moves.append((j, atom.cross + sel, atom.cross + sel + backward,
-                              rerun_sel[some] + segment_cost.fixed + segment_cost.per_selective_op * (ops_p[j] - ops_p[i]),
-                              SELECTIVE))
+                moves[SELECTIVE] = (j, atom.cross + sel, atom.cross + sel + backward, rerun_sel[some]
+                                    + segment_cost.fixed + segment_cost.per_selective_op * (ops_p[j] - ops_p[i]))
         for kind in (PLAIN, FULL, SELECTIVE):
             groups[i, kind] = count
-            for move in moves:
-                if move[4] == kind:
-                    rows.append(move)
-                    count += move[0].size
+            if kind in moves:
+                rows.append((*moves[kind], kind))
+                count += moves[kind][0].size
         groups[i, 3] = count
     groups[n, :] = count
     join = lambda k: np.concatenate([r[k] for r in rows]).astype(np.int64)  # noqa: E731
