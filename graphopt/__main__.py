@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .analysis.memory import GB, size_text
+from .analysis.memory import budget_bytes, size_text
 from .api import DEFAULT_PASSES, optimize
 from .before_after import measure
 from .cli_text import cli_text, graphopt_warnings
@@ -128,7 +128,7 @@ def _measure(args, model, inputs, kwargs, options) -> int:
         _check_loss(model, inputs, kwargs)
     options = {k: v for k, v in options.items() if v not in (None, False)}
     dump = args.dump or "graphopt-dump"
-    budget = int(args.budget_gb * GB) if args.budget_gb else None
+    budget = budget_bytes(args.budget_gb) if args.budget_gb else None
     with graphopt_warnings():
         result = measure(model, inputs, kwargs, {"graphopt": options}, loss_fn=loss_fn, budget_bytes=budget,
                          name=args.model, dump_dir=dump,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .analysis.memory import GB, size_text
+from .analysis.memory import GB, budget_bytes, size_text
 from .analysis.planning_device import planning_for
 from .errors import BudgetError, OptionError
 from .export_batch import ExportCache, keeping_exports
@@ -90,7 +90,7 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
         least = _least(model, example_inputs, example_kwargs, loss_fn, options)
         if budget_gb is None:
             return StepPlan(device, None, least)
-        budget = round(budget_gb * GB)
+        budget = budget_bytes(budget_gb)
         try:
             step = TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=budget_gb, **options)
         except BudgetError:

@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .analysis.fake_state import fake_run
-from .analysis.memory import GB, budget_text, measure_peak, predict_peak, size_text
+from .analysis.memory import GB, budget_bytes, budget_text, measure_peak, predict_peak, size_text
 from .analysis.optimizer_memory import check_optimizer, optimizer_memory
 from .analysis.planning_device import planning_device
 from .api import optimize
@@ -156,7 +156,7 @@ class TrainStep:
 
     def _refusal(self, k: int, least: int, e: BudgetError, where: str = "") -> BudgetError:
         return BudgetError(
-            f"budget_gb={self.budget_gb:g} ({size_text(round(self.budget_gb * GB))}) is below what one training "
+            f"budget_gb={self.budget_gb:g} ({size_text(budget_bytes(self.budget_gb))}) is below what one training "
             f"step needs{where}: at least {size_text(least)}, with {k} microbatch"
             f"{'es, gradients accumulated' if k > 1 else ''}, by the estimate{_parts(e.breakdown)}. Raise budget_gb "
             f"to {budget_text(least)} or more, halve "
@@ -169,7 +169,7 @@ class TrainStep:
         if self.budget_gb is None:
             args, kwargs = self._microbatch(k)
             return optimize(self.model, args, example_kwargs=kwargs, **self._options)
-        budget_bytes = round(self.budget_gb * GB)
+        limit = budget_bytes(self.budget_gb)
         budget, lowered, least = self.budget_gb, 0, None
         for _ in range(REPLANS + 1):
             try:
@@ -179,16 +179,16 @@ class TrainStep:
                     raise
                 least = e.min_budget_gb
                 break
-            if predicted <= self._target(graph, budget_bytes):
+            if predicted <= self._target(graph, limit):
                 return self._fits(graph, predicted, lowered)
-            lowered += predicted - self._target(graph, budget_bytes)  # and plan below it by as much
+            lowered += predicted - self._target(graph, limit)  # and plan below it by as much
             budget = self.budget_gb - lowered / GB
             if budget <= 0:
                 break
         # Lowering did not find it: the tightest plan holds the step around the graph if any does.
         least = least if least is not None else self._planner_least(k)
         graph, predicted = self._optimize(k, least)
-        if predicted <= self._target(graph, budget_bytes):
+        if predicted <= self._target(graph, limit):
             return self._fits(graph, predicted, lowered)
         self._needs[k] = self._needed(graph, predicted, math.ceil(least * GB))
         raise BudgetError(f"the step around the graph (the loss outside it) takes the tightest plan for {k} "

@@ -35,6 +35,12 @@ from .step_log import StepLog
 GB = 10**9
 
 
+def budget_bytes(budget_gb: float) -> int:
+    """A budget in bytes: budget_gb * 10**9 to the nearest byte (0.3 * 10**9 is 299999999.99999994
+    in floating point; every pass and tool reads the same byte count for the same budget)."""
+    return round(budget_gb * GB)
+
+
 def size_text(n: int) -> str:
     """Bytes in the unit that reads best, decimal as budgets are: 812 kB, 12.4 MB, 1.234 GB."""
     if abs(n) >= GB:

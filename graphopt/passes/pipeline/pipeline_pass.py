@@ -34,7 +34,7 @@ import torch.fx
 
 from ...analysis.cost import node_times, step_costs
 from ...analysis.effects import CALLS
-from ...analysis.memory import GB, budget_text, estimate_peak, size_text
+from ...analysis.memory import GB, budget_bytes, budget_text, estimate_peak, size_text
 from ...analysis.meta import TensorInfo, graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
@@ -152,7 +152,7 @@ class Pipeline(Pass):
         # Step 2
         ranks = self._ranks(stages)
         per_rank = stages // ranks if ranks else 1  # a device's virtual stages each get an equal share
-        cap = int(self.settings["budget_gb"] * GB) // per_rank if self.settings["budget_gb"] else None
+        cap = budget_bytes(self.settings["budget_gb"]) // per_rank if self.settings["budget_gb"] else None
         plan = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"], memory_cap=cap)
         if plan is None:
             need = least_memory(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])

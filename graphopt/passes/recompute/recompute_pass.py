@@ -61,7 +61,7 @@ import torch.fx
 
 from ... import ops
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
-from ...analysis.memory import GB, Estimate, budget_text, estimate_peak, measure_step, size_text
+from ...analysis.memory import GB, Estimate, budget_bytes, budget_text, estimate_peak, measure_step, size_text
 from ...analysis.meta import graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ...analysis.saved import params_read, record_step
@@ -237,7 +237,7 @@ class Recompute(Pass):
         budget_gb = self.settings["budget_gb"]
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
-        limit = round(budget_gb * GB)
+        limit = budget_bytes(budget_gb)
         inputs = ctx.flat_inputs(gm)
         self.headroom = self.settings["headroom"]
         if self.headroom is None:
@@ -410,7 +410,7 @@ class Recompute(Pass):
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
         return BudgetError(
-            f"budget_gb={budget_gb:g} ({size_text(int(budget_gb * GB))}) is below the {size_text(minimum)} that "
+            f"budget_gb={budget_gb:g} ({size_text(budget_bytes(budget_gb))}) is below the {size_text(minimum)} that "
             f"{what} needs at least, {how} ({detail}). Raise budget_gb to {budget_text(minimum)} or more, "
             f"halve activations with precision='bf16',{batch} or split the model over devices with stages=N.",
             min_budget_gb=minimum / GB, breakdown=parts,
