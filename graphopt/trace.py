@@ -57,12 +57,45 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self):
         super().__init__()
         self.record_stack_traces = True
+        self._names: dict[int, str] | None = None  # id of each parameter and buffer -> its first name
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        # torch's getattr scans every named parameter and buffer for each one a forward reads,
+        # quadratic in the model's tensors (0.6 s of DenseNet-121's 1.1 s trace); names found by
+        # identity once answer the same where the name still holds the tensor, and torch's scan
+        # answers the rest (a tensor assigned during forward).
+        if isinstance(attr_val, torch.Tensor) and (isinstance(attr_val, torch.nn.Parameter)
+                                                    or self.proxy_buffer_attributes):
+            if self._names is None:
+                self._names = {}
+                for name, t in [*self.root.named_parameters(), *self.root.named_buffers()]:
+                    self._names.setdefault(id(t), name)
+            name = self._names.get(id(attr_val))
+            if name is not None and self._holds(name, attr_val):
+                if name not in parameter_proxy_cache:
+                    parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+                return parameter_proxy_cache[name]
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _holds(self, name: str, value: torch.Tensor) -> bool:
+        """Whether the root's parameter (for a Parameter) or buffer `name` is value now, read from
+        the modules' own dicts: fx routes Module.__getattr__ through this tracer while it traces."""
+        *path, leaf = name.split(".")
+        module = self.root
+        for part in path:
+            module = module._modules.get(part)
+            if module is None:
+                return False
+        table = module._parameters if isinstance(value, torch.nn.Parameter) else module._buffers
+        return table.get(leaf) is value
 
     def _filter_traceback_frames(self, summary: traceback.StackSummary) -> traceback.StackSummary:
         # fx keeps its own frames, so the dumps would name torch/fx/proxy.py as every node's
-        # source; keep only the frames of the model's code, below graphopt's call to trace.
-        start = max((i + 1 for i, f in enumerate(summary) if f.filename == __file__), default=0)
-        frames = [f for f in list(summary)[start:] if not f.filename.startswith(_TORCH_DIR)]
+        # source; keep only the frames of the model's code, below graphopt's call to trace (and
+        # above this tracer's getattr, from which a parameter's node is made).
+        start = max((i + 1 for i, f in enumerate(summary) if f.filename == __file__ and f.name != "getattr"),
+                    default=0)
+        frames = [f for f in list(summary)[start:] if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
         return traceback.StackSummary.from_list(frames)
 
 

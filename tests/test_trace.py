@@ -88,6 +88,34 @@ def test_shares_parameters_and_state_dict_keys():
         assert p is params[name]
 
 
+class Tied(nn.Module):
+    """One Parameter under two names (a language model's tied embedding and head), and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x, self.embed.weight) * self.scale
+        return torch.nn.functional.linear(h, self.head.weight) + self.scale
+
+
+def test_parameters_and_buffers_read_in_forward_are_named_as_torch_names_them():
+    # graphopt's tracer finds a tensor's name by identity rather than scanning every parameter
+    # and buffer per read: the graph reads them under the names torch's own tracer gives
+    class Scanning(torch.fx.Tracer):  # torch's own getattr, buffers read as graphopt's tracer reads them
+        proxy_buffer_attributes = True
+
+    model, x = Tied(), torch.randn(2, 4)
+    ours, theirs = graphopt.trace(model, (x,), frontend="fx"), Scanning().trace(model)
+    targets = lambda graph: [n.target for n in graph.nodes if n.op == "get_attr"]  # noqa: E731
+    assert targets(ours.graph) == targets(theirs) == ["embed.weight", "scale"]
+    assert torch.equal(ours(x), model(x))
+
+
 class DataDependent(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # value-dependent control flow: no frontend can capture it
