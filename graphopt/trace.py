@@ -64,8 +64,8 @@ class _Tracer(torch.fx.Tracer):
         # quadratic in the model's tensors (0.6 s of DenseNet-121's 1.1 s trace); names found by
         # identity once answer the same where the name still holds the tensor, and torch's scan
         # answers the rest (a tensor assigned during forward).
-        if isinstance(attr_val, torch.Tensor) and (isinstance(attr_val, torch.nn.Parameter)
-                                                    or self.proxy_buffer_attributes):
+        if isinstance(attr_val, torch.Tensor) and not self.param_shapes_constant and (
+                isinstance(attr_val, torch.nn.Parameter) or self.proxy_buffer_attributes):
             if self._names is None:
                 self._names = {}
                 for name, t in [*self.root.named_parameters(), *self.root.named_buffers()]:
