@@ -1,4 +1,5 @@
 import copy
+import sys
 
 import pytest
 import torch
@@ -109,10 +110,15 @@ def test_parameters_and_buffers_read_in_forward_are_named_as_torch_names_them():
     class Scanning(torch.fx.Tracer):  # torch's own getattr, buffers read as graphopt's tracer reads them
         proxy_buffer_attributes = True
 
-    model, x = Tied(), torch.randn(2, 4)
-    ours, theirs = graphopt.trace(model, (x,), frontend="fx"), Scanning().trace(model)
+    model = Tied()
+    ours, theirs = graphopt.trace(model, (torch.randn(2, 4),), frontend="fx"), Scanning().trace(model)
     targets = lambda graph: [n.target for n in graph.nodes if n.op == "get_attr"]  # noqa: E731
     assert targets(ours.graph) == targets(theirs) == ["embed.weight", "scale"]
+    # a parameter's node comes from the model's line that reads it, not from graphopt's tracer
+    weight = next(n for n in ours.graph.nodes if n.op == "get_attr")
+    tracer_file = sys.modules["graphopt.trace"].__file__
+    assert "self.embed.weight" in weight.meta["stack_trace"] and tracer_file not in weight.meta["stack_trace"]
+    x = torch.randn(5, 4)  # a second batch, of other rows
     assert torch.equal(ours(x), model(x))
 
 

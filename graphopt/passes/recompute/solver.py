@@ -62,7 +62,6 @@ bisection for the least allowance.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -304,18 +303,20 @@ class _Moves:
         t = self.table
         # a plain atom adds to the units held rounded to nearest, as hundreds of small atoms each
         # rounded up would claim more than the allowance itself; a segment's crossing rounded up
-        self.add = np.where(t.kind == PLAIN, np.floor(t.add / self.unit + 0.5), np.ceil(t.add / self.unit - 1e-9)
-                            ).astype(np.int64)
+        self.add = np.where(t.kind == PLAIN, self.held_units_of(t.add), self.units_of(t.add))
         self.limit = self.buckets - self.units_of(t.held)
 
     def units(self, nbytes: int) -> int:
-        return math.ceil(nbytes / self.unit - 1e-9)
+        return int(self.units_of(np.int64(nbytes)))
 
     def held_units(self, nbytes: int) -> int:
-        return math.floor(nbytes / self.unit + 0.5)
+        return int(self.held_units_of(np.int64(nbytes)))
 
     def units_of(self, nbytes: np.ndarray) -> np.ndarray:
         return np.ceil(nbytes / self.unit - 1e-9).astype(np.int64)
+
+    def held_units_of(self, nbytes: np.ndarray) -> np.ndarray:
+        return np.floor(nbytes / self.unit + 0.5).astype(np.int64)
 
     def from_atom(self, i: int) -> list[tuple]:
         """The moves from having covered atoms[:i], each (j, add, limit, spent, kind) over the rows
