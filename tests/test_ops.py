@@ -431,6 +431,25 @@ def test_lookup_aten_overloads_from_export():
     assert {k: v for k, v in found.items() if k in expected} == expected
 
 
+def test_lookup_answers_again_only_while_what_it_read_is_the_same():
+    g = Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    both = g.call_function(operator.and_, (x, y))
+    for n in (x, y, both):
+        n.meta["val"] = torch.ones(2, dtype=torch.int32)
+    assert lookup(both).name == lookup(both).name == "bitwise_and"
+    for n in (x, y, both):  # annotated again: on bools & is logical
+        n.meta["val"] = torch.ones(2, dtype=torch.bool)
+    assert lookup(both).name == "logical_and"
+    both.args = (x, 2.0)  # new arguments
+    assert bind(both).params == {} and bind(both).operands == (x, 2.0)
+    both.target = operator.mul  # a new target
+    assert lookup(both).name == "mul"
+    del y.meta["val"]  # an input without metadata: its kind is resolved in turn, never answered from before
+    both.args = (x, y)
+    assert lookup(both).name == "mul"
+
+
 # ---------------------------------------------------------------- bind
 
 def rendered_value(b):

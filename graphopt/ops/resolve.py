@@ -5,6 +5,8 @@ nothing here raises on a graph it does not understand.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -93,8 +95,44 @@ def _resolve(node: Node, gm: GraphModule | None, depth: int):
     return (OPS[name], args, explicit) if name else None
 
 
-def lookup(node: Node, gm: GraphModule | None = None) -> OpInfo | None:
+# _resolve's answers by node, with what each was read from (_read): passes ask of one node many
+# times over (a 32-layer Llama's planning asked 35,000 times of 2,000 nodes, 38 us each).
+_ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _read(node: Node) -> tuple | None:
+    """Everything _resolve reads of a call_function or call_method node whose inputs all carry
+    metadata: its target and arguments (fx replaces the tuples when they change) and each one's
+    metadata object (a new one when it is annotated again). None where some input has none: its
+    kind would be resolved in turn, through nodes this does not cover; and for a call_module
+    node, whose module's attributes are read too."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    read = [node.target, node.args, node.kwargs]
+    for n in (node, *node.all_input_nodes):
+        val = n.meta.get("val", n.meta.get("tensor_meta"))
+        if val is None and n is not node:
+            return None
+        read.append(val)
+    return tuple(read)
+
+
+def _resolved(node: Node, gm: GraphModule | None):
+    """_resolve(node, gm, 0), answered again while nothing it read has changed (compared by
+    identity: equal arguments can be other nodes)."""
+    read = _read(node)
+    if read is None:
+        return _resolve(node, gm, 0)
+    held = _ANSWERS.get(node)
+    if held is not None and len(held[0]) == len(read) and all(a is b for a, b in zip(held[0], read)):
+        return held[1]
     found = _resolve(node, gm, 0)
+    _ANSWERS[node] = (read, found)
+    return found
+
+
+def lookup(node: Node, gm: GraphModule | None = None) -> OpInfo | None:
+    found = _resolved(node, gm)
     return found[0] if found else None
 
 
@@ -104,7 +142,7 @@ def _neutral(name, value) -> bool:
 
 
 def bind(node: Node, gm: GraphModule | None = None) -> Bound | None:
-    found = _resolve(node, gm, 0)
+    found = _resolved(node, gm)
     if found is None or found[1] is None:
         return None
     op, args, explicit = found
