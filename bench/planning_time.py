@@ -1,7 +1,7 @@
 """Planning time against graph size: optimize() in seconds and in eager steps of the same model.
 
     python bench/planning_time.py [--layers 2,4,8,16,32] [--models timm_densenet121,...]
-        [--timm maxvit_tiny_tf_224,...] [--train-step LAYERS] [--out DIR]
+        [--timm maxvit_tiny_tf_224,...] [--train-step LAYERS [--train-rows 4]] [--out DIR]
 
 Per model: its graph's nodes (as traced), the median of 3 eager training steps, then timed once
 each: optimize() with the default passes; optimize(budget_gb=1e-9), which plans down to the least
@@ -12,8 +12,9 @@ vocabulary 1024) at 4 x 256 tokens with its own loss on labels=input_ids, at eac
 defaults on 8 x 3 x 64 x 64 images with cross-entropy. Each time is also a ratio to
 one eager step measured in the same process just before, so that a busy machine slows both.
 --train-step L adds graphopt.train_step choosing its microbatches for the L-layer Llama at
-budgets 5% above the least of 2 and of 4 microbatches, against one optimize() at the k it chose,
-each in a fresh process, two of each in turn (medians).
+budgets 5% above the least of 2 and of 4 microbatches of a batch of --train-rows rows (4: the
+microbatches of k = 4 are single rows, which export takes as constants and traces again), against
+one optimize() at the k it chose, each in a fresh process, two of each in turn (medians).
 With --out DIR, writes planning_time-<device>-<date>.json and .md there (results_files.py).
 """
 from __future__ import annotations
@@ -34,15 +35,15 @@ from least_budget import least_bytes  # noqa: E402  (bench/, beside this script)
 from results_files import device_name, today, write_results  # noqa: E402
 
 
-def llama(layers: int):
-    """(name, model, args, kwargs, loss) of the Llama at one depth."""
+def llama(layers: int, rows: int = 4):
+    """(name, model, args, kwargs, loss) of the Llama at one depth, on rows x 256 tokens."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                                       max_position_embeddings=256, use_cache=False)
-    ids = torch.randint(0, 1024, (4, 256))
+    ids = torch.randint(0, 1024, (rows, 256))
     return f"llama-{layers}", transformers.LlamaForCausalLM(config), (ids,), {"labels": ids}, lambda out: out.loss
 
 
@@ -96,37 +97,38 @@ def measure(name, model, args, kwargs, loss) -> dict:
             "plan_s": plan_s, "least_mb": least / 1e6, "budget_mb": budget / 1e6, "peak_mb": peak / 1e6}
 
 
-def train_step_choice(layers: int) -> list[dict]:
+def train_step_choice(layers: int, rows: int = 4) -> list[dict]:
     """graphopt.train_step choosing k for the Llama at one depth, at budgets 5% above the least
-    of 2 and of 4 microbatches of its 4-row batch, against one optimize() at the k it chose: each
+    of 2 and of 4 microbatches of its batch of `rows`, against one optimize() at the k it chose: each
     timed in a fresh process (FakeTensor's caches and the machine's pace alike for both), two
     pairs in turn, the medians compared."""
-    name, model, (ids,), _, _ = llama(layers)
-    rows = []
+    name, model, (ids,), _, _ = llama(layers, rows)
+    found = []
     for k in (2, 4):
         part = ids[:len(ids) // k]
         budget = least_bytes(model, (part,), {"labels": part}, accumulate=k > 1) * 1.05 / 1e9
         chose, plan = [], []
         for _ in range(2):
-            chosen_k, seconds = _in_process("train_step", layers, budget, 0)
+            chosen_k, seconds = _in_process("train_step", layers, rows, budget, 0)
             chose.append(seconds)
-            plan.append(_in_process("plan", layers, budget, chosen_k)[1])
-        rows.append({"model": name, "budget_mb": budget * 1e3, "k": chosen_k, "train_step_s": statistics.median(chose),
-                     "plan_s": statistics.median(plan), "train_step_runs": chose, "plan_runs": plan})
-    return rows
+            plan.append(_in_process("plan", layers, rows, budget, chosen_k)[1])
+        found.append({"model": f"{name}, {rows} rows", "budget_mb": budget * 1e3, "k": chosen_k,
+                      "train_step_s": statistics.median(chose), "plan_s": statistics.median(plan),
+                      "train_step_runs": chose, "plan_runs": plan})
+    return found
 
 
-def _in_process(what: str, layers: int, budget_gb: float, k: int) -> tuple[int, float]:
+def _in_process(what: str, layers: int, rows: int, budget_gb: float, k: int) -> tuple[int, float]:
     """(k, seconds) of one train_step (k its choice) or one optimize() at k, in a process of its own."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", what, str(layers), repr(budget_gb), str(k)],
-                         check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", what, str(layers), str(rows),
+                          repr(budget_gb), str(k)], check=True, capture_output=True, text=True).stdout.split()
     return int(out[-2]), float(out[-1])
 
 
-def _one(what: str, layers: int, budget_gb: float, k: int) -> None:
+def _one(what: str, layers: int, rows: int, budget_gb: float, k: int) -> None:
     import graphopt
 
-    _, model, (ids,), _, _ = llama(layers)
+    _, model, (ids,), _, _ = llama(layers, rows)
     start = time.perf_counter()
     if what == "train_step":
         k = graphopt.train_step(model, (ids,), {"labels": ids}, budget_gb=budget_gb).microbatches
@@ -157,7 +159,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--one"]:  # one side of train_step_choice's comparison
-        _one(argv[1], int(argv[2]), float(argv[3]), int(argv[4]))
+        _one(argv[1], int(argv[2]), int(argv[3]), float(argv[4]), int(argv[5]))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="2,4,8,16,32", help="Llama depths, comma-separated ('' for none)")
@@ -165,6 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timm", default="", help="timm models by name (8 x 3 x 64 x 64), comma-separated")
     parser.add_argument("--train-step", type=int, default=0, metavar="LAYERS",
                         help="also train_step's choice of microbatches for the Llama of this depth")
+    parser.add_argument("--train-rows", type=int, default=4, help="the batch train_step splits, in rows")
     parser.add_argument("--out", default=None, help="write the figures into this folder")
     args = parser.parse_args(argv)
     builders = [lambda k=int(k): llama(k) for k in args.layers.split(",") if k]
@@ -178,7 +181,7 @@ def main(argv=None) -> int:
     text = (f"# Planning time (bench/planning_time.py)\n\n{result['device']}, torch {result['torch']}, "
             f"{result['date']}\n\n" + table(rows))
     if args.train_step:
-        result["train_step"] = train_step_choice(args.train_step)
+        result["train_step"] = train_step_choice(args.train_step, args.train_rows)
         text += "\ntrain_step's choice of microbatches against one plan at the k it chose:\n\n" + \
             train_step_table(result["train_step"])
     print(text)

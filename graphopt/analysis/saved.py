@@ -133,6 +133,7 @@ class _Recorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node):
         self.current = n
+        first = len(self.saved)  # what n's forward saves is packed while it runs, after these
         out = super().run_node(n)
         if isinstance(n.target, SegmentCall):
             self._segment(n)
@@ -147,7 +148,8 @@ class _Recorder(torch.fx.Interpreter):
         # A kernel that saves its own result (relu, sigmoid, ...) does so before the result is
         # known as this node's output: that tensor is the output kept alive, not extra memory.
         mine = {key for key, _ in self.storages[n.name]}
-        for i, saved in enumerate(self.saved):
+        for i in range(first, len(self.saved)):
+            saved = self.saved[i]
             if saved.node == n.name and saved.source == "internal" and saved.storage in mine:
                 self.saved[i] = Saved(saved.node, "node", n.name, saved.storage, saved.nbytes)
                 self.owner[saved.storage] = ("node", n.name)
