@@ -8,7 +8,7 @@ import graphopt
 from graphopt.analysis.memory import estimate_peak
 from graphopt.analysis.saved import record_step
 from graphopt.passes.recompute.pricing import PlanPricer
-from graphopt.passes.recompute.recompute_pass import _attributes_first, _hoist_state_writes
+from graphopt.passes.recompute.tidy import attributes_first, hoist_state_writes
 from graphopt.passes.recompute.rewrite import checkpoint_segments, inline_segments, recomputable
 from graphopt.passes.recompute.solver import Segment
 from graphopt.testing import zoo
@@ -50,8 +50,8 @@ def _random_plans(ok: list[bool], sel: list[int], rng: random.Random, count: int
 def test_a_plan_priced_from_the_log_is_its_fake_steps_peak(name):
     model, args, kwargs = MODELS[name]()
     gm = graphopt.trace(model, args, kwargs)
-    _attributes_first(gm)
-    _hoist_state_writes(gm)
+    attributes_first(gm)
+    hoist_state_writes(gm)
     gm.recompile()
     inputs = placeholder_values(gm, args, kwargs)
     nodes = list(gm.graph.nodes)

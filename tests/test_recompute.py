@@ -99,6 +99,33 @@ def test_plan_is_in_the_dumps_and_deterministic(tmp_path):
     assert "recomputed during backward" in (tmp_path / f"{k:02d}-recompute.py").read_text()
 
 
+class _Tally(torch.nn.Module):
+    """An MLP counting what its hidden layer saw into a buffer: that write may not run twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(16))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == 8:
+                self.seen.add_(x.detach().sum())
+        return x.sum()
+
+
+def test_the_dumps_say_why_a_node_cannot_rerun(tmp_path):
+    model, x = _Tally(), torch.randn(1024, 64)
+    budget_gb = _budget(model, (x,), {}, 0.7)
+    opt = graphopt.optimize(model, (x,), budget_gb=budget_gb, dump_dir=tmp_path)
+    table = (tmp_path / f"{len(opt.graphopt_report.passes):02d}-recompute.txt").read_text()
+    written = [line for line in table.splitlines() if "add_" in line]
+    assert len(written) == 1 and "recompute=kept" in written[0] and "cannot_rerun=" in written[0], table
+    assert "recompute=segment 0" in table
+    assert_same_step(model, opt, (x,), {})
+
+
 ZOO = {
     "gpt": lambda: zoo.gpt(batch=8, seq=64, layers=4),
     "convnet": lambda: zoo.convnet(batch=16, size=32, blocks=6),

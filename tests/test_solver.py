@@ -229,9 +229,9 @@ class _Given:
     def __init__(self, peaks: list[int], leaner: list = (), grown: list = ()):
         from types import SimpleNamespace
 
-        from graphopt.passes.recompute.recompute_pass import _Search
+        from graphopt.passes.recompute.search import PlanSearch
         self.peaks, self.asked = peaks, []
-        search = _Search.__new__(_Search)
+        search = PlanSearch.__new__(PlanSearch)
         search.estimates, search.prices, search.pricer = {}, {}, None
         search.scan, search.ranks, search.finish = None, {}, None
         search.leaner = lambda plan: list(leaner)

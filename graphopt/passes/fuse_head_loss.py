@@ -18,7 +18,7 @@ Algorithm:
      graph does not use them otherwise), against what it makes in the forward, the gradients of
      the head's input and weight (a head of few classes: the corpus's 256). Rows per chunk:
      Liger's (chunk_rows: a chunk's logits about as large as the head's input); with a budget
-     the recompute pass takes the largest that fits it (recompute_pass.py).
+     the recompute pass takes the largest that fits it (head_loss_chunks.py).
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ _NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")  # a child numbered by its name: lay
 
 @dataclass
 class PlanSpace:
-    """Per node in graph order (recompute_pass._node_facts): the node, whether it may run twice,
+    """Per node in graph order (node_facts.py): the node, whether it may run twice,
     the bytes it keeps for backward and those live after it, the parameter gradients its backward
     makes first, its recompute cost, when it saves (analysis/saved.save_points), what a selective
     segment keeps of it (bytes), the aten calls a selective segment's policy sees in it
@@ -256,7 +256,7 @@ def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int
     numbered children in the module tree (`layers.3`, `stages.1.blocks.0`; `layer2`,
     `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block's
     nodes are those that may run twice: a state write runs once wherever it is (BatchNorm's
-    num_batches_tracked, moved to the top: recompute_pass._hoist_state_writes). A block whose
+    num_batches_tracked, moved to the top: tidy.hoist_state_writes). A block whose
     nodes are not contiguous, or hold between them one that cannot run twice, is left out. The solver's model ranks these
     plans less well than it ranks its own, and a one-line plan is the baseline a user compares
     with. Each plan also with its blocks cut after their first matmul: that matmul saves only its
