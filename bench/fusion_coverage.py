@@ -5,7 +5,7 @@ traffic before and after, and the training step's measured peak without and with
 
 Per model (tests/corpus, its own batch): passes="normalize,cse,dce,fuse" against
 "normalize,cse,dce". Memory-bound ops are the forward's elementwise ops, casts, reductions,
-norms, softmaxes, losses and dropouts (analysis/fusion.memory_bound), after normalize (which
+norms, softmaxes, losses and dropouts (passes/fuse/fusion.memory_bound), after normalize (which
 spells out torchvision's stochastic depth); the fuse pass's report counts them before and
 after, with the bytes they read and write. The peaks are the user's step (forward, the case's
 loss, backward, gradients None before), measured as live tensor storages with the kernels run

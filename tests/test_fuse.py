@@ -291,7 +291,7 @@ def test_the_zoo_gpt_fuses_each_residual_add_into_the_layer_norm_after_it(train)
                     ["add_2", "blocks_1_ln1"], ["add_3", "blocks_1_ln2"], ["blocks_1_fc", "gelu_1"], ["add_4", "ln"]]
     assert group_nodes(stats) == expected + [["cross_entropy"]]
     assert all(isinstance(n.target, FusedRowOp) for n in fused_nodes(opt))
-    # 256 classes: run with the head over chunks, the loss would spare too little (fuse_head_loss.py)
+    # 256 classes: run with the head over chunks, the loss would spare too little (passes/fuse/head_loss.py)
     assert "would peak no lower" in next(iter(stats["heads_not_chunked"].values()))
     # in eval the second linear's bias would join only the residual add, which passes its gradient through
     assert stats["groups"][2]["not_fused"]["blocks_0_out"] == (

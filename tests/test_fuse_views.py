@@ -1,5 +1,5 @@
 """Fusion across reshapes: candidates joined by reshapes compute in one shape F, so one group
-takes them all (analysis/view_frames.py, passes/fuse_views.py): Swin's attention scores, a
+takes them all (passes/fuse/view_frames.py, passes/fuse/views.py): Swin's attention scores, a
 bias added before and a mask after a reshape, then a softmax; LeViT's BatchNorm1d of
 x.flatten(0, 1) reshaped back and activated."""
 import math
@@ -15,7 +15,7 @@ from hypothesis_profiles import examples
 from test_fuse import fused_nodes, group_nodes, leaves, module
 
 import graphopt
-from graphopt.analysis.view_frames import refinement, written_in
+from graphopt.passes.fuse.view_frames import refinement, written_in
 from graphopt.errors import GraphoptError
 
 pytest.importorskip("triton")

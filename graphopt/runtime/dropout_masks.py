@@ -1,4 +1,4 @@
-"""The masks a fused call draws just before its kernel runs (analysis/dropout_members.py says how
+"""The masks a fused call draws just before its kernel runs (passes/fuse/dropout_members.py says how
 a dropout in training, or a stochastic depth's bernoulli, joins a group)."""
 from __future__ import annotations
 

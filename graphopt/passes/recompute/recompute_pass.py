@@ -75,7 +75,7 @@ from ...report import idle_budget
 from ...runtime.budget_check import BudgetCheck
 from ...trial import trial_run
 from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
-from ..head_loss_chunks import size_chunks
+from ..fuse.head_loss_chunks import size_chunks
 from ..registry import register
 from .candidates import PlanSpace, Scan
 from .in_place import write_within

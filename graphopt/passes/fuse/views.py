@@ -1,5 +1,5 @@
 """Rewrite fusion candidates joined by reshapes to compute in one shape, so one group can take
-them all (analysis/view_frames.py finds the regions and their shape F).
+them all (view_frames.py finds the regions and their shape F).
 
 For each region, in graph order: a value from outside that a member reads enters reshaped into
 its form in F (a 0-dim tensor stays as it is: it promotes as a scalar does); a member computes
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch.fx
 
-from .. import ops
-from ..analysis.effects import CALLS
-from ..analysis.meta import TensorInfo, tensor_info
-from ..analysis.row_members import NORMALIZING, REDUCING
-from ..analysis.view_frames import ELEMENTWISE, FIXED, ROWS, Region, find_regions, reorder_free_view
+from ... import ops
+from ...analysis.effects import CALLS
+from ...analysis.meta import TensorInfo, tensor_info
+from .row_members import NORMALIZING, REDUCING
+from .view_frames import ELEMENTWISE, FIXED, ROWS, Region, find_regions, reorder_free_view
 
 _LAST = (-1, (-1,), [-1])
 

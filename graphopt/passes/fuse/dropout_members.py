@@ -29,8 +29,8 @@ from functools import cache
 import torch
 import torch.fx
 
-from ..codegen.group import FLOATS
-from .meta import TensorInfo, tensor_info
+from ...analysis.meta import TensorInfo, tensor_info
+from ...codegen.group import FLOATS
 
 
 @dataclass(frozen=True, eq=False)

@@ -25,9 +25,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..codegen.row_group import COL, ROW
-from ..codegen.row_space import RowSpace
-from .meta import TensorInfo, dense, tensor_info
+from ...analysis.meta import TensorInfo, dense, tensor_info
+from ...codegen.row_group import COL, ROW
+from ...codegen.row_space import RowSpace
 
 # the ops whose bias a group may take over, and the torch function that computes them without it
 WITHOUT_BIAS = {"linear": F.linear, "conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}

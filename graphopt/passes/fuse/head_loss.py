@@ -27,14 +27,14 @@ import operator
 
 import torch.fx
 
-from .. import ops
-from ..analysis.memory import size_text
-from ..analysis.meta import KEY, tensor_info
-from ..analysis.row_members import StateInput, as_state
-from ..codegen.row_group import FULL
-from ..dump import note, notes
-from ..runtime.chunked_loss import ChunkedHeadLoss
-from ..runtime.fused_row import FusedRowOp
+from ... import ops
+from ...analysis.memory import size_text
+from ...analysis.meta import KEY, tensor_info
+from ...codegen.row_group import FULL
+from ...dump import note, notes
+from ...runtime.chunked_loss import ChunkedHeadLoss
+from ...runtime.fused_row import FusedRowOp
+from .row_members import StateInput, as_state
 
 
 def _head_of(value: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[torch.fx.Node | None, list, str]:

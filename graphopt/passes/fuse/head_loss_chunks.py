@@ -1,4 +1,4 @@
-"""Rows per chunk of the chunked linear heads and losses (fuse_head_loss.py) under a budget: the
+"""Rows per chunk of the chunked linear heads and losses (head_loss.py) under a budget: the
 recompute pass asks first, as larger chunks run fewer, larger matmuls and a chunk that fits
 leaves the rest of the budget to the plan."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch.fx
 
-from ..analysis.meta import tensor_info
-from ..runtime.chunked_loss import ChunkedHeadLoss, chunk_rows
+from ...analysis.meta import tensor_info
+from ...runtime.chunked_loss import ChunkedHeadLoss, chunk_rows
 
 
 def size_chunks(gm: torch.fx.GraphModule, peak_of: Callable[[torch.fx.GraphModule], int], target: int) -> int | None:

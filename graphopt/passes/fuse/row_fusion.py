@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..codegen.row_group import COL, FULL, INDEX, ROW, Builder, combined, emit_cross_entropy, emit_layer_norm, \
+from ...analysis.meta import tensor_info
+from ...codegen.row_group import COL, FULL, INDEX, ROW, Builder, combined, emit_cross_entropy, emit_layer_norm, \
     emit_log_softmax, emit_mean, emit_rms_norm, emit_softmax
-from ..codegen.row_space import RowSpace, dim_order
+from ...codegen.row_space import RowSpace, dim_order
 from .dropout_members import DrawnMask, emit_bernoulli, emit_dropout
 from .epilogue_members import BiasFree
 from .group_outputs import group_outputs
-from .meta import tensor_info
 from .row_members import BATCH_NORMS, DTYPE, FLOATS, PIECE, ROW_OPS, StateInput, exact_shape, info_of, kind_of
 
 # members whose eager backward is one kernel computing in float32: their last step's terms are not rounded

@@ -21,7 +21,7 @@ reshapes between them. Its *frame* F is a shape that every value in it can be wr
      is its frame, and then F is its frame (LeViT's BatchNorm1d of x.flatten(0, 1), whose
      result is reshaped back and activated).
 A value outside the region that a member reads enters reshaped into its form in F, and a
-member's value used outside leaves reshaped back to its own shape (fuse_views.py rewrites the
+member's value used outside leaves reshaped back to its own shape (views.py rewrites the
 graph so); inside, the reshapes are gone and fusion sees one shape.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from .meta import TensorInfo, tensor_info
+from ...analysis.meta import TensorInfo, tensor_info
 
 # a candidate's kind in a region: computed element by element, over rows of its last dim (kept
 # whole by F), or in its own shape only (a batch norm's channels are its dim 1)

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from .. import ops
-from ..codegen.row_group import COL, FULL, ROW
-from ..codegen.row_space import RowSpace
+from ... import ops
+from ...analysis.meta import TensorInfo, dense, tensor_info
+from ...codegen.row_group import COL, FULL, ROW
+from ...codegen.row_space import RowSpace
 from .dropout_members import DrawnMask
 from .epilogue_members import BiasFree
-from .meta import TensorInfo, dense, tensor_info
 
 REDUCING = ("sum", "mean", "amax")
 NORMALIZING = ("softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy")

@@ -2,12 +2,12 @@
 them, as one generated Triton kernel, forward and backward.
 
 Algorithm:
-  0. Candidates joined by reshapes compute in one shape (fuse_views.py: the graph is rewritten
+  0. Candidates joined by reshapes compute in one shape (views.py: the graph is rewritten
      so, at the example's sizes, and marked specialized to them). Not under fuse{views=false},
      nor in the default pipeline, whose graph runs at any shape, unless fuse{views=true} says
      so; not for a graph staged over microbatches, which runs at a microbatch's sizes, nor
      where no kernel runs (step 1).
-  1. Find the groups (graphopt.analysis.fusion: maximal connected groups of registry elementwise
+  1. Find the groups (fusion.py: maximal connected groups of registry elementwise
      ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
      and why their neighbours stay out. Kernels run on CUDA, or in Triton's interpreter (how
      the tests check them on CPU); on another device a group would run as torch ops, slower than
@@ -17,7 +17,7 @@ Algorithm:
      the first outside use; when an input is only computed after that use, the group is left
      alone with that reason (fusing it would need the graph reordered); an attribute read moves
      up to the call. No node that may write what a group reads or makes lies between its members
-     (analysis/fusion.py step 2), so no read moves past a write to it.
+     (fusion.py step 2), so no read moves past a write to it.
   3. Insert one call_function node targeting a FusedOp (runtime/fused.py) or a FusedRowOp
      (runtime/fused_row.py), reading a leaf module's parameters through get_attr nodes (a
      matmul whose bias the group adds is inserted where it was, without its bias), plus an
@@ -29,7 +29,7 @@ Algorithm:
      reasons) as stats; note the decisions on the nodes; hand the kernels' sources, a repro
      script per elementwise group and a readable fusion report to the dumps.
   5. A cross-entropy group over a linear head's logits runs with the head over chunks of rows
-     (fuse_head_loss.py): no logits of the whole batch, nor their gradient, where the graph
+     (head_loss.py): no logits of the whole batch, nor their gradient, where the graph
      does not use them otherwise.
 """
 from __future__ import annotations
@@ -39,27 +39,27 @@ import operator
 
 import torch.fx
 
-from .. import ops
-from ..analysis.dropout_members import DrawnMask
-from ..analysis.epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
-from ..analysis.effects import written_values
-from ..analysis.fusion import FusionGroup, candidates, find_groups, memory_bound, traffic
-from ..analysis.memory import estimate_peak
-from ..analysis.meta import KEY, gather, graph_device
-from ..analysis.row_members import StateInput, as_state, info_of
-from ..codegen.row_group import RowGroup
-from ..codegen.row_kernel import layout as row_layout
-from ..codegen.row_kernel import source as row_source
-from ..codegen.row_program import backward_program, forward_program
-from ..dump import note
-from ..runtime import FusedOp, repro_script, source
-from ..runtime.fused import interpreting
-from ..runtime.fused_row import FusedRowOp
-from ..trace import annotate
-from .base import Option, Pass, PassContext, PassResult, to_bool
-from .fuse_head_loss import chunk_heads
-from .fuse_views import lift_views
-from .registry import register
+from ... import ops
+from ...analysis.effects import written_values
+from ...analysis.memory import estimate_peak
+from ...analysis.meta import KEY, gather, graph_device
+from ...codegen.row_group import RowGroup
+from ...codegen.row_kernel import layout as row_layout
+from ...codegen.row_kernel import source as row_source
+from ...codegen.row_program import backward_program, forward_program
+from ...dump import note
+from ...runtime import FusedOp, repro_script, source
+from ...runtime.fused import interpreting
+from ...runtime.fused_row import FusedRowOp
+from ...trace import annotate
+from ..base import Option, Pass, PassContext, PassResult, to_bool
+from ..registry import register
+from .dropout_members import DrawnMask
+from .epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
+from .fusion import FusionGroup, candidates, find_groups, memory_bound, traffic
+from .head_loss import chunk_heads
+from .row_members import StateInput, as_state, info_of
+from .views import lift_views
 
 
 def _outside_users(group: FusionGroup) -> list[torch.fx.Node]:
@@ -130,7 +130,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
 
 def _without_bias(gm: torch.fx.GraphModule, value: BiasFree) -> torch.fx.Node:
     """A node computing the linear or convolution without its bias, where it was: its group adds
-    the bias (analysis/epilogue_members.py)."""
+    the bias (epilogue_members.py)."""
     bound = ops.bind(value.node, gm)
     weight = as_state(bound.operands[1], gm)
     extra = () if value.op == "linear" else tuple(bound.params[p] for p in CONV_PARAMS)

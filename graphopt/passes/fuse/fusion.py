@@ -10,7 +10,7 @@ Algorithm:
      bound to tensor nodes and Python scalars, dense in eager (a float32 one eager lays out
      strided takes rows over its layout: a row group's kernels write it where eager does), and
      accepted by codegen as a one-step group at its operands' dtypes with eager's result dtype
-     and shape; or a row member (analysis/row_members.py: a reduction, norm, softmax,
+     and shape; or a row member (row_members.py: a reduction, norm, softmax,
      cross-entropy, batch norm or rotary rotation over rows, in float32). Every other node gets
      the reason it stays out.
      An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
@@ -46,21 +46,21 @@ import networkx as nx
 import torch
 import torch.fx
 
-from .. import codegen, ops
-from ..codegen.group import FLOATS
-from ..codegen.row_group import RowGroup
-from ..codegen.row_space import RowSpace
-from .aliases import Aliases
-from .dropout_members import DrawnMask, drawn_bernoulli, emit_bernoulli, emit_dropout, training_dropout
-from .effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
+from ... import codegen, ops
+from ...analysis.aliases import Aliases
+from ...analysis.effects import CALLS, is_identity_dropout, may_draw, may_write, reads_attribute, state_effect, \
     written_inputs, written_values
+from ...analysis.meta import TensorInfo, dense, leaves, tensor_info
+from ...codegen.group import FLOATS
+from ...codegen.row_group import RowGroup
+from ...codegen.row_space import RowSpace
+from .dropout_members import DrawnMask, drawn_bernoulli, emit_bernoulli, emit_dropout, training_dropout
 from .epilogue_members import BiasFree, epilogue_member, gates_channels
 from .group_outputs import group_outputs
-from .meta import TensorInfo, dense, leaves, tensor_info
 from .row_fusion import build_rows, fits_rows
-from .view_frames import reorder_free_view
 from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, as_state, channel_layer_norm, channel_norm, info_of, \
     row_member
+from .view_frames import reorder_free_view
 
 CYCLE = "would create a cycle (path {path})"
 NOT_ELEMENTWISE = "not elementwise ({kind})"
@@ -77,7 +77,7 @@ class Member:
     operands: tuple  # fx Nodes (tensors) and Python scalars
     params: dict
     identity: bool = False  # a dropout that returns its input
-    row: RowSpace | None = None  # its rows: a row member's (analysis/row_members.py), or a strided elementwise node's layout
+    row: RowSpace | None = None  # its rows: a row member's (row_members.py), or a strided elementwise node's layout
     strided: str | None = None  # why it may only be in a row group (which writes eager's layout)
     absorbed: tuple = ()  # nodes only it reads, computed inside its steps (a rotation's slices)
     mask: DrawnMask | None = None  # a dropout in training or a bernoulli: the mask the call draws (dropout_members.py)
