@@ -9,6 +9,7 @@ import torch
 import torch.fx
 
 from . import passes as passes_pkg
+from .batch import batch_rows, splits_evenly
 from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .input_aliases import distinct
@@ -20,7 +21,7 @@ from .report import Report
 from .runtime.guards import (install_call_guard, install_mode_guard, install_shape_guard,
                              install_sizes_guard, refuse_pickling)
 from .runtime.input_writes import WriteAliasCheck
-from .runtime.microbatch import batch_rows, first_microbatch, splits_evenly
+from .runtime.microbatch import first_microbatch
 from .runtime.microbatch_call import install_microbatch_split
 from .trace import FRONTENDS, check_inputs, trace
 

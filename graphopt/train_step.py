@@ -29,20 +29,19 @@ import warnings
 from typing import Callable
 
 import torch
-import torch.utils._pytree as pytree
 
 from .analysis.fake_state import fake_run
-from .analysis.memory import GB, budget_bytes, budget_text, measure_peak, predict_peak, size_text
+from .analysis.memory import GB, below_least, budget_bytes, measure_peak, predict_peak, size_text
 from .analysis.optimizer_memory import check_optimizer, optimizer_memory
 from .analysis.planning_device import planning_device
 from .api import optimize
+from .batch import batch_rows, microbatch_counts, splits_evenly, why_unsplittable
 from .call_signature import signature
 from .errors import BudgetError, BudgetWarning, OptionError, TraceError, UsageError
 from .export_batch import ExportCache, kept_exports, keeping_exports
 from .passes.recompute.recompute_pass import Recompute
 from .runtime.guards import describe
-from .batch import batch_rows, batched
-from .runtime.microbatch import split_batch, splits_evenly
+from .runtime.microbatch import split_batch
 from .runtime.step import step_loss
 from .trace import check_inputs
 from .trial import tensor_leaves, trial_run
@@ -105,14 +104,13 @@ class TrainStep:
         # one export serves the microbatch counts its dynamic batch takes (and a caller's other steps: plan's)
         with keeping_exports(kept_exports() or ExportCache()):
             if isinstance(microbatches, str) and microbatches == "auto":
-                self.graph = self._choose(_divisors(args, kwargs))
+                self.graph = self._choose(microbatch_counts(args, kwargs))
             else:
                 self.microbatches = k = _check_microbatches(microbatches, args, kwargs)
                 try:
                     self.graph = self._plan(k)
                 except BudgetError as e:
-                    raise self._refusal(k, self._least(k, e), e,
-                                        f" in {k} microbatch{'es' if k > 1 else ''}") from None
+                    raise self._refusal(k, self._least(k, e), e, f" in {k} microbatch{'es' if k > 1 else ''}") from None
         self.report = self.graph.graphopt_report
         self.report.microbatches = self.microbatches
         self._warn_batchnorm()
@@ -144,24 +142,21 @@ class TrainStep:
                                      f"(refused: {leasts})")
             return graph
         if choices == [1]:
-            why = _unsplittable(*self._example) or "it has one row"
+            why = why_unsplittable(*self._example) or "it has one row"
             raise self._refusal(1, self._least(1, refused[1]), refused[1],
-                                f"; train_step cannot split this batch into microbatches: {why}")
+                                f" as one batch (train_step cannot split it into microbatches: {why})")
         # the least of any k: where parameters outweigh activations, one microbatch needs least
         best = min(refused, key=lambda k: refused[k].min_budget_gb)
         tried = ", ".join(map(str, refused))
         failed = "".join(f"; {k} microbatches do not trace ({why})" for k, why in untraced.items())
         raise self._refusal(best, self._least(best, refused[best]), refused[best],
-                            f" in any number of equal microbatches (tried {tried}{failed})")
+                            f" in any number of equal microbatches (tried {tried}{failed}), the least with {best}")
 
-    def _refusal(self, k: int, least: int, e: BudgetError, where: str = "") -> BudgetError:
-        return BudgetError(
-            f"budget_gb={self.budget_gb:g} ({size_text(budget_bytes(self.budget_gb))}) is below what one training "
-            f"step needs{where}: at least {size_text(least)}, with {k} microbatch"
-            f"{'es, gradients accumulated' if k > 1 else ''}, by the estimate{_parts(e.breakdown)}. Raise budget_gb "
-            f"to {budget_text(least)} or more, halve "
-            "activations with precision='bf16', or split the model over devices with stages=N.",
-            min_budget_gb=least / GB, breakdown=e.breakdown)
+    def _refusal(self, k: int, least: int, e: BudgetError, where: str) -> BudgetError:
+        """where: how the step was split ("in 2 microbatches"), after "needs at least"."""
+        accumulated = ", gradients accumulated" if k > 1 else ""
+        return below_least(self.budget_gb, least, f"one training step needs at least{where}{accumulated}, by the "
+                           "estimate", e.breakdown)
 
     def _plan(self, k: int):
         """The optimized graph for microbatches of 1/k of the batch; BudgetError when its step
@@ -331,7 +326,7 @@ class TrainStep:
                              "call it with batches of those shapes, or build another train_step for these.")
         if k == 1:
             return [(args, kwargs)]
-        if _unsplittable(args, kwargs) or not splits_evenly(args, kwargs, k):
+        if why_unsplittable(args, kwargs) or not splits_evenly(args, kwargs, k):
             raise UsageError(f"this train step splits each batch into {k} equal microbatches along dim 0 of every "
                              f"tensor input, and the call's inputs {describe(args, kwargs)} do not split so: give a "
                              f"batch whose rows {k} divides, or build a train_step with microbatches= for it.")
@@ -382,39 +377,12 @@ def _checked_budget(budget_gb) -> float | None:
 
 
 def _check_microbatches(value, args: tuple, kwargs: dict) -> int:
-    choices, why = _divisors(args, kwargs), _unsplittable(args, kwargs)
+    choices, why = microbatch_counts(args, kwargs), why_unsplittable(args, kwargs)
     what = f"the batch's {batch_rows(args, kwargs)} rows" if not why else f"this batch, which does not split ({why}),"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in choices:
         raise OptionError(f"microbatches must be 'auto' or a number of equal microbatches that splits {what} "
                           f"along dim 0: {', '.join(map(str, choices))}; got {value!r}.")
     return int(value)
-
-
-def _unsplittable(args: tuple, kwargs: dict) -> str | None:
-    """Why the batch cannot be cut into microbatches, or None."""
-    if any(isinstance(t, torch.Tensor) for v in (*args, *kwargs.values()) if not isinstance(v, torch.Tensor)
-           for t in pytree.tree_leaves(v)):
-        return ("a tensor inside a container argument (a list, a dict) would reach every microbatch whole; "
-                "pass the batch's tensors as arguments of their own")
-    sizes = {int(t.shape[0]) for t in batched(args, kwargs)}
-    if not sizes:
-        return "no tensor argument has a batch dimension"
-    if len(sizes) > 1:
-        return (f"the tensor arguments differ in rows along dim 0 ({sorted(sizes)}), and a split cuts every one "
-                "of them: make those that are not batches buffers of the model, or give them a batch dimension")
-    return None
-
-
-def _divisors(args: tuple, kwargs: dict) -> list[int]:
-    """The microbatch counts that split the batch into equal parts (1 alone when it does not split)."""
-    if _unsplittable(args, kwargs):
-        return [1]
-    rows = batch_rows(args, kwargs)
-    return [k for k in range(1, rows + 1) if splits_evenly(args, kwargs, k)]
-
-
-def _parts(breakdown: dict) -> str:
-    return " (" + ", ".join(f"{name} {size_text(n)}" for name, n in breakdown.items()) + ")" if breakdown else ""
 
 
 @contextlib.contextmanager

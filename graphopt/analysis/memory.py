@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..errors import BudgetError
 from .fake_state import fake_run
 from .live_storage import LiveStorage
 from .meta import tensor_info
@@ -55,6 +56,22 @@ def budget_text(n: int) -> str:
     gb = n / GB
     scale = 10 ** (math.floor(math.log10(gb)) - 2) if gb > 0 else 1
     return f"{math.ceil(gb / scale) * scale:.3g}"
+
+
+# What else fits a step into less memory, for the refusals' advice.
+SMALLER_STEP = "halve activations with precision='bf16', or split the model over devices with stages=N"
+
+
+def below_least(budget_gb: float, least: int, needs: str, breakdown: dict, advice: str = SMALLER_STEP) -> BudgetError:
+    """The refusal of a budget under the least a step needs: the budget, the least and what needs
+    it ("one training step needs at least, by the estimate"), its parts, the budget that works in
+    budget_gb's own unit, then advice: what else would fit."""
+    parts = {k: v for k, v in breakdown.items() if v}
+    detail = f" ({', '.join(f'{k} {size_text(v)}' for k, v in parts.items())})" if parts else ""
+    return BudgetError(
+        f"budget_gb={budget_gb:g} ({size_text(budget_bytes(budget_gb))}) is below the {size_text(least)} that "
+        f"{needs}{detail}. Raise budget_gb to {budget_text(least)} or more, {advice}.",
+        min_budget_gb=least / GB, breakdown=parts)
 
 
 @dataclass

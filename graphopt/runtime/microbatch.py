@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import batch_rows, batched
+from ..batch import differing_rows
 from ..errors import UsageError
 
-__all__ = ["batch_rows", "first_microbatch", "split_batch", "splits_evenly"]
+__all__ = ["first_microbatch", "split_batch"]
 
 
 def first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
     """The first of `microbatches` parts of a batch, split as torch.distributed.pipelining
     splits it: every tensor of one or more dimensions along dim 0 (tensor_split), other
     values whole."""
-    sizes = {int(v.shape[0]) for v in batched(args, kwargs)}
-    if len(sizes) > 1:  # one of them is not a batch: splitting it would pair the wrong rows
-        raise UsageError(f"the tensor inputs have different sizes along dim 0 ({sorted(sizes)}), and pipeline "
+    sizes = differing_rows(args, kwargs)
+    if sizes is not None:  # one of them is not a batch: splitting it would pair the wrong rows
+        raise UsageError(f"the tensor inputs have different sizes along dim 0 ({sizes}), and pipeline "
                          "schedules split every tensor input along dim 0 into microbatches: make the inputs "
                          "that are not batches (a mask shared by all rows, say) buffers of the model, or "
                          "give them a leading batch dimension.")
@@ -42,7 +42,3 @@ def split_batch(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
         return v.tensor_split(k)[i] if isinstance(v, torch.Tensor) and v.dim() else v
 
     return [(tuple(part(a, i) for a in args), {name: part(v, i) for name, v in kwargs.items()}) for i in range(k)]
-
-
-def splits_evenly(args: tuple, kwargs: dict, microbatches: int) -> bool:
-    return all(v.shape[0] % microbatches == 0 for v in batched(args, kwargs))

@@ -17,9 +17,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from ..batch import batch_rows
 from ..errors import UsageError
 from ..trace import register_dataclasses
-from .microbatch import batch_rows, split_batch
+from .microbatch import split_batch
 
 
 def install_microbatch_split(gm: torch.fx.GraphModule, full_rows: int, microbatches: int) -> None:

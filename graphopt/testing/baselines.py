@@ -7,7 +7,8 @@ import torch
 
 from ..analysis.memory import GB, Estimate
 from ..passes.pipeline.partition import Partition, StageFacts, partition
-from ..runtime.microbatch import batch_rows, split_batch
+from ..batch import batch_rows
+from ..runtime.microbatch import split_batch
 from ..runtime.microbatch_call import merge_outputs
 
 

@@ -63,7 +63,7 @@ import torch.fx
 
 from ... import ops
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
-from ...analysis.memory import GB, Estimate, budget_bytes, budget_text, estimate_peak, measure_step, size_text
+from ...analysis.memory import Estimate, below_least, budget_bytes, estimate_peak, measure_step
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
@@ -293,19 +293,14 @@ class Recompute(Pass):
     def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
                measured: bool = False) -> BudgetError:
         minimum = int(minimum / (1 - self.headroom))
-        parts = {k: v for k, v in breakdown.items() if v}
-        detail = ", ".join(f"{k} {size_text(v)}" for k, v in parts.items())
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         how = "as measured" if measured else "by the estimate"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
-        return BudgetError(
-            f"budget_gb={budget_gb:g} ({size_text(budget_bytes(budget_gb))}) is below the {size_text(minimum)} that "
-            f"{what} needs at least, {how} ({detail}). Raise budget_gb to {budget_text(minimum)} or more, "
-            f"halve activations with precision='bf16',{batch} or split the model over devices with stages=N.",
-            min_budget_gb=minimum / GB, breakdown=parts,
-        )
+        return below_least(budget_gb, minimum, f"{what} needs at least, {how}", breakdown,
+                           f"halve activations with precision='bf16',{batch} or split the model over devices with "
+                           "stages=N")
 
 
 def _measure(gm: torch.fx.GraphModule, ctx: PassContext, accumulate: bool) -> int:
