@@ -9,6 +9,18 @@ from .analysis.memory import GB, size_text
 STATS_WIDTH = 70  # the terminal table's stats column wraps here, between stats, never within one
 
 
+@dataclass(frozen=True)
+class BudgetFit:
+    """What a pass that plans memory for a budget (recompute) leaves for others: the budget, the
+    bytes it held the step to (the budget less its headroom: CUDA keeps some free), and the
+    step's predicted peak before and after it."""
+
+    budget_bytes: int
+    planned_for_bytes: int
+    peak_before_bytes: int
+    predicted_peak_bytes: int
+
+
 @dataclass
 class PassRecord:
     name: str
@@ -21,6 +33,7 @@ class PassRecord:
     max_rel_err: float | None = None
     peak_bytes: int | None = None  # predicted peak memory, when the pass knows it
     by_default: bool = False  # run because optimize() was given no passes
+    budget: BudgetFit | None = None  # where the pass planned memory for a budget
 
 
 @dataclass
@@ -55,8 +68,9 @@ class Report:
         return [head] + body
 
     def recompute(self) -> PassRecord | None:
-        """The recompute pass's record: the budget's figures are its stats."""
-        return next((r for r in reversed(self.passes) if r.name.partition("{")[0] == "recompute"), None)
+        """The record of the pass that planned memory for the budget (recompute): its BudgetFit,
+        and its stats for the rest."""
+        return next((r for r in reversed(self.passes) if r.budget is not None), None)
 
     def headline(self) -> str | None:
         """With a budget, one line: the predicted peak before and after recompute, the budget,
@@ -64,10 +78,10 @@ class Report:
         r = self.recompute()
         if r is None:
             return None
-        s = r.stats
+        s, fit = r.stats, r.budget
         each = f" for each of {self.microbatches} microbatches" if self.microbatches > 1 else ""
-        line = (f"peak {size_text(s['peak_before_bytes'])} -> {size_text(s['predicted_peak_bytes'])} predicted{each} "
-                f"(budget {size_text(s['budget_bytes'])})")
+        line = (f"peak {size_text(fit.peak_before_bytes)} -> {size_text(fit.predicted_peak_bytes)} predicted{each} "
+                f"(budget {size_text(fit.budget_bytes)})")
         if "measured_peak_bytes" in s:
             line += f", {size_text(s['measured_peak_bytes'])} measured (calibrate)"
         if not s.get("segments"):

@@ -224,8 +224,8 @@ class TrainStep:
     def _target(graph, budget: int) -> int:
         """The bytes a plan for `budget` is held to: less recompute's headroom (CUDA keeps some free)."""
         record = graph.graphopt_report.recompute()
-        stats = record.stats if record is not None else {}
-        return int(budget * stats.get("planned_for_bytes", 1) / stats.get("budget_bytes", 1))
+        fit = record.budget if record is not None else None
+        return budget if fit is None else int(budget * fit.planned_for_bytes / fit.budget_bytes)
 
     def _microbatch(self, k: int) -> tuple[tuple, dict]:
         return self._example if k == 1 else split_batch(*self._example, k)[0]
@@ -373,7 +373,7 @@ def _checked_options(model, loss_fn, reduction, budget_gb, options: dict) -> dic
 
 def _checked_budget(budget_gb) -> float | None:
     """budget_gb as optimize() validates it: by the recompute pass's option."""
-    return None if budget_gb is None else Recompute.from_arguments({"budget_gb": budget_gb}).settings["budget_gb"]
+    return None if budget_gb is None else Recompute.from_arguments({"budget_gb": budget_gb}).settings.budget_gb
 
 
 def _check_microbatches(value, args: tuple, kwargs: dict) -> int:

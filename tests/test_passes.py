@@ -24,22 +24,26 @@ def test_pipeline_text():
 
 
 def test_options_are_converted_and_checked():
-    from graphopt.passes import Option, Pass, PassResult
-    from graphopt.passes.base import Text, to_bool
+    from dataclasses import dataclass
+
+    from graphopt.passes import Pass, PassResult
+    from graphopt.passes.base import Text, option, to_bool
+
+    @dataclass(frozen=True)
+    class DemoOptions:
+        k: int = option(2, int, "a count")
+        mode: str = option("a", str, "a mode", choices=("a", "b"))
+        on: bool = option(False, to_bool, "a switch")
 
     class Demo(Pass):
         name = "demo-options"
-        options = {
-            "k": Option(2, int, "a count"),
-            "mode": Option("a", str, "a mode", choices=("a", "b")),
-            "on": Option(False, to_bool, "a switch"),
-        }
+        Options = DemoOptions
 
         def run(self, gm, ctx):
             return PassResult(gm, False)
 
     p = Demo(k=Text("5"), on=Text("true"))  # as a pipeline string gives them
-    assert p.settings == {"k": 5, "mode": "a", "on": True}
+    assert p.settings == DemoOptions(k=5, mode="a", on=True) and p.settings.k == 5
     assert p.spec() == "demo-options{k=5,on=True}"
     with pytest.raises(graphopt.OptionError, match="bad value"):
         Demo(k=Text("five"))

@@ -251,8 +251,8 @@ def test_bad_options_say_what_to_write(options, message):
 
 
 def test_dtype_spellings_and_the_verifier_tolerance():
-    assert graphopt.passes.get("precision")(dtype=torch.bfloat16).settings["dtype"] == "bf16"
-    assert graphopt.passes.get("precision")(dtype="float16").settings["dtype"] == "fp16"
+    assert graphopt.passes.get("precision")(dtype=torch.bfloat16).settings.dtype == "bf16"
+    assert graphopt.passes.get("precision")(dtype="float16").settings.dtype == "fp16"
     model, args, kwargs = zoo.gpt()
     # verify=True compares against float32 eager: it passes only at the tolerance of the
     # compute dtype, which the pass reports to the manager

@@ -7,7 +7,7 @@ import graphopt
 from graphopt.analysis.memory import size_text
 from graphopt.before_after import BeforeAfter, Line
 from graphopt.errors import BudgetWarning
-from graphopt.report import PassRecord, Report
+from graphopt.report import BudgetFit, PassRecord, Report
 
 PLANNED = dict(budget_bytes=1_600_000, planned_for_bytes=1_600_000, peak_before_bytes=2_075_984,
                predicted_peak_bytes=1_547_600, segments=1, selective_segments=0, recomputed_nodes=4,
@@ -17,7 +17,9 @@ PLANNED = dict(budget_bytes=1_600_000, planned_for_bytes=1_600_000, peak_before_
 
 def recompute_record(**stats) -> PassRecord:
     stats = {**PLANNED, **stats}
-    return PassRecord("recompute{budget_gb=0.0016}", 12.0, 17, 14, True, stats, peak_bytes=stats["predicted_peak_bytes"])
+    fit = BudgetFit(*(stats[k] for k in ("budget_bytes", "planned_for_bytes", "peak_before_bytes", "predicted_peak_bytes")))
+    return PassRecord("recompute{budget_gb=0.0016}", 12.0, 17, 14, True, stats, peak_bytes=stats["predicted_peak_bytes"],
+                      budget=fit)
 
 
 def report(*records: PassRecord, **fields) -> Report:

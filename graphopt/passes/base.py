@@ -1,4 +1,5 @@
-"""What a pass is: a name, declared options, and run(gm, ctx) -> PassResult.
+"""What a pass is: a name, its options (a frozen dataclass of option() fields), and
+run(gm, ctx) -> PassResult.
 
 Passes report what they did (and declined to do, and why) as data in `stats`; the pass
 manager, the dumps and the report render it. Passes never print.
@@ -10,6 +11,7 @@ respelling, a removal) leaves the metadata as it is.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ import torch.fx
 
 from ..analysis.cache import Analyses
 from ..errors import OptionError
+from ..report import BudgetFit
 
 
 @dataclass
@@ -39,6 +42,8 @@ class PassResult:
     # Checks a call of the optimized module must pass first, forward pre-hooks (with kwargs):
     # a rewrite decided at the example's sizes that other sizes must confirm.
     call_checks: list = field(default_factory=list)
+    # A pass that planned memory for a budget: what it held the step to (train_step's fit check reads it).
+    budget: BudgetFit | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,19 @@ class Option:
     convert: Callable[[Any], Any]
     help: str
     choices: tuple | None = None
+
+
+OPTION = "graphopt_option"  # the metadata key of an Options field's Option
+
+
+def option(default, convert: Callable[[Any], Any], help: str, choices: tuple | None = None):
+    """A field of a pass's Options dataclass: its default, and the Option that validates it."""
+    return field(default=default, metadata={OPTION: Option(default, convert, help, choices)})
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a pass that takes none."""
 
 
 class Text(str):
@@ -144,9 +162,12 @@ class PassContext:
 
 
 class Pass:
-    """Base class: subclasses set `name`, `options` and `__doc__` (its algorithm, as numbered steps)."""
+    """Base class: subclasses set `name`, `Options` and `__doc__` (its algorithm, as numbered steps)."""
 
     name: ClassVar[str]
+    # Its options: a frozen dataclass of option() fields, validated once as the pass is made
+    # (self.settings is one); `options` lists their Options by name, for parsing and help.
+    Options: ClassVar[type] = NoOptions
     options: ClassVar[dict[str, Option]] = {}
     # Passes that must run before this one when both are in a pipeline, each with the reason:
     # what they rewrite would change what this one decided (the pass manager checks it).
@@ -157,6 +178,10 @@ class Pass:
     # Arguments that take this pass's place: given any, optimize() does not add this pass, and
     # its arguments go to the pass that argument adds (stages=: budget_gb caps each stage).
     yields_to: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.options = {f.name: f.metadata[OPTION] for f in dataclasses.fields(cls.Options)}
 
     @classmethod
     def check_arguments(cls, given: dict) -> None:
@@ -181,8 +206,7 @@ class Pass:
             raise OptionError(f"pass {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {valid}.")
         named = _arguments or {}
         self.by_default = False  # chosen by optimize() for a caller who named no passes
-        self.settings = {key: self._setting(key, options[key], named.get(key)) if key in options else opt.default
-                         for key, opt in self.options.items()}
+        self.settings = self.Options(**{key: self._setting(key, value, named.get(key)) for key, value in options.items()})
 
     def _setting(self, key: str, value, argument: str | None):
         """The option's setting for value, or OptionError naming the pass's option, or the
@@ -209,7 +233,8 @@ class Pass:
 
     def spec(self) -> str:
         """The pass as pipeline text, e.g. 'cse' or 'precision{dtype=bf16}'."""
-        changed = {k: v for k, v in self.settings.items() if v != self.options[k].default}
+        values = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)}
+        changed = {k: v for k, v in values.items() if v != self.options[k].default}
         if not changed:
             return self.name
         return f"{self.name}{{{','.join(f'{k}={_text(v)}' for k, v in changed.items())}}}"

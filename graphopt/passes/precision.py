@@ -33,6 +33,7 @@ from __future__ import annotations
 import difflib
 import functools
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -45,7 +46,7 @@ from ..dump import note
 from ..errors import OptionError
 from ..precisions import LOW, precision_name, short
 from ..runtime.autocast import under_autocast
-from .base import Option, Pass, PassContext, PassResult
+from .base import Pass, PassContext, PassResult, option
 from .normalize import _canonical_callable
 from .registry import register
 
@@ -200,26 +201,31 @@ class _Casts:
         return cast
 
 
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """The precision pass's options."""
+
+    dtype: str | None = option(None, parse_dtype, "the low precision: bf16 or fp16")
+    policy: str | None = option(None, parse_policy,
+                                f"per-op mode overrides, op:mode;op:mode with modes {', '.join(MODES)}")
+
+
 @register
 class Precision(Pass):
     """Compute in bf16 or fp16 where torch.autocast would, in float32 where it would."""
 
     name = "precision"
     arguments = {"precision": "dtype", "precision_policy": "policy"}
-    options = {
-        "dtype": Option(None, parse_dtype, "the low precision: bf16 or fp16"),
-        "policy": Option(None, parse_policy,
-                         f"per-op mode overrides, op:mode;op:mode with modes {', '.join(MODES)}"),
-    }
+    Options = PrecisionOptions
 
     def __init__(self, *arguments, **options):
         super().__init__(*arguments, **options)
-        if self.settings["dtype"] is None:
+        if self.settings.dtype is None:
             raise OptionError("pass 'precision' needs dtype=bf16 or dtype=fp16 (the low precision to compute in).")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        low = LOW[self.settings["dtype"]]
-        policy = policy_dict(self.settings["policy"])
+        low = LOW[self.settings.dtype]
+        policy = policy_dict(self.settings.policy)
         device = graph_device(gm)
         calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         # Step 1
@@ -271,7 +277,7 @@ class Precision(Pass):
             "bytes_saved": act_before - act_after, "declined": declined,
         }
         if policy:
-            stats["policy"] = self.settings["policy"]
+            stats["policy"] = self.settings.policy
         changed = inserted or as_functions or restated or autocast or p.constants
         return PassResult(gm, bool(changed), stats, compute_dtype=low)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from dataclasses import dataclass
 
 import torch.fx
 
@@ -52,7 +53,7 @@ from ...runtime import FusedOp, repro_script, source
 from ...runtime.fused import interpreting
 from ...runtime.fused_row import FusedRowOp
 from ...trace import annotate
-from ..base import Option, Pass, PassContext, PassResult, to_bool
+from ..base import Pass, PassContext, PassResult, option, to_bool
 from ..registry import register
 from .dropout_members import DrawnMask
 from .epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
@@ -192,6 +193,15 @@ def _report(stats: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class FuseOptions:
+    """The fuse pass's options."""
+
+    views: bool | None = option(None, to_bool, "compute candidates joined by reshapes in one shape, which "
+                                "specializes the graph to the example's sizes (default: when fuse is asked for, not "
+                                "in the default pipeline, whose graph runs at any shape)")
+
+
 @register
 class Fuse(Pass):
     """Fuse groups of elementwise ops, norms and softmaxes into generated Triton kernels."""
@@ -199,11 +209,7 @@ class Fuse(Pass):
     name = "fuse"
     runs_after = {"precision": "a group computes in the dtypes its ops have when it is fused: fused before the precision "
                                "pass, it would keep float32 where torch.autocast computes in bf16 or fp16"}
-    options = {
-        "views": Option(None, to_bool, "compute candidates joined by reshapes in one shape, which specializes the "
-                        "graph to the example's sizes (default: when fuse is asked for, not in the default pipeline, "
-                        "whose graph runs at any shape)"),
-    }
+    Options = FuseOptions
 
     def skip_by_default(self, gm, ctx, pipeline):
         device = graph_device(gm)
@@ -219,7 +225,7 @@ class Fuse(Pass):
         regions = []
         device = graph_device(gm)
         # a staged graph runs at a microbatch's sizes, not the example's; where no kernel runs, no group forms
-        views = not self.by_default if self.settings["views"] is None else self.settings["views"]
+        views = not self.by_default if self.settings.views is None else self.settings.views
         if views and not ctx.microbatches and (device == "cuda" or interpreting()):
             written = written_values(gm)
             regions = lift_views(gm, candidates(gm, written)[0], written)

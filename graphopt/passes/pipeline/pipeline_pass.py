@@ -28,6 +28,7 @@ Algorithm:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -40,7 +41,7 @@ from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
 from ...dump import note
 from ...errors import BudgetError, OptionError
-from ..base import Option, Pass, PassContext, PassResult, count, plans_memory_after, positive, to_bool
+from ..base import Pass, PassContext, PassResult, count, option, plans_memory_after, positive, to_bool
 from ..registry import register
 from .partition import SCHEDULES, StageFacts, least_memory, partition
 from .split import split_stages
@@ -82,6 +83,20 @@ def _sendable(info) -> bool:
     return isinstance(info, TensorInfo) and info.contiguous
 
 
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The pipeline pass's options."""
+
+    stages: int | None = option(None, count, "number of pipeline stages")
+    schedule: str = option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES)
+    microbatches: int | None = option(None, count, "microbatches per step (default: 2 x stages, at most the batch)")
+    budget_gb: float | None = option(None, positive, "memory cap per device, in GB of 10**9 bytes")
+    ranks: int | None = option(None, count, "devices the stages run on (default: one per stage; interleaved-1f1b: "
+                                            "stages / ranks virtual stages each)")
+    optimizer: str = option("adam", str, "optimizer whose state each stage holds", tuple(NAMED))
+    profile: bool = option(False, to_bool, "cost nodes by their measured time instead of its estimate")
+
+
 @register
 class Pipeline(Pass):
     """Cut the graph into balanced pipeline stages (stage_0 ... stage_{N-1})."""
@@ -102,33 +117,24 @@ class Pipeline(Pass):
         if "optimizer" in given and not isinstance(given["optimizer"], str):
             raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
                               "(e.g. optimizer='adam'), not an instance.")
-    options = {
-        "stages": Option(None, count, "number of pipeline stages"),
-        "schedule": Option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES),
-        "microbatches": Option(None, count, "microbatches per step (default: 2 x stages, at most the batch)"),
-        "budget_gb": Option(None, positive, "memory cap per device, in GB of 10**9 bytes"),
-        "ranks": Option(None, count, "devices the stages run on (default: one per stage; interleaved-1f1b: "
-                                       "stages / ranks virtual stages each)"),
-        "optimizer": Option("adam", str, "optimizer whose state each stage holds", tuple(NAMED)),
-        "profile": Option(False, to_bool, "cost nodes by their measured time instead of its estimate"),
-    }
+    Options = PipelineOptions
 
     def microbatches_of(self, rows: int | None = None) -> int:
         """The microbatch count: as given, else 2 x stages but no more than the batch's rows."""
-        if self.settings["microbatches"]:
-            return self.settings["microbatches"]
-        default = 2 * (self.settings["stages"] or 1)
+        if self.settings.microbatches:
+            return self.settings.microbatches
+        default = 2 * (self.settings.stages or 1)
         return max(1, min(default, rows)) if rows is not None else default
 
     def _ranks(self, stages: int) -> int | None:
-        ranks, schedule = self.settings["ranks"], self.settings["schedule"]
+        ranks, schedule = self.settings.ranks, self.settings.schedule
         if schedule != "interleaved-1f1b":
             if ranks not in (None, stages):
                 raise OptionError(f"{schedule} runs one stage per device: ranks must equal stages={stages} "
                                   "(or use schedule=interleaved-1f1b).")
             return stages
         if ranks is None:
-            if self.settings["budget_gb"]:
+            if self.settings.budget_gb:
                 raise OptionError("with schedule=interleaved-1f1b, give ranks= (the devices) so that budget_gb "
                                   "caps what each device holds, e.g. pipeline{stages=8 ranks=4 ...}.")
             return None
@@ -138,12 +144,12 @@ class Pipeline(Pass):
         return ranks
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        stages = self.settings["stages"]
+        stages = self.settings.stages
         if stages is None:
             raise OptionError("the pipeline pass needs stages, e.g. pipeline{stages=4}.")
         microbatches = ctx.microbatches or self.microbatches_of(None)
         # Step 1
-        facts = stage_facts(gm, ctx.analysis, self.settings["optimizer"], self.settings["profile"])
+        facts = stage_facts(gm, ctx.analysis, self.settings.optimizer, self.settings.profile)
         places = sum(facts.can_cut)
         if stages - 1 > places:
             raise OptionError(
@@ -152,14 +158,14 @@ class Pipeline(Pass):
         # Step 2
         ranks = self._ranks(stages)
         per_rank = stages // ranks if ranks else 1  # a device's virtual stages each get an equal share
-        cap = budget_bytes(self.settings["budget_gb"]) // per_rank if self.settings["budget_gb"] else None
-        plan = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"], memory_cap=cap)
+        cap = budget_bytes(self.settings.budget_gb) // per_rank if self.settings.budget_gb else None
+        plan = partition(facts, stages, microbatches=microbatches, schedule=self.settings.schedule, memory_cap=cap)
         if plan is None:
-            need = least_memory(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
-            balanced = partition(facts, stages, microbatches=microbatches, schedule=self.settings["schedule"])
+            need = least_memory(facts, stages, microbatches=microbatches, schedule=self.settings.schedule)
+            balanced = partition(facts, stages, microbatches=microbatches, schedule=self.settings.schedule)
             share = f" ({per_rank} virtual stages per device)" if per_rank > 1 else ""
             raise BudgetError(
-                f"no cut into {stages} stages keeps every device under budget_gb={self.settings['budget_gb']:g}"
+                f"no cut into {stages} stages keeps every device under budget_gb={self.settings.budget_gb:g}"
                 f"{share}: the least any cut needs on its fullest device is {size_text(need * per_rank)} (the "
                 f"balanced cut's {size_text(max(balanced.stage_memory) * per_rank)}). Raise budget_gb to "
                 f"{budget_text(need * per_rank)} or more, use more "
@@ -172,7 +178,7 @@ class Pipeline(Pass):
             for n in nodes[plan.cuts[s]:plan.cuts[s + 1]]:
                 note(n, "stage", s)
         staged = split_stages(gm, plan.cuts)
-        staged.meta["graphopt_pipeline"] = {"microbatches": microbatches, "schedule": self.settings["schedule"],
+        staged.meta["graphopt_pipeline"] = {"microbatches": microbatches, "schedule": self.settings.schedule,
                                             "ranks": ranks}
         # Step 4
         readers: dict[int, set[int]] = {}
@@ -194,6 +200,6 @@ class Pipeline(Pass):
         devices = [sum(plan.stage_memory[r::ranks]) for r in range(ranks)] if ranks else None
         return PassResult(staged, True, {
             "stages": per_stage, "predicted_memory_per_rank": devices, "imbalance": round(plan.imbalance, 4),
-            "bubble": round(plan.bubble(microbatches), 4), "schedule": self.settings["schedule"],
+            "bubble": round(plan.bubble(microbatches), 4), "schedule": self.settings.schedule,
             "microbatches": microbatches, "tied_parameters": tied, "cuts": plan.cuts,
         })

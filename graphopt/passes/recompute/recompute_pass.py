@@ -57,6 +57,7 @@ Algorithm:
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -71,10 +72,10 @@ from ...analysis.segments import SegmentCall
 from ...dump import note
 from ...errors import BudgetError, BudgetWarning, warn
 from ...plot import memory_csv, memory_png
-from ...report import idle_budget
+from ...report import BudgetFit, idle_budget
 from ...runtime.budget_check import BudgetCheck
 from ...trial import trial_run
-from ..base import Option, Pass, PassContext, PassResult, Text, plans_memory_after, positive, to_bool
+from ..base import Pass, PassContext, PassResult, Text, option, plans_memory_after, positive, to_bool
 from ..fuse.head_loss_chunks import size_chunks
 from ..registry import register
 from .candidates import PlanSpace, Scan
@@ -98,6 +99,21 @@ def _fraction(value) -> float:
     return value
 
 
+@dataclass(frozen=True)
+class RecomputeOptions:
+    """The recompute pass's options."""
+
+    budget_gb: float | None = option(None, positive, "peak memory of one training step, in GB of 10**9 bytes")
+    headroom: float | None = option(None, _fraction, "fraction of the budget kept free for what the estimate "
+                                    "cannot see, in [0, 0.5); default 0 on CPU, CUDA_HEADROOM on CUDA")
+    profile: bool = option(False, to_bool, "cost recompute by each node's measured time instead of its estimate")
+    calibrate: bool = option(False, to_bool, "measure one real step and plan again while it is over budget")
+    optimizer: object = option(None, check_optimizer, "the optimizer whose state and step() the budget covers: "
+                                                      "a torch.optim.Optimizer or " + ", ".join(NAMED))
+    accumulate: bool = option(False, to_bool, "the step runs with every .grad present, backward adding into it "
+                                              "(gradient accumulation): the budget covers them from the start")
+
+
 @register
 class Recompute(Pass):
     """Recompute the cheapest activations in backward so a training step fits budget_gb."""
@@ -107,42 +123,33 @@ class Recompute(Pass):
     arguments = {"budget_gb": "budget_gb", "profile": "profile", "calibrate": "calibrate", "optimizer": "optimizer",
                  "accumulate": "accumulate"}
     yields_to = ("stages",)
-    options = {
-        "budget_gb": Option(None, positive, "peak memory of one training step, in GB of 10**9 bytes"),
-        "headroom": Option(None, _fraction, "fraction of the budget kept free for what the estimate cannot see, "
-                                            "in [0, 0.5); default 0 on CPU, CUDA_HEADROOM on CUDA"),
-        "profile": Option(False, to_bool, "cost recompute by each node's measured time instead of its estimate"),
-        "calibrate": Option(False, to_bool, "measure one real step and plan again while it is over budget"),
-        "optimizer": Option(None, check_optimizer, "the optimizer whose state and step() the budget covers: "
-                                                   "a torch.optim.Optimizer or " + ", ".join(NAMED)),
-        "accumulate": Option(False, to_bool, "the step runs with every .grad present, backward adding into it "
-                                             "(gradient accumulation): the budget covers them from the start"),
-    }
+    Options = RecomputeOptions
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        budget_gb = self.settings["budget_gb"]
+        budget_gb = self.settings.budget_gb
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
         limit = budget_bytes(budget_gb)
-        self.headroom = self.settings["headroom"]
+        self.headroom = self.settings.headroom
         if self.headroom is None:
             self.headroom = CUDA_HEADROOM if graph_device(gm) == "cuda" else 0.0
         target = int(limit * (1 - self.headroom))
-        optimizer = self.settings["optimizer"]
+        optimizer = self.settings.optimizer
         self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
         # Step 1 (with step 2's tidying first, so that one estimate serves the search too)
-        self.accumulate = self.settings["accumulate"] and ctx.train
+        self.accumulate = self.settings.accumulate and ctx.train
         tidied = ctx.train and bool(attributes_first(gm) + hoist_state_writes(gm))
         if tidied:
             gm.recompile()
         before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
+        fit = lambda peak: BudgetFit(limit, target, stats["peak_before_bytes"], peak)  # noqa: E731
         if not ctx.train:
             if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
             _warn_idle(stats)
             return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes},
-                              call_checks=[self._check(budget_gb, target, ctx)])
+                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(before.peak_bytes))
         chunk = size_chunks(gm, lambda g: self._estimate(g, ctx).peak_bytes, target)
         if chunk is not None:
             stats["loss_chunk_rows"] = chunk
@@ -153,13 +160,13 @@ class Recompute(Pass):
             return PassResult(gm, tidied or chunk is not None or bool(written),
                               {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0,
                                "written_in_place": written}, _pictures({"as traced": before}, limit),
-                              call_checks=[self._check(budget_gb, target, ctx)])
+                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(before.peak_bytes))
         # Step 2
         step = ctx.analysis(record_step, gm)
         facts = node_facts(gm, step)
         nodes = facts.nodes
         device = "cuda" if graph_device(gm) == "cuda" else "cpu"
-        cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings["profile"] else None)
+        cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings.profile else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
         space = PlanSpace(nodes, facts.ok, kept=facts.kept, live_after=facts.live_after, grads=facts.grads, cost=cost,
@@ -172,14 +179,14 @@ class Recompute(Pass):
         pricer = PlanPricer(before.log, step, nodes, facts.saves)
         search = PlanSearch(gm, space, sorted(space.blocks, key=lambda p: (p.recompute_cost, p.predicted_peak)),
                             lambda: self._estimate(gm, ctx), pricer, Scan(space))
-        if not self.settings["calibrate"]:  # calibrating measures the plan without the writes first
+        if not self.settings.calibrate:  # calibrating measures the plan without the writes first
             search.finish = lambda plan: self._written(gm, ctx, search, plan)
         # Steps 4 and 5
         plan, after = search.cheapest_within(target)
         if plan is None:  # without a plan at all, nothing may be recomputed: the step as it is is the least
             least = min((e for e in (after, before) if e is not None), key=lambda e: e.peak_bytes)
             raise self._error(budget_gb, least.peak_bytes, least.breakdown, inference=False)
-        if self.settings["calibrate"]:
+        if self.settings.calibrate:
             search.rewrite(plan)
             for round_ in range(1, CALIBRATIONS + 1):
                 measured = _measure(gm, ctx, self.accumulate)
@@ -220,12 +227,12 @@ class Recompute(Pass):
             "recomputed_nodes": len(recomputed),
             "recompute_flops": sum(flops[i] for i in recomputed),
             "recompute_overhead_pct": round(100 * plan.recompute_cost / max(STEP_FORWARDS * sum(cost), 1), 1),
-            "cost_by": "measured time" if self.settings["profile"] else f"estimated time ({device})",
+            "cost_by": "measured time" if self.settings.profile else f"estimated time ({device})",
             "recompute_ms": round(plan.recompute_cost / 1e6, 3),
             "written_in_place": written,
         })
         return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
-                          call_checks=[self._check(budget_gb, target, ctx)])
+                          call_checks=[self._check(budget_gb, target, ctx)], budget=fit(after.peak_bytes))
 
     def _estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> Estimate:
         """The fake step of gm as it is now, with the optimizer and accumulation this plan is for."""
