@@ -144,7 +144,9 @@ class PassContext:
     compute_dtype: torch.dtype = torch.float32
     specialized: str | None = None
     call_checks: list = field(default_factory=list)
-    pipeline: frozenset = frozenset()  # the names of the passes in the pipeline
+    # what the other passes of the pipeline do, as the manager finds it from their declarations
+    staged: bool = False           # one runs the graph as stages on microbatches (Pass.microbatches_of)
+    writes_in_place: bool = False  # one writes elementwise ops in place (Pass.writes_in_place)
     analyses: Analyses = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -187,7 +189,13 @@ class Pass:
     def check_arguments(cls, given: dict) -> None:
         """Raise OptionError for a combination of optimize() arguments this pass cannot take."""
 
-    def skip_by_default(self, gm: torch.fx.GraphModule, ctx: PassContext, pipeline: set[str]) -> str | None:
+    # A pass that plans memory for a budget: why in-place writes before it do not pay by default
+    # (the inplace pass asks). None: it plans none.
+    plans_memory: ClassVar[str | None] = None
+    # It writes elementwise ops in place: a memory plan may then write within itself too.
+    writes_in_place: ClassVar[bool] = False
+
+    def skip_by_default(self, gm: torch.fx.GraphModule, ctx: PassContext, pipeline: list["Pass"]) -> str | None:
         """Why this pass, in the pipeline because optimize() was given no passes, does not pay on
         this graph (its device, the other passes of `pipeline`); None (the default) runs it."""
         return None

@@ -111,7 +111,7 @@ def _subgraph(gm: torch.fx.GraphModule, masks: list[torch.fx.Node]) -> torch.fx.
 def causal_masks(gm: torch.fx.GraphModule, ctx) -> tuple[int, CausalMaskCheck | None]:
     """Rewrite each attention whose mask is causal and made from sizes alone (points 1 and 2);
     the number rewritten, and the check for other sizes (point 3)."""
-    if ctx.microbatches or "pipeline" in ctx.pipeline:
+    if ctx.microbatches or ctx.staged:
         return 0, None  # stages run at microbatch sizes, through PipelineRunner: a check on calls of the whole would not see them
     found, subgraphs = {}, {}  # mask -> the attentions reading it, the nodes computing it
     for node in gm.graph.nodes:

@@ -159,16 +159,11 @@ class Inplace(Pass):
     runs_after = {"precision": "an in-place write keeps its target's dtype, so a write decided in float32 and "
                           "narrowed to bf16/fp16 afterwards rounds what torch.autocast keeps in float32"}
 
+    writes_in_place = True
+
     def skip_by_default(self, gm, ctx, pipeline):
-        # Measured: the least budget of transformers' Llama rises from 2.8 to 4.1 MB with inplace
-        # before recompute (a value written in place is no longer there to run a segment again).
-        if "recompute" in pipeline:
-            return ("a budget is planned: the recompute pass writes in place within its plan, as this pass would "
-                    "but for the values its segments recompute from")
-        if "pipeline" in pipeline:
-            return ("a budget is planned, and values written in place cannot be recomputed from, which can raise "
-                    "the least budget; name it in passes= to run it anyway")
-        return None
+        # A value written in place is no longer there to run a segment again: the least budget rises.
+        return next((f"a budget is planned: {p.plans_memory}" for p in pipeline if p.plans_memory), None)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # Steps 1 and 2

@@ -42,12 +42,12 @@ class PassManager:
                          report)
         if self.dumper:
             self.dumper.graph(0, "trace", gm)
-        names = {p.name for p in self.passes}
-        ctx.pipeline = frozenset(names)
+        ctx.staged = any(p.microbatches_of(None) for p in self.passes)
+        ctx.writes_in_place = any(p.writes_in_place for p in self.passes)
         index = 0  # dumps are numbered by the passes that ran
         for p in self.passes:
             if p.by_default:
-                why = p.skip_by_default(gm, ctx, names)
+                why = p.skip_by_default(gm, ctx, self.passes)
                 if why:
                     report.skipped[p.name] = why
                     continue

@@ -105,6 +105,8 @@ class Pipeline(Pass):
     runs_after = plans_memory_after("fuse", "inplace", "precision", "recompute")
     # One device per stage: budget_gb caps each stage's memory, and profile costs the stages.
     arguments = {"stages": "stages", "budget_gb": "budget_gb", "profile": "profile", "optimizer": "optimizer"}
+    plans_memory = ("values written in place cannot be recomputed from, which can raise the least budget; name it "
+                    "in passes= to run it anyway")
 
     @classmethod
     def check_arguments(cls, given: dict) -> None:

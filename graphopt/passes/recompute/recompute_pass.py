@@ -123,6 +123,8 @@ class Recompute(Pass):
     arguments = {"budget_gb": "budget_gb", "profile": "profile", "calibrate": "calibrate", "optimizer": "optimizer",
                  "accumulate": "accumulate"}
     yields_to = ("stages",)
+    plans_memory = ("the recompute pass writes in place within its plan, as the inplace pass would but for the "
+                    "values its segments recompute from")
     Options = RecomputeOptions
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -269,7 +271,7 @@ class Recompute(Pass):
         and the plan's allow a write (in_place.py): the writes, by name, made in gm with the plan's
         segments cut, the step's estimate and gm's graph as it was (for put_back); None, gm
         untouched, where no write is allowed. known: that estimate, made before on the same graph."""
-        if "inplace" not in ctx.pipeline:
+        if not ctx.writes_in_place:
             return None
         before = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
         output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
