@@ -18,11 +18,9 @@ from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .precisions import precision_name
 from .report import Report
-from .runtime.guards import (install_call_guard, install_mode_guard, install_shape_guard,
-                             install_sizes_guard, refuse_pickling)
+from .runtime.guards import install_guards
 from .runtime.input_writes import WriteAliasCheck
 from .runtime.microbatch import first_microbatch
-from .runtime.microbatch_call import install_microbatch_split
 from .trace import FRONTENDS, check_inputs, trace
 
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from,
@@ -171,44 +169,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
     if dumper:
         dumper.svg(gm)
-    install_mode_guard(gm, model.training)
-    install_call_guard(gm, model, *given)
-    if writes.written:
-        gm.register_forward_pre_hook(writes, with_kwargs=True)
-    refuse_pickling(gm)
-    if microbatches:
-        # called with the example batch, the staged graph runs its microbatches as PipelineRunner would
-        install_microbatch_split(gm, rows, microbatches)
-        report.runs_at = f"one microbatch of {batch_rows(args, kwargs)} rows, or the example batch of {rows} rows " \
-                         f"as {microbatches} microbatches"
-        if gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is None:
-            install_shape_guard(
-                gm, args, kwargs, f"an export graph staged for one microbatch, 1/{microbatches} of the example batch",
-                "call it with the example batch, which it splits into its microbatches, on one microbatch, or "
-                "through graphopt.runtime.pipeline.PipelineRunner; frontend='fx' makes a graph that runs at any "
-                "batch size.", also=batch)
-        elif gm.meta["graphopt_frontend"] == "export":
-            install_sizes_guard(gm, args, kwargs, gm.meta["graphopt_sizes"])
-            report.runs_at += f" (and any other batch as one piece: {gm.meta['graphopt_sizes']})"
-        else:
-            report.runs_at += " (and any other batch as one piece)"
-    elif ctx.specialized:
-        install_shape_guard(gm, args, kwargs, ctx.specialized)
-        report.runs_at = f"the example's shapes only: {ctx.specialized}"
-    elif gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_sizes"] is not None:
-        install_sizes_guard(gm, args, kwargs, gm.meta["graphopt_sizes"])
-        report.runs_at = f"{gm.meta['graphopt_sizes']} (torch.export, dynamic sizes)"
-    elif gm.meta["graphopt_frontend"] == "export":
-        install_shape_guard(
-            gm, args, kwargs, "torch.export traced it for those shapes",
-            "call it with inputs of those shapes, use graphopt.optimize(model) without example inputs, which "
-            "builds a graph per input signature, or frontend='fx' where the model traces with it.")
-        report.runs_at = f"the example's shapes only: torch.export could not make the batch dynamic " \
-                         f"({gm.meta['graphopt_static_why']})"
-    else:
-        report.runs_at = "any shapes the model takes (torch.fx)"
-    for check in ctx.call_checks:  # after the guards on shapes: a call they refuse gets their reason
-        gm.register_forward_pre_hook(check, with_kwargs=True)
+    report.runs_at = install_guards(gm, model, given, (args, kwargs), batch, microbatches, ctx.specialized,
+                                    ctx.call_checks, writes)
     gm.graphopt_report = report
     return gm
 

@@ -14,9 +14,11 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..analysis.planning_device import seen_as
+from ..batch import batch_rows
 from ..call_signature import signature
 from ..errors import GraphoptError, ModeError, UsageError
 from ..export_batch import guards_failure
+from .microbatch_call import install_microbatch_split
 
 
 def refusal(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | None:
@@ -246,3 +248,67 @@ def refuse_pickling(module: torch.nn.Module) -> None:
 
     type(module).__reduce_ex__ = refuse
     type(module).__reduce__ = refuse
+
+
+def install_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, given: tuple[tuple, dict],
+                   example: tuple[tuple, dict], batch: tuple[tuple, dict], microbatches: int | None,
+                   specialized: str | None, call_checks: list, writes) -> str:
+    """Every check a call of optimize()'s result passes first, in order: its mode, its arguments'
+    kinds (given: the call as the user wrote it), writes into aliased inputs, pickling refused,
+    the shapes it runs at (example: what the passes planned for, one microbatch where stages run
+    the batch as microbatches), then the passes' own call checks, whose reasons come after the
+    shapes'. Returns which inputs the result takes, for the report."""
+    install_mode_guard(gm, model.training)
+    install_call_guard(gm, model, *given)
+    if writes.written:
+        gm.register_forward_pre_hook(writes, with_kwargs=True)
+    refuse_pickling(gm)
+    if microbatches:
+        runs_at = _staged_shapes(gm, example, batch, microbatches)
+    else:
+        runs_at = _shapes(gm, example, specialized)
+    for check in call_checks:
+        gm.register_forward_pre_hook(check, with_kwargs=True)
+    return runs_at
+
+
+def _staged_shapes(gm: torch.fx.GraphModule, example: tuple[tuple, dict], batch: tuple[tuple, dict],
+                   microbatches: int) -> str:
+    """Stages planned for one microbatch: called with the example batch, the graph runs its
+    microbatches as PipelineRunner would; an export graph takes its microbatch's sizes, or its
+    dynamic ones."""
+    args, kwargs = example
+    rows = batch_rows(*batch)
+    install_microbatch_split(gm, rows, microbatches)
+    runs_at = f"one microbatch of {batch_rows(args, kwargs)} rows, or the example batch of {rows} rows " \
+              f"as {microbatches} microbatches"
+    if gm.meta["graphopt_frontend"] != "export":
+        return runs_at + " (and any other batch as one piece)"
+    if gm.meta["graphopt_batch"] is None:
+        install_shape_guard(
+            gm, args, kwargs, f"an export graph staged for one microbatch, 1/{microbatches} of the example batch",
+            "call it with the example batch, which it splits into its microbatches, on one microbatch, or "
+            "through graphopt.runtime.pipeline.PipelineRunner; frontend='fx' makes a graph that runs at any "
+            "batch size.", also=batch)
+        return runs_at
+    install_sizes_guard(gm, args, kwargs, gm.meta["graphopt_sizes"])
+    return runs_at + f" (and any other batch as one piece: {gm.meta['graphopt_sizes']})"
+
+
+def _shapes(gm: torch.fx.GraphModule, example: tuple[tuple, dict], specialized: str | None) -> str:
+    """A graph a pass specialized to the example's shapes takes those; an export graph its
+    dynamic sizes, or the example's where export made none; an fx graph any."""
+    args, kwargs = example
+    if specialized:
+        install_shape_guard(gm, args, kwargs, specialized)
+        return f"the example's shapes only: {specialized}"
+    if gm.meta["graphopt_frontend"] != "export":
+        return "any shapes the model takes (torch.fx)"
+    if gm.meta["graphopt_sizes"] is not None:
+        install_sizes_guard(gm, args, kwargs, gm.meta["graphopt_sizes"])
+        return f"{gm.meta['graphopt_sizes']} (torch.export, dynamic sizes)"
+    install_shape_guard(
+        gm, args, kwargs, "torch.export traced it for those shapes",
+        "call it with inputs of those shapes, use graphopt.optimize(model) without example inputs, which "
+        "builds a graph per input signature, or frontend='fx' where the model traces with it.")
+    return f"the example's shapes only: torch.export could not make the batch dynamic ({gm.meta['graphopt_static_why']})"
