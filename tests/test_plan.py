@@ -12,7 +12,7 @@ from graphopt.__main__ import main
 from graphopt.analysis.memory import GB, measure_peak
 from graphopt.analysis.planning_device import planning_for
 from graphopt.passes.recompute.recompute_pass import CUDA_HEADROOM
-from graphopt.train_step import TrainStep
+from graphopt.microbatch_choice import MicrobatchChoice
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,13 +97,13 @@ def test_cuda_rounds_blocks_and_keeps_its_headroom():
 
 
 def test_train_step_holds_a_cuda_plan_to_the_budget_less_its_headroom():
-    """train_step's fit check reads recompute's headroom from the report's recompute row (named
-    with its options: recompute{budget_gb=...})."""
+    """train_step's fit check reads recompute's headroom from the typed budget the recompute row
+    carries (report.BudgetFit)."""
     meta, args, kwargs = tiny_llama("meta")
     with planning_for("cuda"):
         graph = graphopt.optimize(meta, args, example_kwargs=kwargs, budget_gb=1.0)
     assert graph.graphopt_report.recompute().name.startswith("recompute{")
-    assert TrainStep._target(graph, 10**6) == round(10**6 * (1 - CUDA_HEADROOM))
+    assert MicrobatchChoice._target(graph, 10**6) == round(10**6 * (1 - CUDA_HEADROOM))
 
 
 @pytest.mark.parametrize("options, words", [
