@@ -38,9 +38,9 @@ REPLANS = 3  # plans again for a lower budget after a predicted step over it
 
 
 class MicrobatchChoice:
-    """The graph for train_step's microbatches: `choose` the fewest that fit the budget, or `plan`
-    a count given. microbatches, graph's predicted step (predicted_peak_bytes) and notes (the
-    decision, as lines) are what it leaves."""
+    """The graph for train_step's microbatches: `choose` the fewest that fit the budget, or take a
+    count given (`fixed`); `plan` is one count's graph. It leaves microbatches, the chosen step's
+    predicted peak (predicted_peak_bytes) and notes (the decision, as lines)."""
 
     def __init__(self, model: torch.nn.Module, example: tuple[tuple, dict], loss_fn, reduction: str,
                  budget_gb: float | None, options: dict):

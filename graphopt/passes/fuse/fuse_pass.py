@@ -11,7 +11,7 @@ Algorithm:
      ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
      and why their neighbours stay out. Kernels run on CUDA, or in Triton's interpreter (how
      the tests check them on CPU); on another device a group would run as torch ops, slower than
-     eager's and keeping more memory, so every group stays as it is, with that reason.
+     eager's and keeping more memory, so the pass looks for none and reports that reason.
   2. Place each group: its node must come after every input and before every outside use of an
      output. Members are removed, so that is the spot after the last member, or else just before
      the first outside use; when an input is only computed after that use, the group is left
@@ -221,12 +221,19 @@ class Fuse(Pass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         bound_before = [n for n in gm.graph.nodes if memory_bound(n, gm)]
         traffic_before = sum(sum(traffic(n)) for n in bound_before)
+        device = graph_device(gm)
+        if device != "cuda" and not interpreting():  # no kernel runs here: no group is looked for
+            return PassResult(gm, False, {
+                "kernels": 0, "not_run": f"fused kernels run on CUDA (or in Triton's interpreter); on {device} a "
+                                         "group would run as torch ops, slower than eager's and keeping more memory: "
+                                         "eager's ops stay",
+                "memory_bound_ops": len(bound_before), "memory_bound_ops_unfused": len(bound_before),
+                "memory_bound_traffic_before": traffic_before, "memory_bound_traffic_after": traffic_before})
         # Step 0
         regions = []
-        device = graph_device(gm)
         # a staged graph runs at a microbatch's sizes, not the example's; where no kernel runs, no group forms
         views = not self.by_default if self.settings.views is None else self.settings.views
-        if views and not ctx.microbatches and (device == "cuda" or interpreting()):
+        if views and not ctx.microbatches:
             written = written_values(gm)
             regions = lift_views(gm, candidates(gm, written)[0], written)
         if regions:
@@ -237,12 +244,6 @@ class Fuse(Pass):
         done, files = [], {}
         replaced: dict = {}  # a member of a group already fused -> the node that now gives its value
         for found in fusion.groups:
-            if device != "cuda" and not interpreting():
-                declined.append({"nodes": [n.name for n in found.nodes], "ops": found.ops(),
-                                 "reason": f"fused kernels run on CUDA (or in Triton's interpreter); on {device} the "
-                                           "group would run as torch ops, slower than eager's and keeping more "
-                                           "memory: eager's ops stay"})
-                continue
             # an input (or an alias's target) a group fused earlier computed now comes from its node
             group = dataclasses.replace(found, inputs=[_replaced(v, replaced) for v in found.inputs],
                                         aliases={a: replaced.get(t, t) for a, t in found.aliases.items()})

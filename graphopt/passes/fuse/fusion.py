@@ -492,13 +492,13 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
     node_groups, refused = _merge(gm, members)
     # Step 3
     groups, declined, single = [], [], []
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}  # finding groups rewrites nothing
     for nodes in node_groups:
         # a norm or softmax is a kernel alone (it saves less for backward); an elementwise op or a sum is not
         alone_pays = any(members[n].op in NORMALIZING + BATCH_NORMS and members[n].row is not None for n in nodes)
         if sum(not members[n].identity for n in nodes) < 2 and not alone_pays:
             single += [n for n in nodes if not members[n].identity and not members[n].epilogue]
             continue
-        position = {n: i for i, n in enumerate(gm.graph.nodes)}
         nodes = sorted(nodes + [a for n in nodes for a in members[n].absorbed], key=position.__getitem__)
         built = build(nodes, members)
         if isinstance(built, str):
