@@ -180,6 +180,11 @@ class Pass:
     # Arguments that take this pass's place: given any, optimize() does not add this pass, and
     # its arguments go to the pass that argument adds (stages=: budget_gb caps each stage).
     yields_to: ClassVar[tuple[str, ...]] = ()
+    # A pass that plans memory for a budget: why in-place writes before it do not pay by default
+    # (the inplace pass asks). None: it plans none.
+    plans_memory: ClassVar[str | None] = None
+    # It writes elementwise ops in place: a memory plan may then write within itself too.
+    writes_in_place: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -188,12 +193,6 @@ class Pass:
     @classmethod
     def check_arguments(cls, given: dict) -> None:
         """Raise OptionError for a combination of optimize() arguments this pass cannot take."""
-
-    # A pass that plans memory for a budget: why in-place writes before it do not pay by default
-    # (the inplace pass asks). None: it plans none.
-    plans_memory: ClassVar[str | None] = None
-    # It writes elementwise ops in place: a memory plan may then write within itself too.
-    writes_in_place: ClassVar[bool] = False
 
     def skip_by_default(self, gm: torch.fx.GraphModule, ctx: PassContext, pipeline: list["Pass"]) -> str | None:
         """Why this pass, in the pipeline because optimize() was given no passes, does not pay on

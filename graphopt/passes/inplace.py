@@ -158,7 +158,6 @@ class Inplace(Pass):
     name = "inplace"
     runs_after = {"precision": "an in-place write keeps its target's dtype, so a write decided in float32 and "
                           "narrowed to bf16/fp16 afterwards rounds what torch.autocast keeps in float32"}
-
     writes_in_place = True
 
     def skip_by_default(self, gm, ctx, pipeline):
