@@ -149,7 +149,7 @@ def test_where_no_kernel_runs_nothing_is_reshaped(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     s, bias, mask = leaves((8, 3, 16, 16), (1, 3, 16, 16), (1, 4, 1, 16, 16))
     _, opt, stats = normalized_and_fused(shifted_window_scores, s, bias, mask)
-    assert stats["view_regions"] == [] and not fused_nodes(opt)
+    assert stats["not_run"] and "view_regions" not in stats and not fused_nodes(opt)  # no region looked for
     assert opt.graphopt_report.runs_at == "any shapes the model takes (torch.fx)"
 
 
