@@ -468,9 +468,8 @@ def candidates(gm: torch.fx.GraphModule, written: dict | None = None) -> tuple[d
         # worth the name: it goes only to an op that would be a kernel alone (EfficientNet's
         # SiLU between the two convolutions, not the sigmoid that joins the product after it),
         # and not to one whose gradient is computed by cases: moving the add out of the
-        # convolution's sum changes its rounding, and a ReLU flips at a tie the ulp crosses,
-        # moving a whole channel's gradient (RegNetY: a pre-activation of -3e-7, 7% of a
-        # block's weight gradient, float64 siding with eager)
+        # convolution's sum changes its rounding, and a ReLU that flips at a tie the ulp crosses
+        # moves a whole channel's gradient
         users = [u for u in node.users if u in members and not members[u].epilogue]
         gated = m.epilogue and gates_channels(m.row, m.epilogue)
         if m.epilogue and (not any(not _passes_gradient(members[u].op) for u in users) or gated and any(
