@@ -26,7 +26,7 @@ def test_pipeline_text():
 def test_options_are_converted_and_checked():
     from dataclasses import dataclass
 
-    from graphopt.passes import Pass, PassResult
+    from graphopt.passes import Option, Pass, PassResult
     from graphopt.passes.base import Text, option, to_bool
 
     @dataclass(frozen=True)
@@ -54,6 +54,8 @@ def test_options_are_converted_and_checked():
         Demo(on="true")
     with pytest.raises(graphopt.OptionError, match="optimize\\(budget_gb=...\\).*positive, finite"):
         graphopt.optimize(*zoo.mlp()[:2], budget_gb="8")
+    with pytest.raises(TypeError, match="frozen dataclass"):  # options as a dict would be dropped silently
+        type("Old", (Pass,), {"name": "old-options", "options": {"k": Option(2, int, "a count")}})
 
 
 def _run(pass_name, model, args, kwargs=None):

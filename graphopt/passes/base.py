@@ -188,6 +188,9 @@ class Pass:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "options" in cls.__dict__:  # it would be replaced below, and its options lost without a word
+            raise TypeError(f"pass {cls.__name__} declares `options`: declare them as fields of a frozen "
+                            "dataclass of option() fields and set `Options = ThatClass`.")
         cls.options = {f.name: f.metadata[OPTION] for f in dataclasses.fields(cls.Options)}
 
     @classmethod
