@@ -202,7 +202,10 @@ def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_com
     first = []
     for length in lengths:  # before the chains' kernels exist
         if deadline is None or time.perf_counter() < deadline:
-            first.append(first_call(length, device, with_compile))
+            try:
+                first.append(first_call(length, device, with_compile))
+            except Exception as error:
+                first.append(failed_row(error, chain=length))
             log(first[-1])
     # the large sizes first: there kernels, not launches, take the time, and a run cut short has them
     matrix = [(n, length, backward, dtype) for n in sorted(sizes, reverse=True) for length in lengths
@@ -213,7 +216,11 @@ def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_com
             break
         if with_compile and (length, backward) not in compiled:
             compiled[length, backward] = torch.compile(Chain(length))
-        row = measure(length, n, DTYPES[dtype], backward, device, compiled.get((length, backward)), time_fn)
+        try:
+            row = measure(length, n, DTYPES[dtype], backward, device, compiled.get((length, backward)), time_fn)
+        except Exception as error:  # one row's failure (a kernel that does not build, a wrong result) is a row too
+            row = failed_row(error, chain=length, ops=describe(length), elements=n, dtype=dtype,
+                             **{"pass": "fwd+bwd" if backward else "fwd"})
         log(row)
         rows.append(row)
     rows.sort(key=lambda r: (r["chain"], r["pass"], list(DTYPES).index(r["dtype"]), r["elements"]))
@@ -223,6 +230,15 @@ def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_com
             "stopped": None if len(rows) == len(matrix) and len(first) == len(lengths)
             else f"the {seconds} s given ran out: {len(first)} of {len(lengths)} first calls, "
                  f"{len(rows)} of {len(matrix)} rows measured"}
+
+
+def failed_row(error: Exception, **row) -> dict:
+    """A measurement that raised, kept in the table with its error: the run goes on, and exits non-zero."""
+    return {**row, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
+
+
+def failures(result: dict) -> int:
+    return sum("error" in row for key in ("first_call", "rows") for row in result.get(key, ()))
 
 
 def _version(package: str) -> str:
@@ -239,10 +255,11 @@ def markdown(result: dict) -> str:
         lines += [f"Stopped early: {result['stopped']}.", ""]
     lines += ["## first training step (seconds, from optimize() / torch.compile() to a finished backward)", ""]
     if result["first_call"]:
-        lines += _table(list(result["first_call"][0]), result["first_call"])
+        lines += _table(list(dict.fromkeys(c for r in result["first_call"] for c in r)), result["first_call"])
     lines += ["", "## time per call and bandwidth as a fraction of a device copy", ""]
     if result["rows"]:
-        lines += _table([c for c in result["rows"][0] if c not in ("ops", "max_rel_error")], result["rows"])
+        cols = dict.fromkeys(c for r in result["rows"] for c in r if c not in ("ops", "max_rel_error", "error"))
+        lines += _table([*cols, "error"] if failures(result) else list(cols), result["rows"])
     lines += ["", "chains: " + "; ".join(f"{k}: {describe(k)}" for k in LENGTHS)]
     return "\n".join(lines) + "\n"
 
@@ -268,7 +285,7 @@ def main(argv=None) -> int:
     result = run(sizes=sizes, with_compile=False if args.no_compile else None, seconds=args.seconds)
     for path in write_results("fuse", result, markdown(result), args.out):
         print(f"wrote {path}")
-    return 0
+    return 1 if failures(result) else 0
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphopt
-from gpu_fuse import _table, _version, max_error, sync, timer
+from gpu_fuse import _table, _version, failed_row, failures, max_error, sync, timer
 from results_files import device_name, today, write_results
 
 
@@ -235,7 +235,11 @@ def run(device=None, with_compile=None, log=print, seconds=None) -> dict:
         if deadline is not None and time.perf_counter() >= deadline:
             break
         name = names[case_index]
-        row = measure(name, sizes[name][i], backward, device, with_compile, time_fn)
+        try:
+            row = measure(name, sizes[name][i], backward, device, with_compile, time_fn)
+        except Exception as error:  # one case's failure is a row of the table; the run goes on
+            row = failed_row(error, case=name, size="x".join(map(str, sizes[name][i])),
+                             **{"pass": "fwd+bwd" if backward else "fwd"})
         log(row)
         measured.append(((case_index, i, backward), row))
     measured.sort(key=lambda item: item[0])
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
     result = run(with_compile=False if args.no_compile else None, seconds=args.seconds)
     for path in write_results("rows", result, markdown(result), args.out):
         print(f"wrote {path}")
-    return 0
+    return 1 if failures(result) else 0
 
 
 if __name__ == "__main__":

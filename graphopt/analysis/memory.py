@@ -94,7 +94,7 @@ class Estimate:
 def output_tensors(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The nodes whose tensors the graph returns, looking through containers it builds
     (a dataclass or dict constructed in the graph is a node without tensor metadata)."""
-    found, stack, seen = [], list(next(reversed(gm.graph.nodes)).all_input_nodes), set()
+    found, stack, seen = [], list(gm.graph.output_node().all_input_nodes), set()
     while stack:
         n = stack.pop()
         if n in seen:

@@ -6,7 +6,7 @@ operand's shape); None marks an operand autograd does not differentiate (a compa
 condition). Integer operands are computed in fp32 too (the codegen upcasts), so integer // and % are
 only exact while x / y rounds far from an integer: small operands, not int64 index arithmetic.
 """
-from .templates import expm1, log1p, pow_, round_half_even, softplus, tanh, trunc
+from .templates import expm1, log1p, pow_, pow_scalar, round_half_even, softplus, tanh, trunc
 
 ZERO = "0.0 * {g}"  # piecewise-constant ops: autograd returns zeros, not "no gradient"
 NOT_DIFF2 = (None, None)
@@ -41,8 +41,8 @@ TABLE = {
     "pow": ("x y", pow_("{x}", "{y}"), (
         "tl.where({y} == 0, 0.0, {g} * {y} * " + pow_("{x}", "({y} - 1.0)") + ")",
         "tl.where(({x} == 0) & ({y} >= 0), 0.0, {g} * {out} * tl.log({x}))")),
-    "pow_scalar": ("x", pow_("{x}", "{exponent}"), (
-        "tl.where({exponent} == 0, 0.0, {g} * {exponent} * " + pow_("{x}", "({exponent} - 1.0)") + ")",),
+    "pow_scalar": ("x", pow_scalar("{x}", "{exponent}"), (
+        "tl.where({exponent} == 0, 0.0, {g} * {exponent} * " + pow_scalar("{x}", "({exponent} - 1)") + ")",),
         {"exponent": None}),
     "addcmul": ("x y z", "{x} + {value} * {y} * {z}",
                 ("{g}", "{g} * {value} * {z}", "{g} * {value} * {y}"), {"value": 1}),

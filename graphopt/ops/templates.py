@@ -50,6 +50,15 @@ def pow_(a: str, b: str) -> str:
     return f"tl.where({b} == 0, 1.0, tl.where({a} < 0, {neg}, tl.exp({b} * tl.log({a}))))"
 
 
+def pow_scalar(a: str, b: str) -> str:
+    # A constant exponent of 1, 2 or 3 is multiplication, as torch computes it (exactly, where exp(b * log a)
+    # rounds twice); the conditions are constants the compiler folds. The general form gets a float exponent:
+    # Triton's compiler takes no integer in tl.floor (its interpreter does).
+    general = pow_(a, f"({b} * 1.0)")
+    return (f"tl.where({b} == 1, {a}, tl.where({b} == 2, {a} * {a}, "
+            f"tl.where({b} == 3, {a} * {a} * {a}, {general})))")
+
+
 def softplus(a: str, beta: str, threshold: str) -> str:
     return f"tl.where({a} * {beta} > {threshold}, {a}, ({log1p(f'tl.exp({a} * {beta})')}) / {beta})"
 
