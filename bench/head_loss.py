@@ -64,7 +64,7 @@ def measure(tokens: int, hidden: int, vocab: int, device: torch.device) -> dict:
         calls = [n for n in opt.graph.nodes if isinstance(n.target, ChunkedHeadLoss)]
         loss, got = grads(opt)
         error = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip((loss, *got), (want_loss, *want)))
-        if error > 1e-5:
+        if error > (1e-4 if device.type == "cuda" else 1e-5):  # cuBLAS sums a chunk's rows in another order
             raise AssertionError(f"{label} at {row['size']}: gradients differ from eager's by {error:.2e}")
         row[label] = peak(opt)
         row[f"{label}_chunk"] = (calls[0].target.chunk or "Liger's") if calls else "whole"

@@ -48,6 +48,20 @@ def test_hf_rms_norm_is_one_row_kernel():
     assert stats["groups"][0]["ops"] == ["pow_scalar", "row_sum", "mul", "add", "rsqrt", "mul", "mul"]
 
 
+def test_a_row_kernel_s_programs_and_text_are_built_once_not_per_call(monkeypatch):
+    from graphopt.codegen import row_kernel, row_program
+
+    opt, _ = fuse(hf_rms_norm, torch.randn(2, 5, 48, requires_grad=True), weight=torch.nn.Parameter(torch.randn(48)))
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    opt(x).sum().backward()
+    built = []
+    for module_, name in ((row_program, "_forward_program"), (row_program, "_backward_program"), (row_kernel, "source")):
+        real = getattr(module_, name)
+        monkeypatch.setattr(module_, name, lambda *a, real=real, name=name, **k: built.append(name) or real(*a, **k))
+    opt(x).sum().backward()
+    assert built == []
+
+
 def test_residual_add_joins_a_layer_norm_module_and_its_parameters_are_read_once():
     ln = torch.nn.LayerNorm(40)
     torch.nn.init.normal_(ln.weight), torch.nn.init.normal_(ln.bias)

@@ -29,6 +29,7 @@ eager's kernels compute them in float32 and round their output.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,22 @@ class Softmax:
     @property
     def op(self) -> str:
         return "log_softmax" if self.log else "softmax"
+
+
+_DERIVED: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def remembered(group: "RowGroup", key, make):
+    """make() once per group and key: its programs and kernel text are asked on every call of its fused op,
+    and building them takes milliseconds. Kept by the group's identity (its steps' params are dicts: no
+    hash), for as long as the group lives."""
+    entry = _DERIVED.get(id(group))
+    if entry is None or entry[0]() is not group:
+        entry = _DERIVED[id(group)] = (weakref.ref(group, lambda _, at=id(group): _DERIVED.pop(at, None)), {})
+    found = entry[1].get(key, _DERIVED)
+    if found is _DERIVED:
+        found = entry[1][key] = make()
+    return found
 
 
 def combined(kinds) -> str:

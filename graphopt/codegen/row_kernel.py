@@ -32,7 +32,7 @@ import torch
 
 from .compile import load
 from .kernel import INDENT, TL, module
-from .row_group import COL, FULL, ROW, RowGroup, check_inputs
+from .row_group import COL, FULL, ROW, RowGroup, check_inputs, remembered
 from .row_program import Line, RowProgram, backward_program, forward_program, vector
 from .row_space import RowSpace, addressing, empty_like_order
 
@@ -320,7 +320,8 @@ def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, te
     kinds = pointer_kinds(program)
     strided = [p for p in program.pointers if kinds[p] != "partial"]
     where = addressing(space, [tensors[p] for p in strided])
-    kernel = _kernel(source(group, program, name, looped, where.dims), name)
+    text = remembered(group, (program, name, looped, where.dims), lambda: source(group, program, name, looped, where.dims))
+    kernel = _kernel(text, name)
     args = [tensors[p] for p in program.pointers] + [space.rows, space.columns, grid[1]]
     args += list(where.row_sizes) + list(where.col_sizes)
     for p, row_strides, col_strides in zip(strided, where.row_strides, where.col_strides):

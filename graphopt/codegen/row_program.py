@@ -35,7 +35,7 @@ import torch
 from ..ops.templates import render
 from .group import is_ref, op_info
 from .program import ROUND, forward_expr, operand_values, rounded
-from .row_group import COL, FULL, ROW, Reduce, RowGroup, Softmax
+from .row_group import COL, FULL, ROW, Reduce, RowGroup, Softmax, remembered
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,10 @@ def _softmax(j: int, s: Softmax, lines: _Lines, dtype: torch.dtype) -> None:
 
 
 def forward_program(group: RowGroup) -> RowProgram:
+    return remembered(group, "forward", lambda: _forward_program(group))
+
+
+def _forward_program(group: RowGroup) -> RowProgram:
     lines = _Lines()
     _forward(group, lines)
     stores = tuple(Store(f"out{i}", group.step_kind(j), f"v{j}", group.dtypes[j]) for i, j in enumerate(group.outputs))
@@ -202,6 +206,11 @@ def _sum(names: list[str]) -> str:
 def backward_program(group: RowGroup, has_grad, needs, loaded=frozenset()) -> RowProgram:
     """has_grad[i]: output i has an incoming gradient; needs[k]: input k wants one; loaded: steps
     whose stored outputs the backward reads instead of recomputing them (Step 4)."""
+    key = ("backward", tuple(map(bool, has_grad)), tuple(map(bool, needs)), frozenset(loaded))
+    return remembered(group, key, lambda: _backward_program(group, *key[1:]))
+
+
+def _backward_program(group: RowGroup, has_grad: tuple, needs: tuple, loaded: frozenset) -> RowProgram:
     lines = _Lines()
     _forward(group, lines, loaded)
     terms: dict[tuple, list[str]] = {}

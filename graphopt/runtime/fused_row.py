@@ -118,6 +118,7 @@ class FusedRowOp:
         self.orders, self.col_dims = tuple(orders), col_dims
         self.given = [k for k in range(len(group.inputs)) if not group.is_index(k)]
         self.loaded = self._choose_loaded()
+        self._extended: dict[tuple, RowGroup] = {}
         self.__name__ = self.__qualname__ = "fused_row_" + group.describe().replace(" -> ", "_")[:80]
 
     def __getstate__(self):
@@ -171,9 +172,7 @@ class FusedRowOp:
         everything = self._all(inputs)
         space = self.space(everything)
         extra = tuple(j for j in kept if j not in self.group.outputs)
-        group = RowGroup(self.group.inputs, self.group.steps, self.group.outputs + extra, self.group.origin,
-                         self.group.dtypes, self.group.fp32_terms) \
-            if extra else self.group
+        group = self._storing(extra) if extra else self.group
         if not fake:
             self.check_classes(everything)
         with _inside():
@@ -190,6 +189,14 @@ class FusedRowOp:
                 self._update(rows, state, space)
             finished = [self._finished(o, f, everything) for o, f in zip(rows[:self.returned], self.finish)]
             return finished + rows[len(self.group.outputs):]
+
+    def _storing(self, extra: tuple) -> RowGroup:
+        """The group with the steps the backward reads as outputs too: one object per choice, whose programs
+        and kernel are then built once (codegen remembers them per group)."""
+        if extra not in self._extended:
+            g = self.group
+            self._extended[extra] = RowGroup(g.inputs, g.steps, g.outputs + extra, g.origin, g.dtypes, g.fp32_terms)
+        return self._extended[extra]
 
     def _update(self, rows, state, space: RowSpace) -> None:
         """A batch norm's running statistics, as eager's batch norm updates them (the variance
