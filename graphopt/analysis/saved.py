@@ -16,6 +16,7 @@ The answer depends on the device the fakes claim (CPU and CUDA kernels save diff
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -167,7 +168,7 @@ class _Recorder(torch.fx.Interpreter):
         inner.policy_mode = self.policy_mode
         self.policy_mode.recorder = inner
         try:
-            with torch.autograd.graph.saved_tensors_hooks(inner.pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(_weak_pack(inner), _unpack):
                 inner.run(*[self.env[i] if isinstance(i, torch.fx.Node) else i for i in n.args])
         finally:
             self.policy_mode.recorder = self
@@ -198,6 +199,18 @@ class _Recorder(torch.fx.Interpreter):
             self.keep.append(t)
         self.saved.append(Saved(self.current.name, source, owner, key, t.untyped_storage().nbytes()))
         return t
+
+
+def _weak_pack(recorder: _Recorder):
+    """The recorder's pack hook, holding it weakly: the fake step's autograd graph keeps its hooks, and the
+    recorder keeps the graph's tensors, a cycle through C++ that Python's collector cannot see (it kept every
+    recorded model, its parameters with it, for the life of the process)."""
+    method = weakref.WeakMethod(recorder.pack)
+    return lambda t: method()(t) if method() is not None else t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class _PolicyOutputs(TorchDispatchMode):
@@ -232,7 +245,7 @@ def record_step(gm: torch.fx.GraphModule, flat_inputs: list, train: bool = True)
         for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
             recorder.owner.setdefault(storage_key(t), ("state", name))
         recorder.policy_mode = _PolicyOutputs(recorder)
-        with torch.set_grad_enabled(train), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
+        with torch.set_grad_enabled(train), torch.autograd.graph.saved_tensors_hooks(_weak_pack(recorder), _unpack), \
                 recorder.policy_mode:
             recorder.run(*inputs)
     return recorder.facts()

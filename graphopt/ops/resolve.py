@@ -5,7 +5,6 @@ nothing here raises on a graph it does not understand.
 """
 from __future__ import annotations
 
-import weakref
 
 import torch
 from torch.fx import GraphModule, Node
@@ -95,9 +94,10 @@ def _resolve(node: Node, gm: GraphModule | None, depth: int):
     return (OPS[name], args, explicit) if name else None
 
 
-# _resolve's answers by node, with what each was read from (_read): passes ask the same node many
-# times over, and binding its arguments is the dear part.
-_ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# _resolve's answer is kept on its node, with what it was read from (_read): passes ask the same node many
+# times over, and binding its arguments is the dear part. On the node, it lives as long as the graph; a
+# table by node would keep every graph alive through its answers' arguments (other nodes of the graph).
+_ANSWER = "_graphopt_resolved"
 
 
 def _read(node: Node) -> tuple | None:
@@ -123,11 +123,11 @@ def _resolved(node: Node, gm: GraphModule | None):
     read = _read(node)
     if read is None:
         return _resolve(node, gm, 0)
-    held = _ANSWERS.get(node)
+    held = getattr(node, _ANSWER, None)
     if held is not None and len(held[0]) == len(read) and all(a is b for a, b in zip(held[0], read)):
         return held[1]
     found = _resolve(node, gm, 0)
-    _ANSWERS[node] = (read, found)
+    setattr(node, _ANSWER, (read, found))
     return found
 
 
