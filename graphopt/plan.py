@@ -12,7 +12,8 @@ microbatches whose step fits), every analysis run on FakeTensors as if on `devic
 recompute plans for the budget less its CUDA headroom. On CPU the predicted peak is the
 step's live storages, as on a real model. On CUDA the kernels' saved tensors are the CPU's
 stand-ins (a CPU build of torch cannot make a CUDA fake): the fused attention keeps its
-output and log-sum-exp on both; the workspaces of cuBLAS and cuDNN are what the headroom is for.
+output and log-sum-exp on both; cuBLAS's workspaces are counted (analysis/cuda_workspaces.py), and
+cuDNN's and the allocator's slack are what the headroom is for.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ backward adds into in place.
 estimate_peak runs that step on FakeTensors under the instrument that measures a real one on
 CPU (live_storage.py): every storage eager autograd allocates is counted, with the node of
 the graph that made it. Only what no fake kernel shows is measured on a real sample (the
-workspace of the RNN kernels). measure_peak runs a real step: torch.cuda.max_memory_allocated
+workspace of the RNN kernels) or sized as torch sizes it (cuBLAS's workspaces on CUDA). measure_peak runs a real step: torch.cuda.max_memory_allocated
 on CUDA, live tensor storages on CPU.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import BudgetError
+from .cuda_workspaces import held_bytes
 from .fake_state import fake_run
 from .live_storage import LiveStorage
 from .meta import tensor_info
@@ -137,7 +138,7 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
 
     with fake_run(gm, flat_inputs) as (mode, inputs):
         params = list(gm.parameters())
-        tracker = _StepTracker(recomputing)
+        tracker = _StepTracker(recomputing, threads=2 if train else 1)
         tracker.add(params, "parameters")
         with mode:
             tracker.add(_set_gradients(params, present=accumulate and train), "parameter gradients")
@@ -197,9 +198,11 @@ class _StepTracker(LiveStorage):
     """LiveStorage naming each storage by the part of the step that makes it: a graph node's
     forward, its backward, a segment's rerun in backward, a parameter's gradient."""
 
-    def __init__(self, recomputing):
+    def __init__(self, recomputing, threads: int = 2):
         super().__init__(timeline=True)
         self.recomputing = recomputing
+        self.threads = threads  # that run cuBLAS: the forward's, and autograd's when the step has a backward
+        self.workspaces = 0
         self.phase, self.node = "forward", ""
         self.work: dict[str, int] = {}
         self._running = None  # the graph node whose backward runs
@@ -226,6 +229,13 @@ class _StepTracker(LiveStorage):
         if self.phase == "backward" and self._running is not None and nbytes > 0:
             flight = self.by_category.get("gradients", 0) + self.by_category.get("recomputed", 0)
             self.work[self._running] = max(self.work.get(self._running, 0), flight)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.workspaces:  # held from the first product on (a step after the first: from its start)
+            self.workspaces = held_bytes(func, args, self.threads)
+            if self.workspaces:
+                self.add_bytes("cuBLAS workspaces", self.workspaces, "cuBLAS workspaces")
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def parameter_gradient(self, p: torch.Tensor) -> None:
         self.recategorize(p.grad, "parameter gradients")
