@@ -60,8 +60,29 @@ def _record(run):
     return recording
 
 
+def launch_samples() -> None:
+    """A few kernels of each kind in seconds (the test of this script): an RMSNorm written as
+    transformers writes it and a softmax (row kernels), an elementwise chain with constant powers."""
+    import graphopt
+
+    class Sample(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(64))
+
+        def forward(self, x, scores):
+            norm = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            chain = torch.nn.functional.gelu(x) * torch.sigmoid(x) + x.pow(3) * 0.5
+            return norm.sum() + chain.sum() + torch.softmax(scores * 0.125, -1).pow(2).sum()
+
+    args = (torch.randn(8, 64, requires_grad=True), torch.randn(2, 4, 16, requires_grad=True))
+    graphopt.optimize(Sample(), args, passes="fuse")(*args).backward()
+
+
 def launch_benchmarks(only: list[str]) -> None:
     interpreter.InterpretedFunction.run = _record(interpreter.InterpretedFunction.run)
+    if "samples" in only:
+        launch_samples()
     if "fuse" in only:
         import gpu_fuse
         gpu_fuse.run(with_compile=False, log=lambda row: None)
@@ -118,7 +139,8 @@ def compile_all(launches: list, arch: int, gpu_block: int) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="the CUDA compute capability, e.g. 90 for H100/H200")
-    parser.add_argument("--only", default="fuse,rows,head_loss,recompute,sweep", help="which benchmarks' kernels")
+    parser.add_argument("--only", default="fuse,rows,head_loss,recompute,sweep",
+                        help="which benchmarks' kernels (or samples: a few of each kind, in seconds)")
     parser.add_argument("--compiler-python", default=sys.executable,
                         help="the python whose Triton compiles (a GPU machine's version, say); default this one")
     parser.add_argument("--compile", metavar="LAUNCHES", help=argparse.SUPPRESS)  # the second process's input
