@@ -14,9 +14,9 @@ from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .input_aliases import distinct
 from .lazy import LazyOptimized
+from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
-from .precisions import precision_name
 from .report import Report
 from .runtime.guards import install_guards
 from .runtime.input_writes import WriteAliasCheck
@@ -29,38 +29,33 @@ from .trace import FRONTENDS, check_inputs, trace
 DEFAULT_PASSES = ("normalize", "cse", "dce", "inplace", "fuse")
 
 
-def build_pipeline(passes=None, *, budget_gb=None, precision=None, stages=None, profile=False,
-                   calibrate=False, precision_policy=None, optimizer=None, accumulate=False) -> list[Pass]:
-    """The pass list for optimize(): the given (or default) passes plus those the arguments ask
-    for. Each argument is validated by the option of the pass that takes it (Pass.arguments)."""
+def build_pipeline(passes=None, args: OptimizeArguments = OptimizeArguments()) -> list[Pass]:
+    """The pass list for optimize(): the given (or default) passes plus those its arguments ask
+    for, each built by the pass that takes them (Pass.arguments, Pass.from_arguments)."""
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
     for p in pipeline:
         p.by_default = passes is None
-    arguments = {"budget_gb": budget_gb, "precision": None if precision_name(precision) == "fp32" else precision,
-                 "stages": stages, "profile": profile, "calibrate": calibrate, "precision_policy": precision_policy,
-                 "optimizer": optimizer, "accumulate": accumulate}
-    # None, False and {} ask for nothing; any other value is the pass's to take or refuse
-    given = {arg: value for arg, value in arguments.items() if value is not None and value is not False and value != {}}
-    # Each pass says which arguments it takes (Pass.arguments): the first of them adds it.
+    given = args.given()
+    # the first argument a pass takes adds it, unless an argument it yields to is given
     added = [cls for cls in passes_pkg.available().values()
-             if cls.arguments and next(iter(cls.arguments)) in given and not set(cls.yields_to) & set(given)]
+             if cls.arguments and cls.arguments[0] in given and not set(cls.yields_to) & set(given)]
     names = {p.name for p in pipeline}
     for cls in added:
-        lead = next(iter(cls.arguments))
+        lead = cls.arguments[0]
         if cls.name in names:
             raise OptionError(f"give {lead} either as optimize({lead}=...) or in the {cls.name!r} pass of the "
                               "pipeline, not both.")
-        cls.check_arguments(given)
+        cls.check_arguments(args)
     taken = {arg for cls in added for arg in cls.arguments}
     for arg in given:
         if arg not in taken:
-            leads = [next(iter(cls.arguments)) for cls in passes_pkg.available().values() if arg in cls.arguments]
+            leads = [cls.arguments[0] for cls in passes_pkg.available().values() if arg in cls.arguments]
             if not leads:
                 raise OptionError(f"{arg}= needs a pass this version of graphopt does not implement (available "
                                   f"passes: {', '.join(sorted(passes_pkg.available()))}); leave {arg} out.")
             raise OptionError(f"{arg}= refines what {leads[0]}= asks for: give {leads[0]} too.")
     for cls in added:
-        passes_pkg.insert_in_order(pipeline, cls.from_arguments(given))
+        passes_pkg.insert_in_order(pipeline, cls.from_arguments(args))
     passes_pkg.check_order(pipeline)
     return pipeline
 
@@ -123,9 +118,9 @@ def optimize(
         raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
     if train is not None and not isinstance(train, bool):
         raise OptionError(f"train must be True, False or None, got {train!r}.")
-    pipeline = build_pipeline(passes, budget_gb=budget_gb, precision=precision, stages=stages, profile=profile,
-                              calibrate=calibrate, precision_policy=precision_policy, optimizer=optimizer,
-                              accumulate=accumulate)
+    pipeline = build_pipeline(passes, OptimizeArguments(
+        budget_gb=budget_gb, precision=precision, stages=stages, profile=profile, calibrate=calibrate,
+        precision_policy=precision_policy, optimizer=optimizer, accumulate=accumulate))
     if not isinstance(verify, bool):
         raise OptionError(f"verify must be True or False, got {verify!r}.")
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None

@@ -22,6 +22,7 @@ from .call_signature import signature
 from .errors import OptionError, UsageError
 from .export_batch import ExportCache, kept_exports, keeping_exports
 from .microbatch_choice import MicrobatchChoice
+from .passes.arguments import OptimizeArguments
 from .passes.recompute.recompute_pass import Recompute
 from .runtime.guards import describe
 from .runtime.microbatch import split_batch
@@ -171,7 +172,7 @@ def _checked_options(model, loss_fn, reduction, budget_gb, options: dict) -> dic
 
 def _checked_budget(budget_gb) -> float | None:
     """budget_gb as optimize() validates it: by the recompute pass's option."""
-    return None if budget_gb is None else Recompute.from_arguments({"budget_gb": budget_gb}).settings.budget_gb
+    return None if budget_gb is None else Recompute.from_arguments(OptimizeArguments(budget_gb=budget_gb)).settings.budget_gb
 
 
 def _check_microbatches(value, args: tuple, kwargs: dict) -> int:

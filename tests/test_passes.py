@@ -322,6 +322,23 @@ def test_optimize_places_the_passes_its_arguments_ask_for_in_order():
                                                             "recompute{budget_gb=1.0}"]
 
 
+def test_each_pass_builds_itself_from_the_typed_arguments_it_names():
+    from graphopt.api import build_pipeline
+    from graphopt.passes.arguments import OptimizeArguments
+    from graphopt.passes.base import Pass
+
+    built = {p.name: p.settings for p in build_pipeline("dce", OptimizeArguments(
+        budget_gb=2.0, precision="fp16", precision_policy="softmax:fp32", optimizer="sgd"))}
+    assert (built["recompute"].budget_gb, built["recompute"].optimizer) == (2.0, "sgd")
+    assert (built["precision"].dtype, built["precision"].policy) == ("fp16", "softmax:fp32")
+    staged = {p.name: p.settings for p in build_pipeline("dce", OptimizeArguments(stages=2, budget_gb=2.0))}
+    # an argument not given leaves its option at the default: each stage holds adam's state
+    assert "recompute" not in staged and (staged["pipeline"].budget_gb, staged["pipeline"].optimizer) == (2.0, "adam")
+    with pytest.raises(graphopt.OptionError, match=r"optimize\(budget_gb=...\): bad value -1"):
+        build_pipeline("dce", OptimizeArguments(budget_gb=-1))
+    with pytest.raises(TypeError, match="budget_mb"):
+        type("Mistaken", (Pass,), {"name": "mistaken", "arguments": ("budget_mb",)})
+
 
 class SameLayoutViews(nn.Module):
     """A reshape to the shape a tensor has, a contiguous() of a contiguous one, and a detach."""

@@ -23,6 +23,8 @@ import torch.fx
 from ..analysis.cache import Analyses
 from ..errors import OptionError
 from ..report import BudgetFit
+from .arguments import NAMES as ARGUMENT_NAMES
+from .arguments import OptimizeArguments
 
 
 @dataclass
@@ -174,9 +176,10 @@ class Pass:
     # Passes that must run before this one when both are in a pipeline, each with the reason:
     # what they rewrite would change what this one decided (the pass manager checks it).
     runs_after: ClassVar[dict[str, str]] = {}
-    # The optimize() arguments this pass takes, each with the option it sets. The first adds
-    # the pass to the pipeline (optimize(budget_gb=8) adds recompute); the others refine it.
-    arguments: ClassVar[dict[str, str]] = {}
+    # The optimize() arguments this pass takes (fields of OptimizeArguments), which from_arguments
+    # reads. The first adds the pass to the pipeline (optimize(budget_gb=8) adds recompute); the
+    # others refine it.
+    arguments: ClassVar[tuple[str, ...]] = ()
     # Arguments that take this pass's place: given any, optimize() does not add this pass, and
     # its arguments go to the pass that argument adds (stages=: budget_gb caps each stage).
     yields_to: ClassVar[tuple[str, ...]] = ()
@@ -192,9 +195,13 @@ class Pass:
             raise TypeError(f"pass {cls.__name__} declares `options`: declare them as fields of a frozen "
                             "dataclass of option() fields and set `Options = ThatClass`.")
         cls.options = {f.name: f.metadata[OPTION] for f in dataclasses.fields(cls.Options)}
+        unknown = set(cls.arguments) - set(ARGUMENT_NAMES)
+        if unknown:
+            raise TypeError(f"pass {cls.__name__} takes {', '.join(sorted(unknown))}, which optimize() has not: "
+                            "arguments are fields of OptimizeArguments.")
 
     @classmethod
-    def check_arguments(cls, given: dict) -> None:
+    def check_arguments(cls, args: OptimizeArguments) -> None:
         """Raise OptionError for a combination of optimize() arguments this pass cannot take."""
 
     def skip_by_default(self, gm: torch.fx.GraphModule, ctx: PassContext, pipeline: list["Pass"]) -> str | None:
@@ -222,8 +229,10 @@ class Pass:
         """The option's setting for value, or OptionError naming the pass's option, or the
         optimize() argument it came from."""
         opt = self.options[key]
+        if value is None:  # not given (an optimize() argument left out): the option's default
+            return opt.default
         try:
-            setting = None if value is None else opt.convert(value)
+            setting = opt.convert(value)
             if opt.choices is not None and setting not in opt.choices:
                 raise ValueError(f"must be one of {', '.join(map(str, opt.choices))}")
         except (TypeError, ValueError) as e:
@@ -232,11 +241,11 @@ class Pass:
         return setting
 
     @classmethod
-    def from_arguments(cls, given: dict) -> "Pass":
-        """The pass for optimize()'s arguments (Pass.arguments maps each to its option), each
-        validated by its option; their combination is check_arguments's to refuse, first."""
-        taken = {arg: key for arg, key in cls.arguments.items() if arg in given}
-        return cls({key: arg for arg, key in taken.items()}, **{key: given[arg] for arg, key in taken.items()})
+    def from_arguments(cls, args: OptimizeArguments) -> "Pass":
+        """The pass for optimize()'s arguments, each validated by the option it sets (a pass that
+        takes arguments says which, by name, for the error messages); their combination is
+        check_arguments's to refuse, first."""
+        raise NotImplementedError(f"pass {cls.name!r} takes no optimize() arguments")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError

@@ -46,6 +46,7 @@ from ..dump import note
 from ..errors import OptionError
 from ..precisions import LOW, precision_name, short
 from ..runtime.autocast import under_autocast
+from .arguments import OptimizeArguments
 from .base import Pass, PassContext, PassResult, option
 from .normalize import _canonical_callable
 from .registry import register
@@ -215,8 +216,13 @@ class Precision(Pass):
     """Compute in bf16 or fp16 where torch.autocast would, in float32 where it would."""
 
     name = "precision"
-    arguments = {"precision": "dtype", "precision_policy": "policy"}
+    arguments = ("precision", "precision_policy")
     Options = PrecisionOptions
+
+    @classmethod
+    def from_arguments(cls, args: OptimizeArguments) -> "Precision":
+        return cls({"dtype": "precision", "policy": "precision_policy"}, dtype=args.precision,
+                   policy=args.precision_policy)
 
     def __init__(self, *arguments, **options):
         super().__init__(*arguments, **options)

@@ -41,6 +41,7 @@ from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
 from ...dump import note
 from ...errors import BudgetError, OptionError
+from ..arguments import OptimizeArguments
 from ..base import Pass, PassContext, PassResult, count, option, plans_memory_after, positive, to_bool
 from ..registry import register
 from .partition import SCHEDULES, StageFacts, least_memory, partition
@@ -104,19 +105,24 @@ class Pipeline(Pass):
     name = "pipeline"
     runs_after = plans_memory_after("fuse", "inplace", "precision", "recompute")
     # One device per stage: budget_gb caps each stage's memory, and profile costs the stages.
-    arguments = {"stages": "stages", "budget_gb": "budget_gb", "profile": "profile", "optimizer": "optimizer"}
+    arguments = ("stages", "budget_gb", "profile", "optimizer")
     plans_memory = ("values written in place cannot be recomputed from, which can raise the least budget; name it "
                     "in passes= to run it anyway")
 
     @classmethod
-    def check_arguments(cls, given: dict) -> None:
-        if given.get("calibrate"):
+    def from_arguments(cls, args: OptimizeArguments) -> "Pipeline":
+        return cls({name: name for name in cls.arguments}, stages=args.stages, budget_gb=args.budget_gb,
+                   profile=args.profile, optimizer=args.optimizer)
+
+    @classmethod
+    def check_arguments(cls, args: OptimizeArguments) -> None:
+        if args.calibrate:
             raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
                               "budget_gb caps each stage's predicted memory: leave calibrate out.")
-        if given.get("accumulate"):
+        if args.accumulate:
             raise OptionError("with stages=, the pipeline accumulates its microbatches' gradients itself and "
                               "budget_gb caps each stage: leave accumulate out.")
-        if "optimizer" in given and not isinstance(given["optimizer"], str):
+        if args.optimizer is not None and not isinstance(args.optimizer, str):
             raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
                               "(e.g. optimizer='adam'), not an instance.")
     Options = PipelineOptions

@@ -75,6 +75,7 @@ from ...plot import memory_csv, memory_png
 from ...report import BudgetFit, idle_budget
 from ...runtime.budget_check import BudgetCheck
 from ...trial import trial_run
+from ..arguments import OptimizeArguments
 from ..base import Pass, PassContext, PassResult, Text, option, plans_memory_after, positive, to_bool
 from ..fuse.head_loss_chunks import size_chunks
 from ..registry import register
@@ -120,12 +121,16 @@ class Recompute(Pass):
 
     name = "recompute"
     runs_after = plans_memory_after("fuse", "inplace", "precision")
-    arguments = {"budget_gb": "budget_gb", "profile": "profile", "calibrate": "calibrate", "optimizer": "optimizer",
-                 "accumulate": "accumulate"}
+    arguments = ("budget_gb", "profile", "calibrate", "optimizer", "accumulate")
     yields_to = ("stages",)
     plans_memory = ("the recompute pass writes in place within its plan, as the inplace pass would but for the "
                     "values its segments recompute from")
     Options = RecomputeOptions
+
+    @classmethod
+    def from_arguments(cls, args: OptimizeArguments) -> "Recompute":
+        return cls({name: name for name in cls.arguments}, budget_gb=args.budget_gb, profile=args.profile,
+                   calibrate=args.calibrate, optimizer=args.optimizer, accumulate=args.accumulate)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         budget_gb = self.settings.budget_gb
