@@ -169,11 +169,15 @@ def _kind(leaf, value: bool):
 
 
 def _kinds(bound: dict, constants: set[str]) -> dict[str, tuple]:
-    """Per argument, its containers and the kind of each leaf (_kind); the values of `constants`."""
+    """Per argument, its containers and the kind of each leaf (_kind); the values of `constants`.
+    A tensor, None or a number is its own leaf: flattening it costs more than the call's other checks."""
     kinds = {}
     for name, value in bound.items():
-        leaves, spec = pytree.tree_flatten(value)
-        kinds[name] = (str(spec), tuple(_kind(leaf, name in constants) for leaf in leaves))
+        if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
+            kinds[name] = (None, (_kind(value, name in constants),))
+        else:
+            leaves, spec = pytree.tree_flatten(value)
+            kinds[name] = (spec, tuple(_kind(leaf, name in constants) for leaf in leaves))
     return kinds
 
 
@@ -203,18 +207,20 @@ def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: t
     export = gm.meta.get("graphopt_frontend") == "export"
     baked = set() if export else {k for k in expected.parameters if k not in given}
 
-    def bound(call_args, call_kwargs) -> dict:
+    def bound(call_args, call_kwargs) -> tuple[dict, set[str]]:
+        """The call's arguments, defaults filled in, and the names it gave."""
         b = expected.bind(*call_args, **call_kwargs)
+        named = set(b.arguments)
         b.apply_defaults()
-        return b.arguments
+        return b.arguments, named
 
-    was = bound(args, kwargs)
+    was, _ = bound(args, kwargs)
     constants = set(was) if export else baked
     example = _kinds(was, constants)
 
     def check(module, call_args, call_kwargs):
         try:
-            got = bound(call_args, call_kwargs)
+            got, named = bound(call_args, call_kwargs)
         except TypeError as e:
             raise UsageError(f"this graphopt module takes the arguments of {name}.forward{expected}, "
                              f"and this call does not fit: {e}. Call it as you call the model.") from None
@@ -227,7 +233,7 @@ def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: t
                 f"call gives other kinds of arguments ({diff}): the graph computes what the model does with the "
                 "example's kinds only. Call it with arguments of those kinds, or use graphopt.optimize(model) "
                 "without example inputs, which builds a graph for each kind of call.")
-        if baked & set(expected.bind(*call_args, **call_kwargs).arguments):
+        if baked & named:
             return _without(expected, baked, call_args, call_kwargs)
         return None
 
