@@ -2,7 +2,8 @@
 the benchmarks' CPU mode and records each launch, then Triton's compiler builds each kernel for
 an sm_90 target (Hopper) down to its cubin.
 
-    python bench/kernels_compile.py [--arch 90] [--only fuse,rows,head_loss]
+    python bench/kernels_compile.py [--arch 90] [--only fuse,rows,head_loss | samples]
+        [--compiler-python PY]        # PY's Triton compiles: a venv with the GPU machine's versions
 
 The interpreter accepts programs the compiler rejects (it runs Python on NumPy), so tests on a
 machine without a GPU say nothing of whether a kernel builds; this does, before device time is
@@ -14,8 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,13 +90,6 @@ def launch_benchmarks(only: list[str]) -> None:
     if "rows" in only:
         import gpu_rows
         gpu_rows.run(with_compile=False, log=lambda row: None)
-    if "recompute" in only:  # default passes under a budget: fuse beside recompute, on the zoo's models
-        import recompute_figures
-        for name in recompute_figures.SIZES:
-            recompute_figures.budget_run(name, 0.5, 1)
-    if "sweep" in only:
-        import recompute_sweep
-        recompute_sweep.sweep_model("hf_gpt2", 2, "cpu")
     if "head_loss" in only:
         import head_loss
         head_loss.main(["--size", "256,64,8000", "--out", os.devnull])
@@ -139,7 +133,7 @@ def compile_all(launches: list, arch: int, gpu_block: int) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="the CUDA compute capability, e.g. 90 for H100/H200")
-    parser.add_argument("--only", default="fuse,rows,head_loss,recompute,sweep",
+    parser.add_argument("--only", default="fuse,rows,head_loss",
                         help="which benchmarks' kernels (or samples: a few of each kind, in seconds)")
     parser.add_argument("--compiler-python", default=sys.executable,
                         help="the python whose Triton compiles (a GPU machine's version, say); default this one")

@@ -10,8 +10,9 @@ backward adds into in place.
 estimate_peak runs that step on FakeTensors under the instrument that measures a real one on
 CPU (live_storage.py): every storage eager autograd allocates is counted, with the node of
 the graph that made it. Only what no fake kernel shows is measured on a real sample (the
-workspace of the RNN kernels) or sized as torch sizes it (cuBLAS's workspaces on CUDA). measure_peak runs a real step: torch.cuda.max_memory_allocated
-on CUDA, live tensor storages on CPU.
+workspace of the RNN kernels) or sized as torch sizes it (cuBLAS's workspaces on CUDA).
+measure_peak runs a real step: torch.cuda.max_memory_allocated on CUDA, live tensor storages
+on CPU.
 """
 from __future__ import annotations
 

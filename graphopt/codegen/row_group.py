@@ -75,6 +75,7 @@ class Softmax:
 
 
 _DERIVED: dict[int, tuple[weakref.ref, dict]] = {}
+_MISSING = object()
 
 
 def remembered(group: "RowGroup", key, make):
@@ -84,8 +85,8 @@ def remembered(group: "RowGroup", key, make):
     entry = _DERIVED.get(id(group))
     if entry is None or entry[0]() is not group:
         entry = _DERIVED[id(group)] = (weakref.ref(group, lambda _, at=id(group): _DERIVED.pop(at, None)), {})
-    found = entry[1].get(key, _DERIVED)
-    if found is _DERIVED:
+    found = entry[1].get(key, _MISSING)
+    if found is _MISSING:
         found = entry[1][key] = make()
     return found
 

@@ -320,7 +320,8 @@ def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, te
     kinds = pointer_kinds(program)
     strided = [p for p in program.pointers if kinds[p] != "partial"]
     where = addressing(space, [tensors[p] for p in strided])
-    text = remembered(group, (program, name, looped, where.dims), lambda: source(group, program, name, looped, where.dims))
+    text = remembered(group, (program, name, looped, where.dims),
+                      lambda: source(group, program, name, looped, where.dims))
     kernel = _kernel(text, name)
     args = [tensors[p] for p in program.pointers] + [space.rows, space.columns, grid[1]]
     args += list(where.row_sizes) + list(where.col_sizes)

@@ -5,7 +5,6 @@ nothing here raises on a graph it does not understand.
 """
 from __future__ import annotations
 
-
 import torch
 from torch.fx import GraphModule, Node
 
