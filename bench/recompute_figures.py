@@ -89,12 +89,28 @@ def hand_checkpointed(model, args, kwargs):
     return checkpoint_segments(hand, blocks), flops
 
 
-def budget_run(name: str, f: float, steps: int) -> dict:
+def least_gb(model, args, kwargs) -> float:
+    """graphopt's least budget for the model's step (what its BudgetError names)."""
+    try:
+        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9)
+    except graphopt.BudgetError as err:
+        return err.min_budget_gb
+    raise AssertionError("a budget of one byte fitted")
+
+
+def budget_run(name: str, f: float, steps: int, span: str = "state") -> dict:
     """The pass at budget f: measured peak / budget, recompute share and step time against no
-    recompute; for the GPT also against checkpointing every block by hand."""
+    recompute; for the GPT also against checkpointing every block by hand. span "state": f of the
+    step's peak beyond parameters and gradients (budget_at); "least": f of the way from graphopt's
+    least budget to the estimated peak (at GPU sizes the first puts every f below the least)."""
     model, args, kwargs = build(name)
-    budget_gb = budget_at(_estimate(model, args, kwargs), f)
-    row = {"f": f, "budget_mb": round(budget_gb * 1e3, 2)}
+    peak = _estimate(model, args, kwargs)
+    if span == "least":
+        least = least_gb(model, args, kwargs)
+        budget_gb = least + f * (peak.peak_bytes / GB - least)
+    else:
+        budget_gb = budget_at(peak, f)
+    row = {"f": f, "span": span, "budget_mb": round(budget_gb * 1e3, 2)}
     try:
         opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb)
     except graphopt.BudgetError as err:
