@@ -6,7 +6,8 @@ Runs, most telling first: gpu_fuse.py (elementwise chains), gpu_rows.py (row ker
 against eager and torch.compile; gpu_recompute.py (the recompute figures at GPU sizes);
 gpu_precision.py (bf16 against float32 and autocast); head_loss.py (an LM head and its loss:
 step peaks); recompute_sweep.py on the corpus's GPT-2 (predicted against measured peak from
-graphopt's least budget to eager). Each one's limit is its share of the budget plus what the ones
+graphopt's least budget to eager); gpu_memory_gap.py (CUDA only: each zoo model's estimate
+against its measured step, and the allocator's snapshot of the step). Each one's limit is its share of the budget plus what the ones
 before it left unused, so the whole run stays within the budget; the matrices (fuse, rows) are
 told to stop starting rows in time to write what they measured. A crash, a hang or a spent limit
 loses that benchmark only (a hang is interrupted, so its stderr ends with where it stood).
@@ -61,6 +62,7 @@ class Benchmark:
     cpu_args: list[str] = field(default_factory=list)  # without CUDA: less of the same, for a 2-core machine
     cpu_env: dict = field(default_factory=dict)  # without CUDA: what the script asks of its environment
     gpu_args: list[str] = field(default_factory=list)  # with CUDA
+    cuda_only: bool = False  # no CPU mode: skipped without CUDA
     outcome: dict = field(default_factory=dict)
 
 
@@ -80,6 +82,8 @@ BENCHMARKS = [
     Benchmark("recompute_sweep", "corpus GPT-2: predicted and measured peak and step time, least budget to eager",
               ["bench/recompute_sweep.py", "--device", "{device}", "--models", "hf_gpt2", "--out",
                "{folder}/recompute_sweep"], 45, cpu_args=["--points", "2"], gpu_args=["--points", "5"]),
+    Benchmark("memory_gap", "zoo models: estimated against measured step peak, the allocator's snapshot of each step",
+              ["bench/gpu_memory_gap.py", "--out", "{folder}/memory_gap"], 30, cuda_only=True),
 ]
 DEFAULT_BUDGET_S = 480
 RESERVE_S = 10  # the runner's own work: finding the device, the index, packing
@@ -199,7 +203,10 @@ def run_all(benchmarks: list[Benchmark], folder: Path, budget_s: float, python: 
     for i, bench in enumerate(benchmarks):
         later = sum(b.share_s for b in benchmarks[i + 1:]) * scale
         limit = budget_s - RESERVE_S - (time.perf_counter() - started) - later
-        if limit < LEAST_S:
+        if bench.cuda_only and not device["cuda"]:
+            bench.outcome = {"command": "", "limit_s": 0, "wall_s": 0.0, "finished": True,
+                             "status": "skipped: it measures CUDA's allocator", "files": [], "tail": []}
+        elif limit < LEAST_S:
             bench.outcome = {"command": "", "limit_s": round(max(limit, 0)), "wall_s": 0.0, "finished": False,
                              "status": "skipped: the budget was spent before it", "files": [], "tail": []}
         else:
