@@ -14,12 +14,8 @@ import re
 
 import torch
 
+from ..ops import lookup_target
 from .planning_device import planning_device
-
-aten = torch.ops.aten
-# the aten ops whose CUDA kernels call cuBLAS (or cuBLASLt)
-CUBLAS_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten._addmm_activation,
-                        aten.mv, aten.addmv, aten.dot, aten.vdot, aten._scaled_mm})
 
 HOPPER = 32 * 1024 * 1024  # torch's default on compute capability 9.0 (":4096:8")
 OTHERS = 4096 * 1024 * 2 + 16 * 1024 * 8  # its default elsewhere (":4096:2:16:8")
@@ -39,8 +35,10 @@ def workspace_bytes(device: torch.device, environ=os.environ) -> int:
 
 
 def held_bytes(func, args, threads: int) -> int:
-    """What the step holds in cuBLAS workspaces once `func` runs, if it is a cuBLAS op on a CUDA tensor; else 0."""
-    if getattr(func, "overloadpacket", None) not in CUBLAS_OPS:
+    """What the step holds in cuBLAS workspaces once `func` runs, if it is a cuBLAS op (the registry's
+    `blas`) on a CUDA tensor; else 0."""
+    op = lookup_target(func)
+    if op is None or not op.blas:
         return 0
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     if device is not None and device.type != "cuda" and planning_device() == "cuda":

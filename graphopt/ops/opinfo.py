@@ -28,6 +28,7 @@ class OpInfo:
     aliases: bool = False  # the result may share storage with an input (views, and casts that are no-ops)
     keeps_order: bool = False  # a view reading its input's elements in their order, in another shape (reshape)
     output: str = "tensor"  # what the node produces: one of OUTPUTS
+    blas: bool = False  # its CUDA kernel calls cuBLAS (whose handles each hold a workspace: analysis/cuda_workspaces.py)
 
     @property
     def is_check(self) -> bool:
