@@ -19,6 +19,7 @@ from graphopt.passes.recompute.solver import make_atoms, solve
 from graphopt.testing import zoo
 from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
+from least_budget import least_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -89,15 +90,6 @@ def hand_checkpointed(model, args, kwargs):
     return checkpoint_segments(hand, blocks), flops
 
 
-def least_gb(model, args, kwargs) -> float:
-    """graphopt's least budget for the model's step (what its BudgetError names)."""
-    try:
-        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9)
-    except graphopt.BudgetError as err:
-        return err.min_budget_gb
-    raise AssertionError("a budget of one byte fitted")
-
-
 def budget_run(name: str, f: float, steps: int, span: str = "state") -> dict:
     """The pass at budget f: measured peak / budget, recompute share and step time against no
     recompute; for the GPT also against checkpointing every block by hand. span "state": f of the
@@ -106,8 +98,8 @@ def budget_run(name: str, f: float, steps: int, span: str = "state") -> dict:
     model, args, kwargs = build(name)
     peak = _estimate(model, args, kwargs)
     if span == "least":
-        least = least_gb(model, args, kwargs)
-        budget_gb = least + f * (peak.peak_bytes / GB - least)
+        least = least_bytes(model, args, kwargs)
+        budget_gb = (least + f * (peak.peak_bytes - least)) / GB
     else:
         budget_gb = budget_at(peak, f)
     row = {"f": f, "span": span, "budget_mb": round(budget_gb * 1e3, 2)}
