@@ -233,12 +233,44 @@ def run(sizes=None, lengths=LENGTHS, dtypes=tuple(DTYPES), device=None, with_com
         log(row)
         rows.append(row)
     rows.sort(key=lambda r: (r["chain"], r["pass"], list(DTYPES).index(r["dtype"]), r["elements"]))
+    profiles = []
+    if "bfloat16" in dtypes and (deadline is None or time.perf_counter() < deadline):
+        try:  # the bf16 2-op chain's forward+backward was slower than eager on the first H200 run
+            profiles.append(profile(min(lengths), max(sizes), "bfloat16", device))
+        except Exception as error:
+            profiles.append(failed_row(error, chain=min(lengths), elements=max(sizes), dtype="bfloat16"))
     return {"device": device_name(), "date": today(), "torch": torch.__version__,
             "triton": _version("triton"), "mode": "gpu" if device.type == "cuda" else "cpu (reduced, no torch.compile)",
-            "first_call": first, "rows": rows, "planned_rows": len(matrix),
+            "first_call": first, "rows": rows, "profiles": profiles, "planned_rows": len(matrix),
             "stopped": None if len(rows) == len(matrix) and len(first) == len(lengths)
             else f"the {seconds} s given ran out: {len(first)} of {len(lengths)} first calls, "
                  f"{len(rows)} of {len(matrix)} rows measured"}
+
+
+def profile(length: int, n: int, dtype: str, device, calls: int = 5) -> dict:
+    """Per-kernel device time of one forward+backward row for eager, graphopt and torch.compile
+    (torch.profiler): which kernels a slow row spends its time in."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiling
+
+    module = Chain(length)
+    x, b, g = make_inputs(n, DTYPES[dtype], device, True)
+    methods = {"eager": module, "graphopt": fuse(module, x, b)}
+    if device.type == "cuda":
+        methods["compile"] = torch.compile(Chain(length))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    tables = {}
+    for method, m in methods.items():
+        run_once = runner(m, x, b, g, True)
+        run_once()
+        sync(device)
+        with profiling(activities=activities) as prof:
+            for _ in range(calls):
+                run_once()
+            sync(device)
+        tables[method] = prof.key_averages().table(sort_by=sort, row_limit=10, max_name_column_width=60)
+    return {"chain": length, "elements": n, "dtype": dtype, "calls": calls, "tables": tables}
 
 
 def failed_row(error: Exception, **row) -> dict:
@@ -247,7 +279,7 @@ def failed_row(error: Exception, **row) -> dict:
 
 
 def failures(result: dict) -> int:
-    return sum("error" in row for key in ("first_call", "rows") for row in result.get(key, ()))
+    return sum("error" in row for key in ("first_call", "rows", "profiles") for row in result.get(key, ()))
 
 
 def _version(package: str) -> str:
@@ -269,6 +301,13 @@ def markdown(result: dict) -> str:
     if result["rows"]:
         cols = dict.fromkeys(c for r in result["rows"] for c in r if c not in ("ops", "max_rel_error", "error"))
         lines += _table([*cols, "error"] if failures(result) else list(cols), result["rows"])
+    for p in result.get("profiles", ()):
+        lines += ["", f"## where the time goes: chain {p['chain']}, {p['elements']} elements, {p['dtype']}, "
+                      f"forward+backward, {p.get('calls', '')} calls", ""]
+        if "error" in p:
+            lines += [f"failed: {p['error']}"]
+        for method, table in p.get("tables", {}).items():
+            lines += [f"{method}:", "", "```", table.rstrip(), "```", ""]
     lines += ["", "chains: " + "; ".join(f"{k}: {describe(k)}" for k in LENGTHS)]
     return "\n".join(lines) + "\n"
 
