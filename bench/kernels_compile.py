@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,7 +97,15 @@ def launch_benchmarks(only: list[str]) -> None:
 
 
 def compiled_module(path: str):
-    """The kernel file imported in a process where @triton.jit makes compilable functions."""
+    """The kernel file imported in a process where @triton.jit makes compilable functions, with the
+    helpers a GPU's kernel has where the interpreter's differ (codegen/kernel.py: bf16 rounding)."""
+    from graphopt.codegen.kernel import HELPERS, INTERPRETED_HELPERS
+
+    source = Path(path).read_text()
+    for name, text in INTERPRETED_HELPERS.items():
+        source = source.replace(text, HELPERS[name])
+    path = str(Path(tempfile.mkdtemp(prefix="graphopt-compile-")) / Path(path).name)
+    Path(path).write_text(source)
     spec = importlib.util.spec_from_file_location(f"compile_check_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

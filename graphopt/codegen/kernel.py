@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .spec import Operand, Spec
@@ -89,8 +91,14 @@ def round_fp16(x):
 
 """, "round_bf16": """@triton.jit
 def round_bf16(x):
-    # by hand, so that a cast after it is exact: Triton's interpreter truncates fp32 -> bf16, the GPU
-    # rounds; this way both give torch's result. A NaN stays one (its payload could carry into the sign).
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+"""}
+# Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even (one instruction):
+# under the interpreter bf16 is rounded by hand, so that both give torch's result. A NaN stays one.
+INTERPRETED_HELPERS = {**HELPERS, "round_bf16": """@triton.jit
+def round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return tl.where(x == x, ((bits >> 16) << 16).to(tl.float32, bitcast=True), x)
@@ -102,7 +110,8 @@ def round_bf16(x):
 def module(head: list[str], kernel: list[str]) -> str:
     """A kernel module's source: the rounding helpers it uses precede the kernel."""
     text = "\n".join(kernel) + "\n"
-    return "\n".join(head) + "\n" + "".join(h for name, h in HELPERS.items() if f"{name}(" in text) + text
+    helpers = INTERPRETED_HELPERS if os.environ.get("TRITON_INTERPRET") == "1" else HELPERS
+    return "\n".join(head) + "\n" + "".join(h for name, h in helpers.items() if f"{name}(" in text) + text
 
 
 def indent(lines) -> list[str]:

@@ -63,7 +63,7 @@ def _load(line: Line, shifts: dict) -> str:
 
 
 def _store(pointer: str, kind: str, value: str, shifts: dict, dtype: torch.dtype = torch.float32) -> str:
-    if dtype == torch.bfloat16:  # rounded by hand: the interpreter's cast truncates (kernel.py)
+    if dtype == torch.bfloat16:  # round_bf16 first: under the interpreter the cast alone truncates (kernel.py)
         value = f"round_bf16({value}).to(tl.bfloat16)"
     elif dtype != torch.float32:
         value = f"{value}.to({TL[dtype]})"

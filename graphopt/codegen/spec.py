@@ -106,9 +106,16 @@ def plan_forward(group: Group, inputs) -> LaunchPlan:
     return LaunchPlan(spec, lay, full, dtypes, shapes)
 
 
-def grad_buffer_dtype(value: Value, shape, n: int) -> torch.dtype:
-    """An input gradient is stored in the input's dtype when it needs no reduction, else in fp32 for the sum."""
-    return value.dtype if math.prod(shape) == n else torch.float32
+def grad_buffer_dtype(program, k: int, value: Value, shape, n: int) -> torch.dtype:
+    """An input gradient is stored in the input's dtype when it needs no reduction, or when its one
+    term is already rounded to that dtype (eager sums that tensor: a bias's gradient in bf16); else
+    in fp32 for the sum of its terms."""
+    if math.prod(shape) == n:
+        return value.dtype
+    terms = [c for c in program.contributions if c.target == f"d{k}"]
+    if len(terms) == 1 and terms[0].rounds and terms[0].rounds[-1] == value.dtype:
+        return value.dtype
+    return torch.float32
 
 
 def plan_backward(group: Group, inputs, grads, needs) -> tuple[LaunchPlan, Backward]:
@@ -122,7 +129,7 @@ def plan_backward(group: Group, inputs, grads, needs) -> tuple[LaunchPlan, Backw
     seeded = [i for _, i in program.seeds]
     names = ([f"x{k}" for k in program.inputs] + [f"g{i}" for i in seeded] + [f"d{k}" for k in program.grads])
     kinds = ([values[k].dtype for k in program.inputs] + [grads[i].dtype for i in seeded]
-             + [grad_buffer_dtype(values[k], inputs[k].shape, n) for k in program.grads])
+             + [grad_buffer_dtype(program, k, values[k], inputs[k].shape, n) for k in program.grads])
     strides = ([L.expanded_strides(inputs[k].shape, inputs[k].stride(), full) for k in program.inputs]
                + [L.expanded_strides(grads[i].shape, grads[i].stride(), full) for i in seeded]
                + [L.contiguous_strides(full) for _ in program.grads])
