@@ -4,7 +4,7 @@ whatever the device (on a GPU, small tensors wait on it).
     python bench/host_time.py [--calls 300]
 
 Cases: gpu_rows.py's RMSNorm (a row kernel) forward+backward, and gpu_fuse.py's two-op chain
-forward, each optimized with passes="fuse" on CPU tensors under Triton's interpreter, its launches
+forward and forward+backward, each optimized with passes="fuse" on CPU tensors under Triton's interpreter, its launches
 replaced by no-ops; beside them, the call guard alone. Prints microseconds per call (best of 3).
 """
 from __future__ import annotations
@@ -52,8 +52,9 @@ def main(argv=None) -> int:
     module, inputs, _ = gpu_rows.case("rms_norm", gpu_rows.CPU_SIZES["rms_norm"][0], cpu)
     rows = gpu_rows.run_step(gpu_fuse.graphopt.optimize(module, inputs, passes="fuse", train=True), inputs, True,
                              list(module.parameters()))
-    x, b, g = gpu_fuse.make_inputs(4096, torch.float32, cpu, False)
+    x, b, g = gpu_fuse.make_inputs(4096, torch.float32, cpu, True)
     chain = gpu_fuse.fuse(gpu_fuse.Chain(2), x, b)
+    chain_step = gpu_fuse.runner(chain, x, b, g, True)
     guard = next(iter(chain._forward_pre_hooks.values()))
     real_row, real_launch = row_kernel._kernel, fused._launch
     row_kernel._kernel = lambda text, name: (real_row(text, name), _NoLaunch())[1]
@@ -62,6 +63,7 @@ def main(argv=None) -> int:
     try:
         figures = {"RMSNorm forward+backward (row kernel)": _per_call(rows, calls),
                    "two-op chain forward (elementwise kernel)": _per_call(lambda: chain(x, b), calls),
+                   "two-op chain forward+backward": _per_call(chain_step, calls),
                    "its call guard alone": _per_call(lambda: guard(chain, (x, b), {}), calls)}
     finally:
         row_kernel._kernel, fused._launch = real_row, real_launch

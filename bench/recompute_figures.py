@@ -19,7 +19,7 @@ from graphopt.passes.recompute.solver import make_atoms, solve
 from graphopt.testing import zoo
 from graphopt.testing.baselines import budget_at
 from graphopt.trace import placeholder_values
-from least_budget import least_bytes, planned_peak_bytes
+from least_budget import idle_budget_bytes, least_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -94,12 +94,13 @@ def budget_run(name: str, f: float, steps: int, span: str = "state") -> dict:
     """The pass at budget f: measured peak / budget, recompute share and step time against no
     recompute; for the GPT also against checkpointing every block by hand. span "state": f of the
     step's peak beyond parameters and gradients (budget_at); "least": f of the way from graphopt's
-    least budget to the estimated peak (at GPU sizes the first puts every f below the least)."""
+    least budget to the least at which it recomputes nothing (at GPU sizes the first puts every f
+    below the least)."""
     model, args, kwargs = build(name)
     peak = _estimate(model, args, kwargs)
     if span == "least":
-        least = least_bytes(model, args, kwargs)  # the top: optimize's own peak, below the trace's where fuse runs
-        budget_gb = (least + f * (planned_peak_bytes(model, args, kwargs) - least)) / GB
+        least = least_bytes(model, args, kwargs)
+        budget_gb = (least + f * (idle_budget_bytes(model, args, kwargs) - least)) / GB
     else:
         budget_gb = budget_at(peak, f)
     row = {"f": f, "span": span, "budget_mb": round(budget_gb * 1e3, 2)}
