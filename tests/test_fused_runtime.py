@@ -270,6 +270,22 @@ def test_half_inputs_compute_in_fp32_and_round_where_eager_does(dtype, mode):
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_broadcast_gradient_of_one_rounded_term_is_stored_in_its_dtype(dtype):
+    """A bias's gradient whose one term is already rounded to the bias's dtype is written in that dtype
+    (eager sums that tensor): half the bytes of a float32 buffer. With two terms their fp32 sum is
+    not a half value, so it stays float32."""
+    from graphopt.codegen.spec import plan_backward
+
+    one = Group(["x", "b"], [Step("add", (("input", 0), ("input", 1))), Step("gelu", (("step", 0),))], [1])
+    two = Group(["x", "b"], [Step("add", (("input", 0), ("input", 1))), Step("mul", (("step", 0), ("input", 1)))], [1])
+    x, b, g = randn(4, 16).to(dtype), randn(16).to(dtype), randn(4, 16).to(dtype)
+    for group, want in ((one, dtype), (two, torch.float32)):
+        plan, _ = plan_backward(group, [x, b], [g], (True, True))
+        stored = {o.name: o.dtype for o in plan.spec.operands}
+        assert (stored["d0"], stored["d1"]) == (dtype, want)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_half_groups_of_exact_ops_equal_eager_bitwise(dtype, mode):
     """Products, sums and selections, each rounded to the dtype as eager rounds it: outputs and the
     gradients of inputs at the group's shape equal eager's to the bit, through the backward's own
