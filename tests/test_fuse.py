@@ -109,6 +109,20 @@ def test_a_group_never_closes_a_cycle_through_an_outside_node():
     assert_same_step(model, opt, (x, w), {}, exact=False)
 
 
+def test_legality_says_why_not_in_kinds_code_can_read():
+    """can_merge answers with a WhyNot: a kind for code, the text the report shows."""
+    from graphopt.passes.fuse.fusion import WhyNot, _merge, candidates
+
+    def fn(m, x, w):
+        a = (x * 2.0).relu()
+        return (a + a @ w).tanh()
+    x, w = leaves((4, 8), (8, 8))
+    gm = graphopt.trace(module(fn, 2), (x, w))
+    _, refused = _merge(gm, candidates(gm)[0])
+    cycles = [why for why in refused.values() if why.kind == "cycle"]
+    assert cycles and all(isinstance(why, WhyNot) and str(why).startswith("would create a cycle") for why in cycles)
+
+
 def test_single_ops_are_left_alone():
     x, w = leaves((4, 8), (8, 8))
     _, opt, stats = fuse(lambda m, x, w: torch.relu(x @ w) @ w, x, w)
@@ -296,7 +310,7 @@ def test_the_zoo_gpt_fuses_each_residual_add_into_the_layer_norm_after_it(train)
     # in eval the second linear's bias would join only the residual add, which passes its gradient through
     assert stats["groups"][2]["not_fused"]["blocks_0_out"] == (
         "blocks_0_out's matmul reads it, and runs before the kernel that adds its bias" if train
-        else "not elementwise (matmul)")
+        else "its bias add would join only add, which passes the gradient through: it stays in the matmul")
     assert_same_step(model, opt, args, kwargs, exact=False, tol=1e-5)
 
 

@@ -69,18 +69,19 @@ def _outside_users(group: FusionGroup) -> list[torch.fx.Node]:
             for u in n.users if u not in inside]
 
 
-def _anchor(group: FusionGroup, position: dict) -> tuple[torch.fx.Node | None, str | None]:
-    """Step 2: the node to insert the fused call before, or the reason there is none."""
-    first_use = min(_outside_users(group), key=position.__getitem__)
+def _anchor(group: FusionGroup) -> tuple[torch.fx.Node | None, str | None]:
+    """Step 2: the node to insert the fused call before, or the reason there is none. fx nodes
+    compare in graph order (their sort keys, kept as nodes are inserted): no position table is
+    rebuilt per group."""
+    first_use = min(_outside_users(group))
     # an attribute read placed later moves up to the fused call (_rewrite): it reads no value
     given = [v.shape_of if isinstance(v, DrawnMask) else v for v in group.inputs]
-    last_input = max((n for n in given if isinstance(n, torch.fx.Node) and n.op != "get_attr"),
-                     key=position.__getitem__, default=None)
-    if last_input is not None and position[last_input] > position[first_use]:
+    last_input = max((n for n in given if isinstance(n, torch.fx.Node) and n.op != "get_attr"), default=None)
+    if last_input is not None and last_input > first_use:
         return None, (f"{first_use.name} uses the group's result before its input {last_input.name} is "
                       "computed; fusing would need the graph reordered")
     after_last = group.nodes[-1].next
-    return (after_last if position[after_last] <= position[first_use] else first_use), None
+    return (after_last if after_last <= first_use else first_use), None
 
 
 def _replaced(value, replaced: dict):
@@ -100,9 +101,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
              for v in group.inputs if not (isinstance(v, DrawnMask) and v.shape_of is None)]
     with graph.inserting_before(anchor):
         inputs = [graph.get_attr(v.target) if isinstance(v, StateInput) else v for v in taken]
-        position = {n: i for i, n in enumerate(graph.nodes)}
         for v in inputs:
-            if v.op == "get_attr" and position[v] > position[anchor]:
+            if v.op == "get_attr" and v > anchor:
                 anchor.prepend(v)
         for node, v in zip(inputs, taken):
             if isinstance(v, StateInput):
@@ -248,7 +248,7 @@ class Fuse(Pass):
             group = dataclasses.replace(found, inputs=[_replaced(v, replaced) for v in found.inputs],
                                         aliases={a: replaced.get(t, t) for a, t in found.aliases.items()})
             # Step 2
-            anchor, reason = _anchor(group, {n: i for i, n in enumerate(gm.graph.nodes)})
+            anchor, reason = _anchor(group)
             if anchor is None:
                 declined.append({"nodes": [n.name for n in group.nodes], "ops": group.ops(), "reason": reason})
                 continue

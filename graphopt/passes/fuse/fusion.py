@@ -5,8 +5,8 @@ Algorithm:
      Triton template in the registry (or a dropout that is the identity: train=False or p=0; or
      a dropout in training of a contiguous float tensor, or a bernoulli of fixed probability (the
      noise of stochastic depth), whose mask the call draws: dropout_members.py; or a linear's or
-     convolution's bias add, when a candidate after it computes more than an add:
-     epilogue_members.py),
+     convolution's bias add, where moving it into the group after it pays: epilogue_members.py,
+     profit.py),
      bound to tensor nodes and Python scalars, dense in eager (a float32 one eager lays out
      strided takes rows over its layout: a row group's kernels write it where eager does), and
      accepted by codegen as a one-step group at its operands' dtypes with eager's result dtype
@@ -16,22 +16,21 @@ Algorithm:
      An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
      node that may write memory gets that tensor: the fused result is a copy.
   2. Walk the graph in order and merge each candidate's group with the groups of its candidate
-     producers (a bias add: its bias alone; its matmul, a vertex of its own before it, reads the
-     others), unless the contracted graph (networkx) would get a cycle (a path from one group to
-     the other through a node outside both), or a node that may write what the group reads or
-     makes would lie between the group's first and last node (the fused kernel reads all its
-     inputs at one point; effects.written_inputs: a batch norm writes its running statistics
-     only), or,
-     when it holds a draw, another node that draws from the RNG would (the masks are drawn when
-     the call runs: eager's order must hold), or the
-     merged group would hold a row member and a value that is not a row, per-row or per-column
-     value of its rows (row_fusion.fits_rows).
-  3. Groups with fewer than two ops that compute are dropped (an identity dropout computes
-     nothing), unless they hold a norm or softmax (one alone saves eager's statistics). Each
-     remaining group becomes a codegen Group, or a RowGroup when it holds a row member: inputs are
-     the outside tensors it reads (a leaf module's parameters too, for a row group), steps its
-     nodes in graph order (an identity dropout is no step: it aliases its input; a row member the
-     steps of its row program), outputs the nodes used outside it. codegen has the last word.
+     producers, row groups first (a bias add: its bias alone; its matmul, a vertex of its own
+     before it, reads the others), unless (_Merging.can_merge, which returns a WhyNot) the
+     contracted graph (networkx) would get a cycle (a path from one group to the other through a
+     node outside both), or a node that may write what the group reads or makes would lie
+     between the group's first and last node (the fused kernel reads all its inputs at one
+     point; effects.written_inputs: a batch norm writes its running statistics only), or, when
+     it holds a draw, another node that draws from the RNG would (the masks are drawn when the
+     call runs: eager's order must hold), or the merged group would hold a row member and a value
+     that is not a row, per-row or per-column value of its rows (row_fusion.fits_rows).
+  3. Groups that do not pay are dropped (profit.py: fewer than two ops that compute, and no norm
+     or softmax). Each remaining group becomes a codegen Group, or a RowGroup when it holds a
+     row member: inputs are the outside tensors it reads (a leaf module's parameters too, for a
+     row group), steps its nodes in graph order (an identity dropout is no step: it aliases its
+     input; a row member the steps of its row program), outputs the nodes used outside it.
+     codegen has the last word.
   4. For each group: the forward memory traffic it saves (eager reads and writes of every node
      minus the fused kernel's reads of inputs and writes of outputs, from TensorInfo.nbytes), and
      for each neighbouring node left out, the reason; the same reasons for each candidate left
@@ -55,10 +54,11 @@ from ...codegen.group import FLOATS
 from ...codegen.row_group import RowGroup
 from ...codegen.row_space import RowSpace
 from .dropout_members import DrawnMask, drawn_bernoulli, emit_bernoulli, emit_dropout, training_dropout
-from .epilogue_members import BiasFree, epilogue_member, gates_channels
+from .epilogue_members import BiasFree, epilogue_member
 from .group_outputs import group_outputs
+from .profit import bias_add_pays, group_pays
 from .row_fusion import build_rows, fits_rows
-from .row_members import BATCH_NORMS, DTYPE, NORMALIZING, as_state, channel_layer_norm, channel_norm, info_of, \
+from .row_members import BATCH_NORMS, DTYPE, as_state, channel_layer_norm, channel_norm, info_of, \
     row_member
 from .view_frames import reorder_free_view
 
@@ -227,98 +227,130 @@ def _path(q: nx.DiGraph, a, b, names) -> list[str] | None:
     return None
 
 
-def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.Node]], dict]:
-    """Step 2: groups of member nodes, and why neighbouring members were not merged."""
-    q = nx.DiGraph()
-    order = list(gm.graph.nodes)
-    names = {n: n.name for n in gm.graph.nodes}
-    for node in order:
-        q.add_node(node)
-        for user in node.users:
-            if user in members and members[user].epilogue:  # the matmul runs outside the group, before it
-                names[("matmul", user)] = f"{user.name}'s matmul"
-                q.add_edge(node, ("matmul", user))
-                q.add_edge(("matmul", user), user)
-            else:
-                q.add_edge(node, user)
-    aliases = Aliases(gm)
-    writers = [i for i, n in enumerate(order) if may_write(n, gm)]
-    # what each may write, views included: a batch norm's running statistics are nothing a group reads
-    writes = {i: {m for v in written_inputs(order[i], gm) for m in [v, *aliases.sharing(v)]} for i in writers}
-    drawers = [i for i, n in enumerate(order) if may_draw(n, gm) and not (n in members and members[n].identity)]
-    position = {n: i for i, n in enumerate(order)}
-    for n, m in members.items():  # the nodes a member absorbs are computed inside it: one vertex with it
-        for a in m.absorbed:
-            nx.contracted_nodes(q, n, a, self_loops=False, copy=False)
-    # a root's first and last position (a member from the first node it absorbs)
-    span = {n: (min(position[v] for v in (n, *members[n].absorbed)), position[n]) for n in members}
-    parent = {n: n for n in members}  # union-find: a group's root is its vertex in q
-    rows = {n: m.row for n, m in members.items()}  # a root's row shape, once it holds a row member
-    held = {n: [m] for n, m in members.items()}  # a root's members
-    strided = {n: m.strided for n, m in members.items()}  # a root's reason to be a row group or nothing
+@dataclass(frozen=True)
+class WhyNot:
+    """Why two groups may not be merged (legality): `kind` for code, `text` for the report."""
 
-    def root(n):
+    kind: str  # "matmul", "rows", "strided", "writer", "draw" or "cycle"
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class _Merging:
+    """Step 2's state: the groups so far (union-find over members; a group's root is its vertex in
+    the contracted graph q) and what can_merge asks of them."""
+
+    def __init__(self, gm: torch.fx.GraphModule, members: dict):
+        self.members = members
+        self.q = q = nx.DiGraph()
+        self.order = order = list(gm.graph.nodes)
+        self.names = {n: n.name for n in order}
+        for node in order:
+            q.add_node(node)
+            for user in node.users:
+                if user in members and members[user].epilogue:  # the matmul runs outside the group, before it
+                    self.names[("matmul", user)] = f"{user.name}'s matmul"
+                    q.add_edge(node, ("matmul", user))
+                    q.add_edge(("matmul", user), user)
+                else:
+                    q.add_edge(node, user)
+        aliases = Aliases(gm)
+        self.writers = [i for i, n in enumerate(order) if may_write(n, gm)]
+        # what each may write, views included: a batch norm's running statistics are nothing a group reads
+        self.writes = {i: {m for v in written_inputs(order[i], gm) for m in [v, *aliases.sharing(v)]}
+                       for i in self.writers}
+        self.drawers = [i for i, n in enumerate(order) if may_draw(n, gm) and not (n in members and members[n].identity)]
+        position = {n: i for i, n in enumerate(order)}
+        for n, m in members.items():  # the nodes a member absorbs are computed inside it: one vertex with it
+            for a in m.absorbed:
+                nx.contracted_nodes(q, n, a, self_loops=False, copy=False)
+        # a root's first and last position (a member from the first node it absorbs)
+        self.span = {n: (min(position[v] for v in (n, *members[n].absorbed)), position[n]) for n in members}
+        self.parent = {n: n for n in members}
+        self.rows = {n: m.row for n, m in members.items()}  # a root's row shape, once it holds a row member
+        self.held = {n: [m] for n, m in members.items()}  # a root's members
+        self.strided = {n: m.strided for n, m in members.items()}  # a root's reason to be a row group or nothing
+
+    def root(self, n):
+        parent = self.parent
         while parent[n] is not n:
             parent[n] = parent[parent[n]]
             n = parent[n]
         return n
 
-    refused = {}
+    def can_merge(self, producer: torch.fx.Node, node: torch.fx.Node) -> WhyNot | None:
+        """None when the groups of producer and node (roots apart) may be one kernel, else why not."""
+        a, b = self.root(producer), self.root(node)
+        full = self.rows[a] or self.rows[b]
+        if full is not None:
+            reason = fits_rows(self.held[a] + self.held[b], full)
+            if reason is not None:
+                return WhyNot("rows", f"not one row group: {reason}")
+        elif self.strided[a] or self.strided[b]:
+            return WhyNot("strided", self.strided[a] or self.strided[b])
+        held = self.held[a] + self.held[b]
+        lo, hi = min(self.span[a][0], self.span[b][0]), max(self.span[a][1], self.span[b][1])
+        writer = _written_between(held, self.writers, self.writes, self.order, lo, hi)
+        if writer is not None:
+            return WhyNot("writer", f"{writer.name} may write memory between them")
+        drawn = _drawn_between(held, self.drawers, self.order, lo, hi)
+        if drawn is not None:
+            return WhyNot("draw", f"{drawn.name} draws from the RNG between them: the group's masks would be "
+                                  "drawn in another order than eager's")
+        path = _path(self.q, a, b, self.names)
+        if path is not None:
+            return WhyNot("cycle", CYCLE.format(path=" -> ".join([producer.name, *path, node.name])))
+        return None
+
+    def merge(self, producer: torch.fx.Node, node: torch.fx.Node) -> None:
+        a, b = self.root(producer), self.root(node)
+        full = self.rows[a] or self.rows[b]
+        nx.contracted_nodes(self.q, a, b, self_loops=False, copy=False)
+        self.parent[b] = a
+        self.span[a] = (min(self.span[a][0], self.span[b][0]), max(self.span[a][1], self.span[b][1]))
+        self.rows[a] = full
+        self.held[a] += self.held.pop(b)
+        self.strided[a] = None if full is not None else self.strided[a] or self.strided[b]
+
+    def producers(self, node: torch.fx.Node, refused: dict) -> list[torch.fx.Node]:
+        """The candidates node's group may merge with, in the order it tries them: row groups first
+        (a node eager lays out strided may join one, and then its other producers)."""
+        m = self.members[node]
+        producers = node.all_input_nodes
+        if m.absorbed:  # it reads what the nodes it absorbs read
+            producers = [p for v in (node, *m.absorbed) for p in v.all_input_nodes if p not in m.absorbed]
+        if m.mask is not None and not m.operands:  # a bernoulli reads its input's shape only
+            producers = []
+        if m.epilogue:  # a bias add's group starts after its matmul, which reads the other inputs
+            producers = [v for v in m.operands if isinstance(v, torch.fx.Node)]
+            for p in node.all_input_nodes:
+                if p not in producers:
+                    refused[(p, node)] = WhyNot("matmul", f"{node.name}'s matmul reads it, and runs before the "
+                                                          "kernel that adds its bias")
+        producers = [p for p in producers if p in self.members]
+        return sorted(producers, key=lambda p: self.rows[self.root(p)] is None)
+
+
+def _merge(gm: torch.fx.GraphModule, members: dict) -> tuple[list[list[torch.fx.Node]], dict]:
+    """Step 2: groups of member nodes, and why neighbouring members were not merged."""
+    merging, refused = _Merging(gm, members), {}
     for node in gm.graph.nodes:
         if node not in members:
             continue
-        # a bias add's group starts after its matmul: it reads the matmul's inputs through it
-        producers = node.all_input_nodes
-        if members[node].absorbed:  # it reads what the nodes it absorbs read
-            absorbed = members[node].absorbed
-            producers = [p for v in (node, *absorbed) for p in v.all_input_nodes if p not in absorbed]
-        if members[node].mask is not None and not members[node].operands:  # a bernoulli reads its input's shape only
-            producers = []
-        if members[node].epilogue:
-            producers = [v for v in members[node].operands if isinstance(v, torch.fx.Node)]
-            for p in node.all_input_nodes:
-                if p not in producers:
-                    refused[(p, node)] = f"{node.name}'s matmul reads it, and runs before the kernel that adds its bias"
-        # row groups first: a node eager lays out strided may join one, and then its other producers
-        for producer in sorted(producers, key=lambda p: p in members and rows[root(p)] is None):
-            if producer not in members:
+        for producer in merging.producers(node, refused):
+            if merging.root(producer) == merging.root(node):
                 continue
-            a, b = root(producer), root(node)
-            if a == b:
-                continue
-            full = rows[a] or rows[b]
-            if full is not None:
-                reason = fits_rows(held[a] + held[b], full)
-                if reason is not None:
-                    refused[(producer, node)] = f"not one row group: {reason}"
-                    continue
-            elif strided[a] or strided[b]:
-                refused[(producer, node)] = strided[a] or strided[b]
-                continue
-            lo, hi = min(span[a][0], span[b][0]), max(span[a][1], span[b][1])
-            writer = _written_between(held[a] + held[b], writers, writes, order, lo, hi)
-            if writer is not None:
-                refused[(producer, node)] = f"{writer.name} may write memory between them"
-                continue
-            drawn = _drawn_between(held[a] + held[b], drawers, order, lo, hi)
-            if drawn is not None:
-                refused[(producer, node)] = (f"{drawn.name} draws from the RNG between them: the group's "
-                                             "masks would be drawn in another order than eager's")
-                continue
-            path = _path(q, a, b, names)
-            if path is not None:
-                refused[(producer, node)] = CYCLE.format(path=" -> ".join([producer.name, *path, node.name]))
-                continue
-            nx.contracted_nodes(q, a, b, self_loops=False, copy=False)
-            parent[b] = a
-            span[a] = (lo, hi)
-            rows[a] = full
-            held[a] += held.pop(b)
-            strided[a] = None if full is not None else strided[a] or strided[b]
+            why = merging.can_merge(producer, node)
+            if why is None:
+                merging.merge(producer, node)
+            else:
+                refused[(producer, node)] = why
     groups: dict = {}
     for node in gm.graph.nodes:
         if node in members:
-            groups.setdefault(root(node), []).append(node)
+            groups.setdefault(merging.root(node), []).append(node)
     return list(groups.values()), refused
 
 
@@ -343,22 +375,6 @@ def _drawn_between(held: list, drawers: list, order: list, lo: int, hi: int):
     """A node between the members that draws from the RNG, when they hold a draw (its mask is
     drawn when the fused call runs: eager's order must hold); else None."""
     return _between(drawers, order, held, lo, hi) if any(m.mask is not None for m in held) else None
-
-
-def _passes_gradient(op_name: str) -> bool:
-    op = ops.canonical_ops().get(op_name)
-    return op is not None and op.passes_gradient
-
-
-def _beside_members(node: torch.fx.Node, but: torch.fx.Node, members: dict) -> bool:
-    """Whether a candidate other than `but` gives the node a value or takes its value (not a
-    bias add's: its matmul, outside any group, is what reads or makes it)."""
-    return any(v in members and v is not but and not members[v].epilogue for v in [*node.all_input_nodes, *node.users])
-
-
-def _piecewise_gradient(op_name: str) -> bool:
-    op = ops.canonical_ops().get(op_name)
-    return op is None or op.piecewise_gradient
 
 
 def _traffic(member: Member) -> int:
@@ -445,7 +461,7 @@ def _neighbours(nodes: list, reasons: dict, refused: dict) -> dict[str, str]:
             # a candidate on the other side was refused on this very edge (step 2 tries every one)
             reason = reasons.get(other) or refused.get((a, b))
             if reason is not None:
-                out[other.name] = reason
+                out[other.name] = str(reason)
     return out
 
 
@@ -462,20 +478,10 @@ def candidates(gm: torch.fx.GraphModule, written: dict | None = None) -> tuple[d
         else:
             reasons[node] = found
     for node, m in list(members.items()):
-        # an add passes its gradient through, and a cast (HF's logits.float()) may be no copy at
-        # all, where the group would store one: a bias add pays only beside an op whose backward
-        # computes (a GELU, a norm, a dropout). On a squeeze-excite's 1x1 map it saves no memory
-        # worth the name: it goes only to an op that would be a kernel alone (EfficientNet's
-        # SiLU between the two convolutions, not the sigmoid that joins the product after it),
-        # and not to one whose gradient is computed by cases: moving the add out of the
-        # convolution's sum changes its rounding, and a ReLU that flips at a tie the ulp crosses
-        # moves a whole channel's gradient
-        users = [u for u in node.users if u in members and not members[u].epilogue]
-        gated = m.epilogue and gates_channels(m.row, m.epilogue)
-        if m.epilogue and (not any(not _passes_gradient(members[u].op) for u in users) or gated and any(
-                _piecewise_gradient(members[u].op) or _beside_members(u, node, members) for u in users)):
+        why = bias_add_pays(node, members) if m.epilogue else None  # a profit refusal, not a legality one
+        if why is not None:
             members.pop(node)
-            reasons[node] = NOT_ELEMENTWISE.format(kind=ops.lookup(node, gm).kind)
+            reasons[node] = why
         for a in m.absorbed:
             members.pop(a, None)
             reasons[a] = f"computed inside {node.name}'s kernel, which reads {m.operands[0].name}" + (
@@ -493,9 +499,7 @@ def find_groups(gm: torch.fx.GraphModule) -> Fusion:
     groups, declined, single = [], [], []
     position = {n: i for i, n in enumerate(gm.graph.nodes)}  # finding groups rewrites nothing
     for nodes in node_groups:
-        # a norm or softmax is a kernel alone (it saves less for backward); an elementwise op or a sum is not
-        alone_pays = any(members[n].op in NORMALIZING + BATCH_NORMS and members[n].row is not None for n in nodes)
-        if sum(not members[n].identity for n in nodes) < 2 and not alone_pays:
+        if not group_pays(nodes, members):
             single += [n for n in nodes if not members[n].identity and not members[n].epilogue]
             continue
         nodes = sorted(nodes + [a for n in nodes for a in members[n].absorbed], key=position.__getitem__)
