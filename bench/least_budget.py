@@ -5,7 +5,6 @@ import math
 import warnings
 
 import graphopt
-from graphopt.analysis.memory import GB
 
 
 def least_bytes(model, args: tuple, kwargs: dict, **options) -> int:
@@ -13,7 +12,7 @@ def least_bytes(model, args: tuple, kwargs: dict, **options) -> int:
     try:
         graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1e-9, **options)
     except graphopt.BudgetError as e:
-        return round(e.min_budget_gb * GB)
+        return e.min_budget_bytes
     raise AssertionError("a budget of 1 byte was met: the step holds no tensor")
 
 

@@ -44,12 +44,13 @@ def choices(name: str) -> dict:
         try:
             graph = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs,
                                       budget_gb=(least + f * (peak - least)) / 1e9)
-            stats = graph.graphopt_report.recompute().stats
+            record = graph.graphopt_report.recompute()
+            stats = record.stats
             plan = {"f": f, "segments": stats.get("segments"), "recompute_ms": stats.get("recompute_ms"),
-                    "predicted": stats.get("predicted_peak_bytes"),
+                    "predicted": record.peak_bytes,
                     "code": hashlib.md5(graph.code.encode()).hexdigest()[:8]}
         except graphopt.BudgetError as e:
-            plan = {"f": f, "refused": round(e.min_budget_gb * 1e9)}
+            plan = {"f": f, "refused": e.min_budget_bytes}
         plan["s"] = round(time.perf_counter() - start, 2)
         row["plans"].append(plan)
     return row

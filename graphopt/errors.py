@@ -3,6 +3,8 @@ import os
 import sys
 import warnings
 
+from .units import in_gb
+
 
 class GraphoptError(Exception):
     """Base class of every error graphopt raises on purpose."""
@@ -29,12 +31,17 @@ class VerifyError(GraphoptError):
 
 
 class BudgetError(GraphoptError):
-    """No plan fits the memory budget; carries the smallest budget that would."""
+    """No plan fits the memory budget; carries the smallest budget that would, in bytes, and as
+    budget_gb reads it (min_budget_gb)."""
 
-    def __init__(self, message: str, min_budget_gb: float | None = None, breakdown: dict | None = None):
-        self.min_budget_gb = min_budget_gb
+    def __init__(self, message: str, min_budget_bytes: int | None = None, breakdown: dict | None = None):
+        self.min_budget_bytes = min_budget_bytes
         self.breakdown = dict(breakdown or {})
         super().__init__(message)
+
+    @property
+    def min_budget_gb(self) -> float | None:
+        return None if self.min_budget_bytes is None else in_gb(self.min_budget_bytes)
 
 
 class OptionError(GraphoptError, ValueError):

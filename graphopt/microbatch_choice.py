@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from .analysis.fake_state import fake_run
-from .analysis.memory import GB, below_least, budget_bytes, measure_peak, predict_peak, size_text
+from .analysis.memory import below_least, budget_bytes, measure_peak, predict_peak, size_text
 from .analysis.optimizer_memory import optimizer_memory
 from .analysis.planning_device import planning_device
 from .api import optimize
@@ -33,6 +33,7 @@ from .runtime.microbatch import split_batch
 from .runtime.microbatch_step import accumulate
 from .runtime.step import step_loss
 from .trial import tensor_leaves, trial_run
+from .units import in_gb
 
 REPLANS = 3  # plans again for a lower budget after a predicted step over it
 
@@ -79,7 +80,7 @@ class MicrobatchChoice:
                 continue
             self.microbatches = k
             if refused:
-                leasts = ", ".join(f"{j} with a least of {size_text(int(e.min_budget_gb * GB))}"
+                leasts = ", ".join(f"{j} with a least of {size_text(e.min_budget_bytes)}"
                                    for j, e in refused.items())
                 self.notes.insert(0, f"microbatches: {k}, the fewest whose step fits budget_gb={self.budget_gb:g} "
                                      f"(refused: {leasts})")
@@ -89,7 +90,7 @@ class MicrobatchChoice:
             raise self.refusal(1, self.least(1, refused[1]), refused[1],
                                 f" as one batch (train_step cannot split it into microbatches: {why})")
         # the least of any k: where parameters outweigh activations, one microbatch needs least
-        best = min(refused, key=lambda k: refused[k].min_budget_gb)
+        best = min(refused, key=lambda k: refused[k].min_budget_bytes)
         tried = ", ".join(map(str, refused))
         failed = "".join(f"; {k} microbatches do not trace ({why})" for k, why in untraced.items())
         raise self.refusal(best, self.least(best, refused[best]), refused[best],
@@ -115,23 +116,23 @@ class MicrobatchChoice:
             except BudgetError as e:
                 if not lowered:  # the graph alone does not fit: refused as optimize() refuses it
                     raise
-                least = e.min_budget_gb
+                least = e.min_budget_bytes
                 break
             if predicted <= self._target(graph, limit):
                 return self._fits(graph, predicted, lowered)
             lowered += predicted - self._target(graph, limit)  # and plan below it by as much
-            budget = self.budget_gb - lowered / GB
+            budget = self.budget_gb - in_gb(lowered)
             if budget <= 0:
                 break
         # Lowering did not find it: the tightest plan holds the step around the graph if any does.
         least = least if least is not None else self._planner_least(k)
-        graph, predicted = self._optimize(k, least)
+        graph, predicted = self._optimize(k, in_gb(least))
         if predicted <= self._target(graph, limit):
             return self._fits(graph, predicted, lowered)
-        self._needs[k] = self._needed(graph, predicted, math.ceil(least * GB))
+        self._needs[k] = self._needed(graph, predicted, least)
         raise BudgetError(f"the step around the graph (the loss outside it) takes the tightest plan for {k} "
                           f"microbatch(es) to {size_text(predicted)}, over budget_gb={self.budget_gb:g}.",
-                          min_budget_gb=self._needs[k] / GB)
+                          min_budget_bytes=self._needs[k])
 
     def _fits(self, graph, predicted: int, lowered: int):
         self.predicted_peak_bytes = predicted
@@ -145,9 +146,9 @@ class MicrobatchChoice:
         around the graph (a loss outside it) adds to its tightest plan, that step's."""
         if k in self._needs:
             return self._needs[k]
-        least = math.ceil(refused.min_budget_gb * GB)
+        least = refused.min_budget_bytes
         try:
-            graph, predicted = self._optimize(k, least / GB)
+            graph, predicted = self._optimize(k, in_gb(least))
         except BudgetError:
             return least
         return self._needed(graph, predicted, least)
@@ -156,12 +157,13 @@ class MicrobatchChoice:
         """The budget a plan made for `budget` needs for a step predicted at `predicted` bytes."""
         return max(budget, math.ceil(predicted * budget / self._target(graph, budget)))
 
-    def _planner_least(self, k: int) -> float:
+    def _planner_least(self, k: int) -> int:
+        """Bytes of the least budget the planner names for k microbatches."""
         try:
             self._optimize(k, 1e-9)
         except BudgetError as e:
-            return e.min_budget_gb
-        return 1e-9
+            return e.min_budget_bytes
+        return 1
 
     @staticmethod
     def _target(graph, budget: int) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .analysis.memory import GB, budget_bytes, size_text
+from .analysis.memory import budget_bytes, size_text
 from .analysis.planning_device import planning_for
 from .errors import BudgetError, OptionError
 from .export_batch import ExportCache, keeping_exports
@@ -108,5 +108,5 @@ def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:
         TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=_PROBE_GB, microbatches=1,
                   **options)
     except BudgetError as e:
-        return round(e.min_budget_gb * GB)
+        return e.min_budget_bytes
     return 0  # a step that holds no tensor fits any budget

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .analysis.memory import GB, size_text
+from .analysis.memory import size_text
+from .units import in_gb
 
 STATS_WIDTH = 70  # the terminal table's stats column wraps here, between stats, never within one
 
@@ -94,7 +95,7 @@ class Report:
         others of the default did not, which inputs the result takes, and the notes of what runs it."""
         record = self.recompute()
         # a microbatch that fits as it is was train_step's choice, not a budget in the wrong unit
-        idle = idle_budget(record.stats) if record is not None and self.microbatches == 1 else None
+        idle = idle_budget(record.budget) if record is not None and self.microbatches == 1 else None
         lines = [idle] if idle else []
         lines += [f"runs at: {self.runs_at}"] if self.runs_at else []
         ran = [r.name for r in self.passes if r.by_default]
@@ -134,15 +135,15 @@ class Report:
         return self.to_text()
 
 
-def idle_budget(stats: dict) -> str | None:
-    """What recompute's stats say of a budget the step fits as it is, or None: the warning the
-    pass gives and the report's note, in one sentence."""
-    peak, budget = stats["peak_before_bytes"], stats["budget_bytes"]
-    if peak > stats["planned_for_bytes"]:
+def idle_budget(fit: BudgetFit) -> str | None:
+    """What a budget plan says of a budget the step fits as it is, or None: the warning the
+    recompute pass gives and the report's note, in one sentence."""
+    peak, budget = fit.peak_before_bytes, fit.budget_bytes
+    if peak > fit.planned_for_bytes:
         return None
-    return (f"budget_gb={budget / GB:g} ({size_text(budget)}) is at or above the step's predicted peak of "
+    return (f"budget_gb={in_gb(budget):g} ({size_text(budget)}) is at or above the step's predicted peak of "
             f"{size_text(peak)}: nothing to recompute; budget_gb is in GB = 10**9 bytes (the peak is "
-            f"budget_gb={peak / GB:.3g})")
+            f"budget_gb={in_gb(peak):.3g})")
 
 
 def _wrap(text: str, width: int) -> list[str]:

@@ -61,12 +61,12 @@ def test_budget_above_peak_recomputes_nothing_and_writes_in_place_as_without_it(
     model, args, kwargs = zoo.gpt()
     opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=100.0)
     record = opt.graphopt_report.passes[-1]
-    assert record.stats["segments"] == 0 and record.peak_bytes <= record.stats["peak_before_bytes"]
+    assert record.stats["segments"] == 0 and record.peak_bytes <= record.budget.peak_before_bytes
     plain = graphopt.optimize(model, args, example_kwargs=kwargs).graphopt_report.passes
     assert set(record.stats["written_in_place"]) == set(next(r for r in plain if r.name == "inplace").stats["rewritten"])
     named = graphopt.optimize(model, args, example_kwargs=kwargs, passes="normalize", budget_gb=100.0)
     record = named.graphopt_report.passes[-1]
-    assert not record.changed and record.peak_bytes == record.stats["peak_before_bytes"]
+    assert not record.changed and record.peak_bytes == record.budget.peak_before_bytes
 
 
 @pytest.mark.slow

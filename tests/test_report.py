@@ -1,5 +1,7 @@
 """The optimization report: recompute's figures in a headline, every stat whole, and a budget
 that asks for nothing said so, as a warning and in the notes."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,17 +11,15 @@ from graphopt.before_after import BeforeAfter, Line
 from graphopt.errors import BudgetWarning
 from graphopt.report import BudgetFit, PassRecord, Report
 
-PLANNED = dict(budget_bytes=1_600_000, planned_for_bytes=1_600_000, peak_before_bytes=2_075_984,
-               predicted_peak_bytes=1_547_600, segments=1, selective_segments=0, recomputed_nodes=4,
-               recompute_flops=4_423_680, recompute_overhead_pct=16.4, cost_by="estimated time (cpu)",
-               recompute_ms=0.26, written_in_place={})
+FIT = BudgetFit(budget_bytes=1_600_000, planned_for_bytes=1_600_000, peak_before_bytes=2_075_984,
+                predicted_peak_bytes=1_547_600)
+PLANNED = dict(segments=1, selective_segments=0, recomputed_nodes=4, recompute_flops=4_423_680,
+               recompute_overhead_pct=16.4, cost_by="estimated time (cpu)", recompute_ms=0.26, written_in_place={})
 
 
-def recompute_record(**stats) -> PassRecord:
-    stats = {**PLANNED, **stats}
-    fit = BudgetFit(*(stats[k] for k in ("budget_bytes", "planned_for_bytes", "peak_before_bytes", "predicted_peak_bytes")))
-    return PassRecord("recompute{budget_gb=0.0016}", 12.0, 17, 14, True, stats, peak_bytes=stats["predicted_peak_bytes"],
-                      budget=fit)
+def recompute_record(fit: BudgetFit = FIT, **stats) -> PassRecord:
+    return PassRecord("recompute{budget_gb=0.0016}", 12.0, 17, 14, True, {**PLANNED, **stats},
+                      peak_bytes=fit.predicted_peak_bytes, budget=fit)
 
 
 def report(*records: PassRecord, **fields) -> Report:
@@ -44,7 +44,7 @@ def test_the_headline_gives_recompute_figures_first():
 def test_no_stat_is_cut():
     long = "x" * 150
     text = report(recompute_record(detail=long)).to_text()
-    assert "peak_before_bytes=2075984" in text and "cost_by=estimated time (cpu)" in text
+    assert "recompute_flops=4423680" in text and "cost_by=estimated time (cpu)" in text
     assert "written_in_place={}" in text and "recompute_ms=0.26" in text
     # longer than the column: whole, on a line of its own below the record's first
     own = [line.strip() for line in text.splitlines() if long in line]
@@ -62,9 +62,9 @@ def test_a_budget_above_the_peak_warns_and_the_report_notes_it():
     with pytest.warns(BudgetWarning, match=r"nothing to recompute; budget_gb is in GB = 10\*\*9 bytes") as caught:
         opt = graphopt.optimize(model, (x,), budget_gb=10)
     assert [w.filename for w in caught if w.category is BudgetWarning] == [__file__]  # at the user's call
-    stats = opt.graphopt_report.recompute().stats
+    fit = opt.graphopt_report.recompute().budget
     said = (f"budget_gb=10 (10.000 GB) is at or above the step's predicted peak of "
-            f"{size_text(stats['peak_before_bytes'])}: nothing to recompute")
+            f"{size_text(fit.peak_before_bytes)}: nothing to recompute")
     assert said in str(caught[0].message)
     assert any(line.startswith(said) for line in opt.graphopt_report.to_text().splitlines())
     assert f"- {said}" in opt.graphopt_report.to_markdown()
@@ -82,7 +82,7 @@ def test_train_step_warns_of_a_budget_above_its_whole_batch():
 
 
 def test_the_idle_budget_note_only_where_the_budget_asked_for_nothing():
-    idle = dict(peak_before_bytes=900_000, predicted_peak_bytes=900_000, segments=0)
+    idle = dict(fit=dataclasses.replace(FIT, peak_before_bytes=900_000, predicted_peak_bytes=900_000), segments=0)
     notes = report(recompute_record(**idle)).notes_text()
     assert notes[0].startswith("budget_gb=0.0016 (1.6 MB) is at or above the step's predicted peak of 900 kB")
     assert notes[0].endswith("(the peak is budget_gb=0.0009)")

@@ -1,6 +1,6 @@
 """Peak memory of one training step: predicted from the graph, and measured.
 
-GB means 10**9 bytes everywhere in graphopt (budget_gb=8 is 8e9 bytes).
+Bytes throughout; budget_gb's GB and its conversions are units.py's.
 
 The step is the user's: forward, then backward from the scalar loss the model returns (or,
 when it returns none, from every output with a gradient of its size), other outputs dropped;
@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import BudgetError
+from ..units import GB, budget_bytes  # noqa: F401  (GB re-exported: read from here across the package)
 from .cuda_workspaces import held_bytes
 from .fake_state import fake_run
 from .live_storage import LiveStorage
@@ -36,13 +37,6 @@ from .optimizer_memory import OptimizerMemory
 from .segments import recomputing
 from .step_log import StepLog
 
-GB = 10**9
-
-
-def budget_bytes(budget_gb: float) -> int:
-    """A budget in bytes: budget_gb * 10**9 to the nearest byte (0.3 * 10**9 is 299999999.99999994
-    in floating point; every pass and tool reads the same byte count for the same budget)."""
-    return round(budget_gb * GB)
 
 
 def size_text(n: int) -> str:
@@ -74,7 +68,7 @@ def below_least(budget_gb: float, least: int, needs: str, breakdown: dict, advic
     return BudgetError(
         f"budget_gb={budget_gb:g} ({size_text(budget_bytes(budget_gb))}) is below the {size_text(least)} that "
         f"{needs}{detail}. Raise budget_gb to {budget_text(least)} or more, {advice}.",
-        min_budget_gb=least / GB, breakdown=parts)
+        min_budget_bytes=least, breakdown=parts)
 
 
 @dataclass

@@ -46,6 +46,8 @@ class PassResult:
     call_checks: list = field(default_factory=list)
     # A pass that planned memory for a budget: what it held the step to (train_step's fit check reads it).
     budget: BudgetFit | None = None
+    # The step's predicted peak after the pass, where it estimated one (recompute, inplace): the report's.
+    peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,5 @@ class Inplace(Pass):
         done = write_in_place(gm, rewrites)
         # Step 4
         after = ctx.analysis(estimate_peak, gm, train=ctx.train).peak_bytes
-        return PassResult(gm, True, {
-            "rewritten": done, "skipped": skipped, "peak_before_bytes": before, "predicted_peak_bytes": after,
-            "saved_bytes": before - after,
-        })
+        return PassResult(gm, True, {"rewritten": done, "skipped": skipped, "peak_before_bytes": before,
+                                     "saved_bytes": before - after}, peak_bytes=after)

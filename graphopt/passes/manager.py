@@ -81,7 +81,7 @@ class PassManager:
             record = PassRecord(
                 name=p.spec(), time_ms=elapsed, nodes_before=before, nodes_after=_count(gm),
                 changed=result.changed, stats=dict(result.stats), by_default=p.by_default,
-                peak_bytes=result.stats.get("predicted_peak_bytes"), budget=result.budget,
+                peak_bytes=result.peak_bytes, budget=result.budget,
             )
             report.passes.append(record)
             if references:

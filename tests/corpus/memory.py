@@ -114,13 +114,13 @@ def optimized_point(case: Case, label: str, budget: int | None, frontend: str = 
     try:
         opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, **kwargs)
     except graphopt.BudgetError as e:
-        return Point(label, budget, refused=str(e).splitlines()[0][:160], least=int(e.min_budget_gb * GB)), None
+        return Point(label, budget, refused=str(e).splitlines()[0][:160], least=e.min_budget_bytes), None
     if budget is None:
         predicted = estimate_peak(opt, placeholder_values(opt, case.args, case.kwargs)).peak_bytes
         recomputed = 0
     else:
-        stats = opt.graphopt_report.passes[-1].stats
-        predicted, recomputed = stats["predicted_peak_bytes"], stats.get("recomputed_nodes", 0)
+        record = opt.graphopt_report.passes[-1]
+        predicted, recomputed = record.peak_bytes, record.stats.get("recomputed_nodes", 0)
     return Point(label, budget, predicted, user_step_peak(opt, case), recomputed=recomputed), opt
 
 

@@ -35,7 +35,7 @@ import torch.fx
 
 from ...analysis.cost import node_times, step_costs
 from ...analysis.effects import CALLS
-from ...analysis.memory import GB, budget_bytes, budget_text, estimate_peak, size_text
+from ...analysis.memory import budget_bytes, budget_text, estimate_peak, size_text
 from ...analysis.meta import TensorInfo, graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
@@ -178,7 +178,7 @@ class Pipeline(Pass):
                 f"balanced cut's {size_text(max(balanced.stage_memory) * per_rank)}). Raise budget_gb to "
                 f"{budget_text(need * per_rank)} or more, use more "
                 "stages or fewer microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'.",
-                min_budget_gb=need * per_rank / GB,
+                min_budget_bytes=need * per_rank,
                 breakdown={f"balanced cut, stage {s}": m for s, m in enumerate(balanced.stage_memory)})
         # Step 3
         nodes = list(gm.graph.nodes)

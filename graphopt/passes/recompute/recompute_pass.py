@@ -56,6 +56,7 @@ Algorithm:
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
@@ -149,25 +150,25 @@ class Recompute(Pass):
         if tidied:
             gm.recompile()
         before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
-        stats = {"budget_bytes": limit, "planned_for_bytes": target, "peak_before_bytes": before.peak_bytes}
-        fit = lambda peak: BudgetFit(limit, target, stats["peak_before_bytes"], peak)  # noqa: E731
+        stats = {}  # the budget, its target and the peaks are the result's BudgetFit
+        fit = functools.partial(BudgetFit, limit, target, before.peak_bytes)
         if not ctx.train:
             if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
-            _warn_idle(stats)
-            return PassResult(gm, False, {**stats, "predicted_peak_bytes": before.peak_bytes},
-                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(before.peak_bytes))
+            _warn_idle(fit(before.peak_bytes))
+            return PassResult(gm, False, stats, call_checks=[self._check(budget_gb, target, ctx)],
+                              budget=fit(before.peak_bytes), peak_bytes=before.peak_bytes)
         chunk = size_chunks(gm, lambda g: self._estimate(g, ctx).peak_bytes, target)
         if chunk is not None:
             stats["loss_chunk_rows"] = chunk
             before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
-            _warn_idle(stats)
+            _warn_idle(fit(before.peak_bytes))
             written, before = self._write_in_place(gm, ctx, None, None, before)
             return PassResult(gm, tidied or chunk is not None or bool(written),
-                              {**stats, "predicted_peak_bytes": before.peak_bytes, "segments": 0,
-                               "written_in_place": written}, _pictures({"as traced": before}, limit),
-                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(before.peak_bytes))
+                              {**stats, "segments": 0, "written_in_place": written}, _pictures({"as traced": before}, limit),
+                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(before.peak_bytes),
+                              peak_bytes=before.peak_bytes)
         # Step 2
         step = ctx.analysis(record_step, gm)
         facts = node_facts(gm, step)
@@ -228,7 +229,6 @@ class Recompute(Pass):
                         note(i, "recompute", "boundary")
         recomputed = [i for i, n in enumerate(nodes) if search.decision.get(n) == "recomputed"]
         stats.update({
-            "predicted_peak_bytes": after.peak_bytes,
             "segments": len(plan.segments),
             "selective_segments": sum(s.selective for s in plan.segments),
             "recomputed_nodes": len(recomputed),
@@ -239,7 +239,8 @@ class Recompute(Pass):
             "written_in_place": written,
         })
         return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
-                          call_checks=[self._check(budget_gb, target, ctx)], budget=fit(after.peak_bytes))
+                          call_checks=[self._check(budget_gb, target, ctx)], budget=fit(after.peak_bytes),
+                          peak_bytes=after.peak_bytes)
 
     def _estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> Estimate:
         """The fake step of gm as it is now, with the optimizer and accumulation this plan is for."""
@@ -323,10 +324,10 @@ def _measure(gm: torch.fx.GraphModule, ctx: PassContext, accumulate: bool) -> in
         return measure_step(gm, ctx.example_args, ctx.example_kwargs, accumulate=accumulate)
 
 
-def _warn_idle(stats: dict) -> None:
+def _warn_idle(fit: BudgetFit) -> None:
     """BudgetWarning where the step as traced fits the budget: a budget that asks for nothing is
     most often one in the wrong unit."""
-    idle = idle_budget(stats)
+    idle = idle_budget(fit)
     if idle:
         warn(idle, BudgetWarning)
 
