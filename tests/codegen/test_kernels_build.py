@@ -12,7 +12,7 @@ import pytest
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sampled_kernels_build_for_hopper(tmp_path):

@@ -194,7 +194,7 @@ def test_templates_compile_and_agree_in_the_triton_interpreter(tmp_path):
     """Every template is valid Triton, and Triton computes what the torch shim computes."""
     pytest.importorskip("triton")
     (tmp_path / "run.py").write_text(INTERPRETER_SCRIPT)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root), PYTHONWARNINGS="ignore")
     done = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path)], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)

@@ -351,7 +351,7 @@ def test_outputs_that_do_not_merge_are_refused():
 # a torchrun launch of two processes (18 s): make test-real; the gloo schedule tests stay in make test
 @pytest.mark.slow
 def test_the_torchrun_example_trains():
-    example = Path(__file__).resolve().parents[1] / "examples" / "pipeline_gpt.py"
+    example = Path(__file__).resolve().parents[3] / "examples" / "pipeline_gpt.py"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), str(example), "--steps", "3", "--frontend", "export"],
                          capture_output=True, text=True, timeout=600)
