@@ -61,7 +61,7 @@ class _Tracer(torch.fx.Tracer):
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         # torch's getattr scans every named parameter and buffer for each one a forward reads,
-        # quadratic in the model's tensors (0.6 s of DenseNet-121's 1.1 s trace); names found by
+        # quadratic in the model's tensors (most of a large convnet's trace); names found by
         # identity once answer the same where the name still holds the tensor, and torch's scan
         # answers the rest (a tensor assigned during forward).
         if isinstance(attr_val, torch.Tensor) and not self.param_shapes_constant and (

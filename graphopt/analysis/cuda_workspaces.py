@@ -4,8 +4,8 @@ torch gives each cuBLAS handle a workspace from its caching allocator the first 
 runs a matrix product on a stream, and keeps it for the life of the process (cuBLASLt shares it).
 Handles are per thread: a training step's forward runs on the caller's thread and its backward on
 autograd's thread for the device, so a step that multiplies matrices holds two, one without
-backward. torch.cuda.max_memory_allocated counts them; FakeTensors show none (measured on an H200,
-torch 2.11: two blocks of 32 MiB beside every zoo model's step).
+backward. torch.cuda.max_memory_allocated counts them; FakeTensors show none (the allocator's
+snapshots in bench/results/h200-2026-11-28/second-run/memory_gap/).
 """
 from __future__ import annotations
 

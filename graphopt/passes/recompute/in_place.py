@@ -5,7 +5,7 @@ with one more: a value that a segment reads from outside it is read again by the
 in backward, and torch.utils.checkpoint does not check its version, so a write into it after
 the segment ran would make the rerun, and the gradients, silently wrong. Nor may a write touch
 what a selective segment keeps for its rerun. Run before the plan, the inplace pass would take
-values the plan recomputes from (transformers' Llama: least budget 2.8 -> 4.1 MB); run within
+values the plan recomputes from, and its least budget would rise; run within
 it, a write only replaces an allocation with one the step already has.
 """
 from __future__ import annotations
