@@ -37,10 +37,14 @@ def why_unsplittable(args: tuple, kwargs: dict) -> str | None:
     if not batched(args, kwargs):
         return "no tensor argument has a batch dimension"
     sizes = differing_rows(args, kwargs)
-    if sizes is not None:
-        return (f"the tensor arguments differ in rows along dim 0 ({sizes}), and a split cuts every one "
-                "of them: make those that are not batches buffers of the model, or give them a batch dimension")
-    return None
+    return None if sizes is None else rows_differ(sizes)
+
+
+def rows_differ(sizes: list[int]) -> str:
+    """Why a batch whose tensor arguments have these different row counts does not split."""
+    return (f"the tensor arguments differ in rows along dim 0 ({sizes}), and a split cuts every one of them "
+            "(as torch.distributed.pipelining splits a batch): make those that are not batches buffers of the "
+            "model, or give them a batch dimension")
 
 
 def microbatch_counts(args: tuple, kwargs: dict) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import differing_rows
+from ..batch import differing_rows, rows_differ
 from ..errors import UsageError
 
 __all__ = ["first_microbatch", "split_batch"]
@@ -16,10 +16,7 @@ def first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple[tupl
     values whole."""
     sizes = differing_rows(args, kwargs)
     if sizes is not None:  # one of them is not a batch: splitting it would pair the wrong rows
-        raise UsageError(f"the tensor inputs have different sizes along dim 0 ({sizes}), and pipeline "
-                         "schedules split every tensor input along dim 0 into microbatches: make the inputs "
-                         "that are not batches (a mask shared by all rows, say) buffers of the model, or "
-                         "give them a leading batch dimension.")
+        raise UsageError(f"{rows_differ(sizes)}.")
 
     def first(v):
         if not isinstance(v, torch.Tensor) or v.dim() == 0:

@@ -331,7 +331,7 @@ def test_microbatch_counts_the_batch_cannot_take():
     with pytest.raises(graphopt.UsageError, match="fewer than the 16 microbatches"):
         graphopt.optimize(model, args, example_kwargs=kwargs, passes=["pipeline{stages=2 microbatches=16}"])
     two_heads, x, extra = zoo.two_heads(batch=8)
-    with pytest.raises(graphopt.UsageError, match="different sizes along dim 0"):  # a mask that is not a batch
+    with pytest.raises(graphopt.UsageError, match="differ in rows along dim 0"):  # a mask that is not a batch
         graphopt.optimize(two_heads, x, example_kwargs={**extra, "mask": extra["mask"][:1]}, stages=2)
 
 
