@@ -9,11 +9,13 @@ import torch
 import torch.fx
 
 from . import passes as passes_pkg
+from .analysis.batch_wide import batch_wide
 from .batch import batch_rows, splits_evenly
 from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .input_aliases import distinct
 from .lazy import LazyOptimized
+from .microbatch_semantics import announce, check_batch_norm, the_loss
 from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
@@ -78,6 +80,7 @@ def optimize(
     frontend: str = "auto",
     dump_dir: str | os.PathLike | None = None,
     verify: bool = False,
+    batch_norm: str = "warn",
 ):
     """Rewrite `model` through a pass pipeline and return a drop-in replacement.
 
@@ -111,6 +114,9 @@ def optimize(
     dump_dir: write pass-by-pass dumps there (default: $GRAPHOPT_DUMP, else none).
     verify: after each pass, compare outputs and gradients with the eager model and raise
       VerifyError naming the first pass that changed them beyond the dtype's tolerance.
+    batch_norm: with stages in training, where a BatchNorm would normalize each microbatch by its
+      own statistics: "warn" (default: a MicrobatchWarning, as for random ops and the loss's
+      reduction) or "refuse" (a UsageError naming the modules).
     """
     if not isinstance(model, torch.nn.Module):
         check_inputs(model, example_inputs, example_kwargs)  # raises the UsageError
@@ -126,7 +132,7 @@ def optimize(
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None
     if dump_dir is not None:
         check_dump_dir(dump_dir)
-    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify)
+    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, batch_norm=check_batch_norm(batch_norm))
     if train is not None:
         model.train(train)
     if example_inputs is None and example_kwargs is None:
@@ -134,7 +140,7 @@ def optimize(
     return optimize_now(model, example_inputs, example_kwargs, **settings, dump_dir=dump_dir)
 
 
-def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir):
+def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir, batch_norm="warn"):
     """Trace `model` in its current mode and run `pipeline` over it."""
     given = check_inputs(model, example_inputs, example_kwargs)
     args, kwargs = distinct(*given)  # what the passes plan for is what the frontend traced
@@ -156,8 +162,10 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     report = Report(
         model=type(model).__name__, frontend=gm.meta["graphopt_frontend"],
         trace_ms=(time.perf_counter() - start) * 1e3, nodes=len(gm.graph.nodes),
-        dump_dir=str(dump_dir) if dump_dir else None,
+        dump_dir=str(dump_dir) if dump_dir else None, batch_wide=batch_wide(gm) if model.training else None,
     )
+    report.notes += announce(report.batch_wide, microbatches or 1, batch_norm,
+                             f"the staged graph ({microbatches} microbatches)")
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
                       microbatches=microbatches)
     dumper = Dumper(dump_dir) if dump_dir else None
@@ -165,7 +173,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     if dumper:
         dumper.svg(gm)
     report.runs_at = install_guards(gm, model, given, (args, kwargs), batch, microbatches, ctx.specialized,
-                                    ctx.call_checks, writes)
+                                    ctx.call_checks, writes, the_loss(report.batch_wide))
     gm.graphopt_report = report
     return gm
 

@@ -43,9 +43,9 @@ class MicrobatchChoice:
     count given (`fixed`); `plan` is one count's graph. It leaves microbatches, the chosen step's
     predicted peak (predicted_peak_bytes) and notes (the decision, as lines)."""
 
-    def __init__(self, model: torch.nn.Module, example: tuple[tuple, dict], loss_fn, reduction: str,
-                 budget_gb: float | None, options: dict):
-        self.model, self.loss_fn, self.reduction, self.budget_gb = model, loss_fn, reduction, budget_gb
+    def __init__(self, model: torch.nn.Module, example: tuple[tuple, dict], loss_fn, budget_gb: float | None,
+                 options: dict):
+        self.model, self.loss_fn, self.budget_gb = model, loss_fn, budget_gb
         self._example, self._options = example, options
         self.microbatches = 1
         self.notes: list[str] = []
@@ -196,7 +196,7 @@ class MicrobatchChoice:
 
         def run(a, kw):  # a microbatch after the first: the running total exists
             total = torch.zeros((), device=tensor_leaves((a, kw))[0].device) if k > 1 else None
-            accumulate(step_loss(graph, a, kw, self.loss_fn), total, k, self.reduction)
+            accumulate(step_loss(graph, a, kw, self.loss_fn), total, 1.0 / k)  # the weight moves no memory
 
         try:
             with _gradients(self.model, present=k > 1), fake_run(graph, (args, kwargs)) as (mode, (fa, fkw)):

@@ -1,9 +1,10 @@
 """The optimization report: one row per pass, as data, rendered as text or markdown."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from .analysis.batch_wide import BatchWide
 from .analysis.memory import size_text
 from .units import in_gb
 
@@ -52,9 +53,13 @@ class Report:
     notes: list[str] = field(default_factory=list)
     # train_step's microbatches per step when more than one: the graph's figures are then one microbatch's
     microbatches: int = 1
+    # in training, what of the traced graph depends on the batch as a whole (analysis/batch_wide.py)
+    batch_wide: BatchWide | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # batch_wide's loss counters are small graphs: their facts, not the graphs
+        return {**asdict(replace(self, batch_wide=None)),
+                "batch_wide": self.batch_wide.to_dict() if self.batch_wide is not None else None}
 
     def rows(self) -> list[list[str]]:
         head = ["#", "pass", "ms", "nodes", "changed", "max err", "peak", "stats"]

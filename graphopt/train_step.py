@@ -11,7 +11,6 @@ backward, scaled for the reduction: runtime/microbatch_step.py.
 from __future__ import annotations
 
 import numbers
-import warnings
 from typing import Callable
 
 import torch
@@ -22,18 +21,19 @@ from .call_signature import signature
 from .errors import OptionError, UsageError
 from .export_batch import ExportCache, kept_exports, keeping_exports
 from .microbatch_choice import MicrobatchChoice
+from .microbatch_semantics import announce, check_batch_norm, loss_kind
 from .passes.arguments import OptimizeArguments
 from .passes.recompute.recompute_pass import Recompute
 from .runtime.guards import describe
 from .runtime.microbatch import split_batch
-from .runtime.microbatch_step import REDUCTIONS, accumulate
+from .runtime.microbatch_step import REDUCTIONS, accumulate, loss_weights
 from .runtime.step import step_loss
 from .trace import check_inputs
 
 
 def train_step(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *,
                loss_fn: Callable | None = None, budget_gb: float | None = None, microbatches="auto",
-               reduction: str = "mean", **optimize_options) -> "TrainStep":
+               reduction: str | None = None, **optimize_options) -> "TrainStep":
     """A callable running one training step of `model`; see TrainStep."""
     return TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=budget_gb,
                      microbatches=microbatches, reduction=reduction, **optimize_options)
@@ -48,16 +48,22 @@ class TrainStep:
     loss_fn(output, *args, **kwargs) -> scalar loss, called with each microbatch's arguments;
     by default the output's `.loss` (or ["loss"]), or the output when it is a scalar.
 
-    reduction says how the loss reduces over rows, and so how microbatches combine:
-      "mean" (default): each microbatch's loss is scaled by 1/k before its backward, so the
-        accumulated gradients are those of the mean over the batch; the returned loss is the
-        mean of the microbatch losses. Exact when every microbatch's loss is a mean over the
-        same number of terms: a loss averaged over a count that varies per microbatch (tokens
-        not masked by ignore_index, say) weighs the microbatches otherwise than the full batch.
-      "sum": no scaling, the gradients of a sum over rows add up; the returned loss is the sum.
-    BatchNorm in training normalizes by each microbatch's statistics, not the batch's, and
-    updates its running statistics once per microbatch: gradients differ from the full batch's
-    (a UserWarning says so when k > 1, and `notes` keeps it).
+    How the microbatches' losses combine (each one's backward weighted by its share of the full
+    batch's loss, the returned loss their weighted sum) follows how the loss reduces over the
+    batch, read from the graph when the model computes it (analysis/batch_wide.py):
+      a mean over rows: each weighs 1/k, the full batch's mean over equal microbatches;
+      a sum: each weighs 1;
+      a mean over the targets not ignored (cross-entropy's ignore_index, transformers' -100
+        labels): each weighs its share of the batch's counted targets, so the gradients are the
+        full batch's mean even where padding is spread unevenly.
+    reduction ("mean" or "sum") declares it for a loss_fn outside the model, or a loss the graph
+    does not show; given for a loss the graph shows, it must agree (OptionError). Default: as
+    read, else "mean".
+    Where the model depends on the batch as a whole, k > 1 changes the result, and a
+    MicrobatchWarning (and `notes`) says so, naming the modules: BatchNorm in training
+    normalizes each microbatch by its own statistics and updates its running statistics once
+    per microbatch (batch_norm="refuse" raises instead); random ops draw microbatch after
+    microbatch.
 
     budget_gb covers the step as the user runs it with .grad None before (optimizer.zero_grad()'s
     default) and, for k > 1, with every gradient resident from the second microbatch on.
@@ -68,18 +74,19 @@ class TrainStep:
 
     Attributes: microbatches (k), graph, report (graph.graphopt_report, whose notes end with
     train_step's), notes (the microbatch decision and warnings, as lines), predicted_peak_bytes
-    (with budget_gb).
+    (with budget_gb), reduction (how the microbatches' losses combined), whole (whether the step
+    gives the full batch's loss and gradients, not only its microbatches').
     """
 
     def __init__(self, model, example_inputs, example_kwargs=None, *, loss_fn=None, budget_gb=None,
-                 microbatches="auto", reduction="mean", **optimize_options):
+                 microbatches="auto", reduction=None, **optimize_options):
         args, kwargs = check_inputs(model, example_inputs, example_kwargs)
         budget_gb = _checked_budget(budget_gb)
         options = _checked_options(model, loss_fn, reduction, budget_gb, optimize_options)
-        self.model, self.loss_fn, self.reduction, self.budget_gb = model, loss_fn, reduction, budget_gb
+        self.model, self.loss_fn, self.budget_gb = model, loss_fn, budget_gb
         self._example = (args, kwargs)
         self._planned = signature(args, kwargs)
-        choice = MicrobatchChoice(model, (args, kwargs), loss_fn, reduction, budget_gb, options)
+        choice = MicrobatchChoice(model, (args, kwargs), loss_fn, budget_gb, options)
         # one export serves the microbatch counts its dynamic batch takes (and a caller's other steps: plan's)
         with keeping_exports(kept_exports() or ExportCache()):
             if isinstance(microbatches, str) and microbatches == "auto":
@@ -90,32 +97,28 @@ class TrainStep:
             choice.microbatches, choice.notes, choice.predicted_peak_bytes
         self.report = self.graph.graphopt_report
         self.report.microbatches = self.microbatches
-        self._warn_batchnorm()
+        # how the microbatches' losses combine: the graph's loss's reduction, or the one declared
+        self.reduction, self._loss = loss_kind(self.report.batch_wide, reduction, outside=loss_fn is not None)
+        # the full batch's result, not only its microbatches': nothing batch-wide, the loss read and combined exactly
+        self.whole = self.microbatches == 1 or (self._loss is not None and self.report.batch_wide.whole)
+        self.notes += announce(self.report.batch_wide, self.microbatches, options.get("batch_norm", "warn"), "train_step")
         self.report.notes += [f"train_step: {self._shape_text()}", *self.notes]
-
-    def _warn_batchnorm(self) -> None:
-        norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        if self.microbatches > 1 and self.model.training and norms:
-            note = (f"{len(norms)} BatchNorm module(s) normalize each of the {self.microbatches} microbatches by its "
-                    "own batch statistics and update their running statistics once per microbatch: the step's "
-                    "gradients and statistics differ from the full batch's")
-            self.notes.append(note)
-            warnings.warn(f"graphopt.train_step: {note}.", UserWarning, stacklevel=4)  # the caller of train_step()
 
     # -- running ---------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        total = None
-        for i, (a, kw) in enumerate(self._split(args, kwargs)):
+        total, parts = None, self._split(args, kwargs)
+        shares = loss_weights(self.graph, parts, self.reduction, self._loss)
+        for i, (a, kw) in enumerate(parts):
             try:
                 loss = step_loss(self.graph, a, kw, self.loss_fn)
             except UsageError as e:
                 if i:
                     raise
                 raise UsageError(f"train_step ({self._shape_text()}): {e}") from None
-            total = accumulate(loss, total, self.microbatches, self.reduction)
+            total = accumulate(loss, total, shares[i])
             del loss  # before the next microbatch's forward, as its backward freed the rest
-        return total / self.microbatches if self.reduction == "mean" and self.microbatches > 1 else total
+        return total
 
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         k = self.microbatches
@@ -147,7 +150,8 @@ def _checked_options(model, loss_fn, reduction, budget_gb, options: dict) -> dic
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be a function of (output, *args, **kwargs) returning the scalar loss, "
                          f"got {type(loss_fn).__name__}.")
-    if reduction not in REDUCTIONS:
+    check_batch_norm(options.get("batch_norm", "warn"))
+    if reduction is not None and reduction not in REDUCTIONS:
         raise OptionError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))} (how the loss reduces "
                           f"over rows), got {reduction!r}.")
     if options.get("stages") is not None:

@@ -258,19 +258,21 @@ def refuse_pickling(module: torch.nn.Module) -> None:
 
 def install_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, given: tuple[tuple, dict],
                    example: tuple[tuple, dict], batch: tuple[tuple, dict], microbatches: int | None,
-                   specialized: str | None, call_checks: list, writes) -> str:
+                   specialized: str | None, call_checks: list, writes, loss=None) -> str:
     """Every check a call of optimize()'s result passes first, in order: its mode, its arguments'
     kinds (given: the call as the user wrote it), writes into aliased inputs, pickling refused,
     the shapes it runs at (example: what the passes planned for, one microbatch where stages run
     the batch as microbatches), then the passes' own call checks, whose reasons come after the
-    shapes'. Returns which inputs the result takes, for the report."""
+    shapes'. loss: the graph's scalar loss (analysis/batch_wide.LossReduction), by whose reduction
+    a staged graph called with the full batch combines its microbatches' losses. Returns which
+    inputs the result takes, for the report."""
     install_mode_guard(gm, model.training)
     install_call_guard(gm, model, *given)
     if writes.written:
         gm.register_forward_pre_hook(writes, with_kwargs=True)
     refuse_pickling(gm)
     if microbatches:
-        runs_at = _staged_shapes(gm, example, batch, microbatches)
+        runs_at = _staged_shapes(gm, example, batch, microbatches, loss)
     else:
         runs_at = _shapes(gm, example, specialized)
     for check in call_checks:
@@ -279,13 +281,13 @@ def install_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, given: tupl
 
 
 def _staged_shapes(gm: torch.fx.GraphModule, example: tuple[tuple, dict], batch: tuple[tuple, dict],
-                   microbatches: int) -> str:
+                   microbatches: int, loss) -> str:
     """Stages planned for one microbatch: called with the example batch, the graph runs its
     microbatches as PipelineRunner would; an export graph takes its microbatch's sizes, or its
     dynamic ones."""
     args, kwargs = example
     rows = batch_rows(*batch)
-    install_microbatch_split(gm, rows, microbatches)
+    install_microbatch_split(gm, rows, microbatches, loss)
     runs_at = f"one microbatch of {batch_rows(args, kwargs)} rows, or the example batch of {rows} rows " \
               f"as {microbatches} microbatches"
     if gm.meta["graphopt_frontend"] != "export":

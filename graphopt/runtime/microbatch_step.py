@@ -1,21 +1,45 @@
-"""One microbatch of train_step's step, as it runs and as its planning predicts it: the backward
-of its loss, scaled for how the loss reduces over rows, and the running loss of the batch."""
+"""One microbatch of a batch run in pieces, as train_step runs it and as its planning predicts it:
+the backward of its loss, weighted by its share of the full batch's loss, and the running loss of
+the batch; the weights, by how the loss reduces over the batch (analysis/batch_wide.py)."""
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 from ..errors import UsageError
+from ..trace import placeholder_values
 
 REDUCTIONS = ("mean", "sum")
 
 
-def accumulate(loss, total: torch.Tensor | None, k: int, reduction: str) -> torch.Tensor:
-    """Backward of one of k microbatches' loss, scaled for the reduction (1/k for "mean", so that
-    the gradients add up to the mean's over the batch); the running loss total."""
-    backward(loss, 1.0 / k if reduction == "mean" else 1.0)
-    if total is None:  # a copy for k > 1: the total is added into
-        return loss.detach() if k == 1 else loss.detach().clone()
-    total += loss.detach()
+def weights(k: int, kind: str, counts: list[int] | None = None) -> list[float]:
+    """Each of k microbatches' loss's weight in the full batch's: 1/k for a mean over equal
+    microbatches, 1 for a sum, its share of the targets counted for a mean over counted targets
+    (a share of none where none is counted: the full batch's mean is then no number either)."""
+    if kind == "sum":
+        return [1.0] * k
+    if kind == "counted mean" and counts is not None and sum(counts) > 0:
+        return [c / sum(counts) for c in counts]
+    return [1.0 / k] * k
+
+
+def loss_weights(gm: torch.fx.GraphModule, parts: list[tuple[tuple, dict]], kind: str, loss=None) -> list[float]:
+    """weights() for these microbatches of gm's inputs, a mean over counted targets counted by the
+    loss's counter (analysis/batch_wide.counted_targets) on each one."""
+    counts = None
+    if kind == "counted mean" and loss is not None and loss.count is not None:
+        counts = [int(loss.count(*placeholder_values(gm, a, k))) for a, k in parts]
+    return weights(len(parts), kind, counts)
+
+
+def accumulate(loss, total: torch.Tensor | None, weight: float) -> torch.Tensor:
+    """Backward of one microbatch's loss times its weight (the gradients add up to the full
+    batch's); the running loss, the weighted sum of the microbatches' losses."""
+    backward(loss, weight)
+    part = loss.detach() * weight  # a tensor of its own: the next microbatch's is added into it
+    if total is None:
+        return part
+    total += part
     return total
 
 

@@ -9,20 +9,26 @@ from ..analysis.memory import GB, Estimate
 from ..passes.pipeline.partition import Partition, StageFacts, partition
 from ..batch import batch_rows
 from ..runtime.microbatch import split_batch
-from ..runtime.microbatch_call import merge_outputs
+from ..microbatch_semantics import the_loss
+from ..runtime.microbatch_call import merge_outputs, reduction_of
+from ..runtime.microbatch_step import loss_weights
 
 
 class Microbatched(torch.nn.Module):
     """Eager on the microbatches PipelineRunner would cut a batch into, outputs merged as the
-    staged graph merges them: what a staged graph called with a whole batch must equal."""
+    staged graph merges them: what a staged graph called with a whole batch must equal. graph:
+    the staged graph, whose loss's reduction weighs the microbatches' losses (a mean without)."""
 
-    def __init__(self, model: torch.nn.Module, microbatches: int):
+    def __init__(self, model: torch.nn.Module, microbatches: int, graph: torch.fx.GraphModule | None = None):
         super().__init__()
-        self.model, self.microbatches = model, microbatches
+        self.model, self.microbatches, self.graph = model, microbatches, graph
 
     def forward(self, *args, **kwargs):
         parts = split_batch(args, kwargs, self.microbatches)
-        return merge_outputs([self.model(*a, **k) for a, k in parts], [batch_rows(a, k) for a, k in parts])
+        report = getattr(self.graph, "graphopt_report", None)
+        loss = the_loss(report.batch_wide) if report is not None else None
+        shares = loss_weights(self.graph, parts, reduction_of(loss), loss) if report is not None else None
+        return merge_outputs([self.model(*a, **k) for a, k in parts], [batch_rows(a, k) for a, k in parts], shares)
 
 
 def budget_at(estimate: Estimate, f: float) -> float:
