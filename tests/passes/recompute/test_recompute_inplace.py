@@ -72,10 +72,15 @@ def test_the_rule_is_what_keeps_the_gradients():
 
 # 18 s: make test-real; test_writes_that_raise_the_estimate_are_undone keeps writes within a plan in make test
 @pytest.mark.slow
-def test_a_budgeted_convnet_writes_in_place_within_its_plan():
-    model, args, kwargs = zoo.convnet(batch=16, size=32, blocks=6)
+def convnet_at_half(**sizes):
+    """A zoo convnet, its example, and a budget at half its activations (budget_at)."""
+    model, args, kwargs = zoo.convnet(**sizes)
     gm = graphopt.trace(model, args)
-    budget = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
+    return model, args, kwargs, budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
+
+
+def test_a_budgeted_convnet_writes_in_place_within_its_plan():
+    model, args, kwargs, budget = convnet_at_half(batch=16, size=32, blocks=6)
     plain = graphopt.optimize(model, args, passes=f"normalize,recompute{{budget_gb={budget}}}")
     opt = graphopt.optimize(model, args, budget_gb=budget)
     stats = opt.graphopt_report.passes[-1].stats
@@ -90,9 +95,7 @@ def test_writes_that_raise_the_estimate_are_undone(monkeypatch):
     # The rules cannot foresee every cost of a write (a write into a view autograd tracks once
     # raised GPT-NeoX's plan over its budget): a rise measured by the estimate takes them all back.
     import graphopt.passes.recompute.recompute_pass as rp
-    model, args, kwargs = zoo.convnet(batch=16, size=32, blocks=6)
-    gm = graphopt.trace(model, args)
-    budget = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
+    model, args, kwargs, budget = convnet_at_half(batch=16, size=32, blocks=6)
     unwritten = graphopt.optimize(model, args, passes=f"normalize,recompute{{budget_gb={budget}}}")
     written, real_estimate, estimates = {}, rp.estimate_peak, []
 
@@ -128,9 +131,7 @@ def test_writes_within_the_plan_take_no_fake_step_of_their_own(monkeypatch):
     # The plan with its writes is what the search's one fake step confirms: as many estimates as
     # the same plan without the inplace pass in the pipeline, and the result's own.
     import graphopt.passes.recompute.recompute_pass as rp
-    model, args, kwargs = zoo.convnet(batch=8, size=16, blocks=4)
-    gm = graphopt.trace(model, args)
-    budget = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
+    model, args, kwargs, budget = convnet_at_half(batch=8, size=16, blocks=4)
     calls, real_estimate = [], rp.estimate_peak
     monkeypatch.setattr(rp, "estimate_peak", lambda *a, **k: calls.append(1) or real_estimate(*a, **k))
     counted = {}
