@@ -19,6 +19,7 @@ depends only on how many row and col dims are left, its sizes and strides are ar
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -65,18 +66,22 @@ class RowSpace:
     def strides(self, t: torch.Tensor) -> tuple:
         """t's stride along each dim of F, broadcast as eager broadcasts it (right-aligned): 0 where
         t has size 1 or no dim; ValueError when t does not broadcast to F."""
-        lead = len(self.shape) - t.dim()
+        return self.layout_strides(tuple(t.shape), t.stride())
+
+    def layout_strides(self, shape: tuple, stride: tuple) -> tuple:
+        """strides() of a tensor of this shape and stride."""
+        lead = len(self.shape) - len(shape)
         if lead < 0:
-            raise ValueError(f"a tensor of shape {tuple(t.shape)} has more dims than the rows' {list(self.shape)}")
+            raise ValueError(f"a tensor of shape {shape} has more dims than the rows' {list(self.shape)}")
         out = []
         for d, size in enumerate(self.shape):
             k = d - lead
-            if k < 0 or t.shape[k] == 1:
+            if k < 0 or shape[k] == 1:
                 out.append(0)
-            elif t.shape[k] == size:
-                out.append(int(t.stride(k)))
+            elif shape[k] == size:
+                out.append(int(stride[k]))
             else:
-                raise ValueError(f"a tensor of shape {tuple(t.shape)} does not broadcast to {list(self.shape)}")
+                raise ValueError(f"a tensor of shape {shape} does not broadcast to {list(self.shape)}")
         return tuple(out)
 
 
@@ -96,7 +101,12 @@ class Addressing:
 
 def addressing(space: RowSpace, tensors) -> Addressing:
     """Merged dims and strides for these tensors (each broadcasting to the space's shape)."""
-    strides = [space.strides(t) for t in tensors]
+    return _addressing(space, tuple((tuple(t.shape), t.stride()) for t in tensors))
+
+
+@functools.lru_cache(maxsize=4096)  # a launch's layouts repeat call after call: worked out once
+def _addressing(space: RowSpace, layouts: tuple) -> Addressing:
+    strides = [space.layout_strides(shape, stride) for shape, stride in layouts]
 
     def merged(dims):
         dims = [d for d in dims if space.shape[d] != 1]  # a dim of 1 is index 0 for every element

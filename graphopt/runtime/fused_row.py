@@ -26,7 +26,7 @@ from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
 from ..ops.shim import tl
 from .dropout_masks import holes, inserted, with_masks
-from .fused import STATS, _device, _inside, _runs_kernel, _shape_only, release_interpreted_arguments
+from .fused import MAX_PLANS, STATS, _device, _inside, _runs_kernel, _shape_only, release_interpreted_arguments
 
 
 def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor]:
@@ -119,6 +119,7 @@ class FusedRowOp:
         self.given = [k for k in range(len(group.inputs)) if not group.is_index(k)]
         self.loaded = self._choose_loaded()
         self._extended: dict[tuple, RowGroup] = {}
+        self._spaces: dict[tuple, RowSpace] = {}  # input shapes -> the call's rows (space())
         self.__name__ = self.__qualname__ = "fused_row_" + group.describe().replace(" -> ", "_")[:80]
 
     def __getstate__(self):
@@ -130,7 +131,17 @@ class FusedRowOp:
 
     def space(self, inputs) -> RowSpace:
         """The rows of this call: the shape every input broadcasts to (a vector per row or per
-        column given in another rank aside), with the rows' col dims (the last by default)."""
+        column given in another rank aside), with the rows' col dims (the last by default).
+        Worked out once per set of input shapes: calls repeat them."""
+        key = tuple(None if t is None else tuple(t.shape) for t in inputs)
+        found = self._spaces.get(key)
+        if found is None:
+            if len(self._spaces) >= MAX_PLANS:
+                self._spaces.clear()
+            found = self._spaces[key] = self._space(inputs)
+        return found
+
+    def _space(self, inputs) -> RowSpace:
         rank = max(t.dim() for k, t in enumerate(inputs) if t is not None and self.group.input_kind(k) == FULL)
         shapes = [t.shape for k, t in enumerate(inputs)
                   if t is not None and not (self.group.input_kind(k) in (ROW, COL) and t.dim() != rank)]
