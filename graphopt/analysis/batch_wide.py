@@ -35,6 +35,8 @@ from .meta import TensorInfo, tensor_info
 
 BATCH_NORMS = ("batch_norm", "batch_norm_train")
 COUNTED = ("cross_entropy", "nll_loss")  # their mean divides by the targets not ignored
+# ATen's loss ops (as torch.export records them) take the reduction as an int
+ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 # ops a loss passes through on its way out, unchanged in how it reduces over the batch
 PASSING = ("to_dtype", "type_as", "clone", "contiguous", "view", "reshape", "squeeze", "alias", "detach_copy",
            "mul", "div", "neg", "float", "to")
@@ -61,9 +63,11 @@ class BatchWide:
     def whole(self) -> bool:
         """Whether microbatches give the full batch's result: nothing here depends on the batch as a
         whole, and the one loss combines exactly (a mean over rows, a sum, counted targets counted)."""
-        exact = ("mean", "sum")
-        return not (self.batch_norms or self.draws) and len(self.losses) <= 1 and all(
-            r.kind in exact or (r.kind == "counted mean" and r.count is not None) for r in self.losses)
+        if self.batch_norms or self.draws:
+            return False
+        if all(r.kind == "mean" for r in self.losses):  # each scalar combines by 1/k, exactly
+            return True
+        return len(self.losses) == 1 and (self.losses[0].kind == "sum" or self.losses[0].count is not None)
 
     def to_dict(self) -> dict:
         return {"batch_norms": list(self.batch_norms), "draws": list(self.draws),
@@ -134,6 +138,7 @@ def loss_reduction(gm: torch.fx.GraphModule, loss: torch.fx.Node, rows: int | No
         if op is None or bound is None:
             return LossReduction(loss.name, "unknown", f"{node.name} is no op graphopt knows")
         reduction = bound.params.get("reduction")
+        reduction = ATEN_REDUCTIONS.get(reduction, reduction) if isinstance(reduction, int) else reduction
         reduces = reduction is not None or op.name in ("mean", "sum")
         if reduces and not _holds_rows(bound.operands[0], rows):
             return LossReduction(loss.name, "unknown", f"{op.name} ({node.name}) reduces a value without the "
@@ -216,7 +221,8 @@ def _where(node: torch.fx.Node) -> str:
     if not stack:
         return node.name
     path, cls = next(reversed(stack.values()))
-    return f"{path} ({getattr(cls, '__name__', cls)})"
+    name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]  # export keeps a qualified name
+    return f"{path} ({name})"
 
 
 def _names(where: tuple[str, ...]) -> str:

@@ -46,6 +46,7 @@ eager's float32 is itself less accurate than that, the distance to a float64 ste
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,7 @@ import graphopt
 from graphopt.analysis.autocast_plan import autocast_dtypes, dtypes_of
 from graphopt.analysis.memory import estimate_peak
 from graphopt.analysis.meta import tensor_info
+from graphopt.microbatch_semantics import MicrobatchWarning
 from graphopt.testing.baselines import Microbatched, budget_at
 from graphopt.trace import placeholder_values
 from graphopt.verify import compare, float64_copy
@@ -245,12 +247,17 @@ def check_length(case: Case) -> Result:
 def check_staged(case: Case) -> Result:
     # four rows in two microbatches: one row would leave a BatchNorm one value per channel
     case = case.with_rows(4)
-    opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs,
-                            passes="normalize,cse,dce,pipeline{stages=2 microbatches=2}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs,
+                                passes="normalize,cse,dce,pipeline{stages=2 microbatches=2}")
     # against eager on the full batch, unless the model depends on the batch as a whole (BatchNorm in
-    # training, random draws, a loss that does not combine exactly): then on the same microbatches
+    # training, random draws, a loss that does not combine exactly): then on the same microbatches,
+    # and the user was told
     wide = opt.graphopt_report.batch_wide
     whole = wide is None or wide.whole
+    if not whole and not any(issubclass(w.category, MicrobatchWarning) for w in caught):
+        return Result("fail", None, f"no MicrobatchWarning, though {wide.notes(2) or wide}")
     result = _compare(case, opt, EXACT, (lambda model: model) if whole else lambda model: Microbatched(model, 2, opt))
     result.detail = f"{opt.graphopt_report.runs_at}; against eager on {'the full batch' if whole else 'its microbatches'}; " \
                     f"{result.detail}"
