@@ -8,8 +8,8 @@ See README.md to start, and docs/ for the passes, the dumps and the architecture
 """
 from .analysis.meta import TensorInfo, tensor_info
 from .api import DEFAULT_PASSES, optimize
-from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning, ModeError, OptionError, TraceError,
-                     UsageError, VerifyError)
+from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning, MicrobatchWarning, ModeError,
+                     OptionError, TraceError, UsageError, VerifyError)
 from .passes import available as available_passes
 from .plan import StepPlan, plan
 from .report import PassRecord, Report
@@ -24,5 +24,5 @@ __all__ = [
     "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
     "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "ModeError",
-    "GraphoptWarning", "BudgetWarning",
+    "GraphoptWarning", "BudgetWarning", "MicrobatchWarning",
 ]

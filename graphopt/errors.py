@@ -64,6 +64,10 @@ class BudgetWarning(GraphoptWarning):
     """A memory budget at or above what the step needs as it is: it asks for nothing."""
 
 
+class MicrobatchWarning(GraphoptWarning):
+    """A batch runs in microbatches, and something in the model depends on the batch as a whole."""
+
+
 def warn(message: str, category: type[Warning] = GraphoptWarning) -> None:
     """warnings.warn, shown at the first caller outside graphopt: the line of the user's that led to it."""
     package = os.path.dirname(os.path.abspath(__file__))

@@ -11,13 +11,9 @@ normalize microbatches; and how the microbatches' losses combine into the full b
 from __future__ import annotations
 
 from .analysis.batch_wide import BatchWide, LossReduction
-from .errors import GraphoptWarning, OptionError, UsageError, warn
+from .errors import MicrobatchWarning, OptionError, UsageError, warn
 
 BATCH_NORM = ("warn", "refuse")
-
-
-class MicrobatchWarning(GraphoptWarning):
-    """A batch runs in microbatches, and something in the model depends on the batch as a whole."""
 
 
 def check_batch_norm(value: str) -> str:

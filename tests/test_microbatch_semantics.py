@@ -9,7 +9,7 @@ from torch import nn
 
 import graphopt
 from graphopt.analysis.batch_wide import batch_wide
-from graphopt.microbatch_semantics import MicrobatchWarning
+from graphopt import MicrobatchWarning
 from graphopt.testing import zoo
 
 STAGED = "normalize,cse,dce,pipeline{stages=2 microbatches=2}"

@@ -27,7 +27,7 @@ def loss_weights(gm: torch.fx.GraphModule, parts: list[tuple[tuple, dict]], kind
     """weights() for these microbatches of gm's inputs, a mean over counted targets counted by the
     loss's counter (analysis/batch_wide.counted_targets) on each one."""
     counts = None
-    if kind == "counted mean" and loss is not None and loss.count is not None:
+    if kind == "counted mean" and loss is not None and loss.count is not None and len(parts) > 1:
         counts = [int(loss.count(*placeholder_values(gm, a, k))) for a, k in parts]
     return weights(len(parts), kind, counts)
 

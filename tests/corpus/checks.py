@@ -55,7 +55,7 @@ import graphopt
 from graphopt.analysis.autocast_plan import autocast_dtypes, dtypes_of
 from graphopt.analysis.memory import estimate_peak
 from graphopt.analysis.meta import tensor_info
-from graphopt.microbatch_semantics import MicrobatchWarning
+from graphopt import MicrobatchWarning
 from graphopt.testing.baselines import Microbatched, budget_at
 from graphopt.trace import placeholder_values
 from graphopt.verify import compare, float64_copy
