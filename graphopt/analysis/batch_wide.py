@@ -6,8 +6,9 @@ says so before the numbers change.
 1. BatchNorm in training normalizes by the statistics of the rows it is given and updates its
    running statistics once per call: k microbatches are k updates with momentum, each of a
    microbatch's statistics.
-2. A random op (dropout in training, drop-path's bernoulli, a label dropout's rand) draws as the
-   RNG stands when it runs: microbatch after microbatch, not the full batch's draws at once.
+2. A random op (dropout in training, drop-path's bernoulli, a label dropout's rand), or a call
+   graphopt does not know that makes a tensor (it may draw: torchvision's stochastic_depth),
+   draws as the RNG stands when it runs: microbatch after microbatch, not the full batch's.
 3. The loss's reduction over the batch: each scalar the graph returns, read back through casts and
    scalings to the op that reduces it:
    - "mean": a mean over its elements (a loss's `reduction="mean"` without ignored targets,
@@ -83,7 +84,7 @@ class BatchWide:
                        "gradients and statistics differ from the full batch's (GroupNorm or LayerNorm do not "
                        "depend on the batch; microbatches=1 keeps it whole)")
         if self.draws:
-            out.append(f"random ops ({_names(self.draws)}) draw from the RNG microbatch after microbatch: the draws are not "
+            out.append(f"ops that draw from the RNG ({_names(self.draws)}) draw microbatch after microbatch: the draws are not "
                        "the full batch's (train_step and the staged graph draw alike for the same microbatches)")
         if len(self.losses) > 1 and any(r.kind != "mean" for r in self.losses):
             out.append(f"the graph returns {len(self.losses)} scalars ({', '.join(r.node for r in self.losses)}) and "
@@ -117,7 +118,10 @@ def batch_wide(gm: torch.fx.GraphModule) -> BatchWide:
         op, bound = ops.lookup(node, gm), ops.bind(node, gm)
         if op is not None and op.name in BATCH_NORMS and bound is not None and bound.params.get("training", True):
             norms.append(_where(node))
-        elif op is not None and op.random and not (bound is not None and is_identity_dropout(op, bound.params)):
+        elif may_draw(node, gm) and not (op is not None and bound is not None and is_identity_dropout(op, bound.params)) \
+                and (op is not None or isinstance(tensor_info(node), TensorInfo)):
+            # a call graphopt does not know that makes a tensor may draw (torchvision's stochastic_depth);
+            # one that builds the output's container does not
             draws.append(_where(node))
     rows = batch_rows(gm)
     losses = [loss_reduction(gm, n, rows) for n in output_tensors(gm)
