@@ -162,7 +162,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     report = Report(
         model=type(model).__name__, frontend=gm.meta["graphopt_frontend"],
         trace_ms=(time.perf_counter() - start) * 1e3, nodes=len(gm.graph.nodes),
-        dump_dir=str(dump_dir) if dump_dir else None, batch_wide=batch_wide(gm) if model.training else None,
+        dump_dir=str(dump_dir) if dump_dir else None, batch_wide=batch_wide(gm),
     )
     report.notes += announce(report.batch_wide, microbatches or 1, batch_norm,
                              f"the staged graph ({microbatches} microbatches)")
@@ -172,6 +172,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
                       microbatches=microbatches)
     dumper = Dumper(dump_dir) if dump_dir else None
     gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
+    gm.train(model.training)  # modules a pass made (the pipeline's stages) start in training mode
     if dumper:
         dumper.svg(gm)
     report.runs_at = install_guards(gm, model, given, (args, kwargs), batch, microbatches, ctx.specialized,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .analysis.batch_wide import BatchWide, LossReduction
 from .errors import MicrobatchWarning, OptionError, UsageError, warn
+from .runtime.microbatch_step import reduction_of
 
 BATCH_NORM = ("warn", "refuse")
 
@@ -62,9 +63,9 @@ def loss_kind(wide: BatchWide | None, declared: str | None, outside: bool) -> tu
     with it; a loss outside the graph (loss_fn), or one not read, reduces as declared, else as a
     mean."""
     loss = None if outside else the_loss(wide)
-    found = loss.kind if loss is not None and loss.kind != "unknown" else None
-    if found is None:
-        return declared or "mean", None
+    if loss is None or loss.kind == "unknown":
+        return declared or reduction_of(None), None
+    found = reduction_of(loss)
     if declared is not None and (declared == "sum") != (found == "sum"):
         raise OptionError(f"reduction={declared!r}, but the model's loss {loss.node} is {loss.how}, "
                           f"{'a sum' if found == 'sum' else 'a mean'} over the batch: leave reduction out "

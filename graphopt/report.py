@@ -53,7 +53,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     # train_step's microbatches per step when more than one: the graph's figures are then one microbatch's
     microbatches: int = 1
-    # in training, what of the traced graph depends on the batch as a whole (analysis/batch_wide.py)
+    # what of the traced graph depends on the batch as a whole (analysis/batch_wide.py): in eval, its loss's reduction
     batch_wide: BatchWide | None = None
 
     def to_dict(self) -> dict[str, Any]:

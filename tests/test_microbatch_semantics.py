@@ -152,3 +152,13 @@ def test_a_declared_reduction_must_agree_with_the_graph_s():
     model, args = SumLoss(), (torch.randn(4, 8), torch.randint(0, 3, (4,)))
     with pytest.raises(graphopt.OptionError, match="a sum over the batch"):
         graphopt.train_step(model, args, microbatches=2, reduction="mean")
+
+
+def test_in_eval_the_staged_graph_s_loss_is_the_full_batch_s():
+    """Evaluation reports the loss too: a mean over counted tokens combines by their counts there as well."""
+    model, args, kwargs = padded_llama()
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=STAGED, train=False)
+    with torch.no_grad():
+        want, got = model(*args, **kwargs), staged(*args, **kwargs)
+    want, got = (v if isinstance(v, torch.Tensor) else v.loss for v in (want, got))
+    assert_close([got], [want])

@@ -34,7 +34,6 @@ from .effects import CALLS, is_identity_dropout, may_draw
 from .memory import output_tensors
 from .meta import TensorInfo, tensor_info
 
-BATCH_NORMS = ("batch_norm", "batch_norm_train")
 COUNTED = ("cross_entropy", "nll_loss")  # their mean divides by the targets not ignored
 # ATen's loss ops (as torch.export records them) take the reduction as an int
 ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -116,7 +115,7 @@ def batch_wide(gm: torch.fx.GraphModule) -> BatchWide:
         if node.op not in CALLS:
             continue
         op, bound = ops.lookup(node, gm), ops.bind(node, gm)
-        if op is not None and op.name in BATCH_NORMS and bound is not None and bound.params.get("training", True):
+        if op is not None and op.batch_stats and bound is not None and bound.params.get("training", True):
             norms.append(_where(node))
         elif may_draw(node, gm) and not (op is not None and bound is not None and is_identity_dropout(op, bound.params)) \
                 and (op is not None or isinstance(tensor_info(node), TensorInfo)):

@@ -45,10 +45,10 @@ NORMALIZATIONS = {
     "instance_norm": ref("aten.instance_norm.default"),
     "normalize": explicit("x", {"p": 2.0, "dim": 1, "eps": 1e-12}),
     # In training mode with running stats, batch norm writes them in place; *_train are those calls.
-    "batch_norm": ref("aten.batch_norm.default"),
-    "batch_norm_train": ref("aten.batch_norm.default", mutates=True),
-    "native_batch_norm": ref("aten.native_batch_norm.default"),
-    "native_batch_norm_train": ref("aten.native_batch_norm.default", mutates=True),
+    "batch_norm": ref("aten.batch_norm.default", batch_stats=True),
+    "batch_norm_train": ref("aten.batch_norm.default", mutates=True, batch_stats=True),
+    "native_batch_norm": ref("aten.native_batch_norm.default", batch_stats=True),
+    "native_batch_norm_train": ref("aten.native_batch_norm.default", mutates=True, batch_stats=True),
 }
 
 MATMULS = {

@@ -29,6 +29,7 @@ class OpInfo:
     keeps_order: bool = False  # a view reading its input's elements in their order, in another shape (reshape)
     output: str = "tensor"  # what the node produces: one of OUTPUTS
     blas: bool = False  # its CUDA kernel calls cuBLAS (whose handles each hold a workspace: analysis/cuda_workspaces.py)
+    batch_stats: bool = False  # in training it normalizes by its batch's statistics (analysis/batch_wide.py)
 
     @property
     def is_check(self) -> bool:

@@ -22,7 +22,7 @@ from ..batch import batch_rows
 from ..errors import UsageError
 from ..trace import register_dataclasses
 from .microbatch import split_batch
-from .microbatch_step import loss_weights
+from .microbatch_step import loss_weights, reduction_of
 
 
 def install_microbatch_split(gm: torch.fx.GraphModule, full_rows: int, microbatches: int, loss=None) -> None:
@@ -40,11 +40,6 @@ def install_microbatch_split(gm: torch.fx.GraphModule, full_rows: int, microbatc
         return merge_outputs([plain(self, *a, **k) for a, k in parts], [batch_rows(a, k) for a, k in parts], shares)
 
     type(gm).forward = forward
-
-
-def reduction_of(loss) -> str:
-    """How a staged graph's loss combines: as it reduces, a mean where not read."""
-    return "mean" if loss is None or loss.kind == "unknown" else loss.kind
 
 
 def merge_outputs(outputs: list, rows: list[int], shares: list[float] | None = None):

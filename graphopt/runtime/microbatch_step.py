@@ -23,6 +23,12 @@ def weights(k: int, kind: str, counts: list[int] | None = None) -> list[float]:
     return [1.0 / k] * k
 
 
+def reduction_of(loss) -> str:
+    """How a loss the graph returns (analysis/batch_wide.LossReduction) combines over microbatches:
+    as it reduces, a mean where it was not read (None, or unknown)."""
+    return "mean" if loss is None or loss.kind == "unknown" else loss.kind
+
+
 def loss_weights(gm: torch.fx.GraphModule, parts: list[tuple[tuple, dict]], kind: str, loss=None) -> list[float]:
     """weights() for these microbatches of gm's inputs, a mean over counted targets counted by the
     loss's counter (analysis/batch_wide.counted_targets) on each one."""

@@ -10,8 +10,8 @@ from ..passes.pipeline.partition import Partition, StageFacts, partition
 from ..batch import batch_rows
 from ..runtime.microbatch import split_batch
 from ..microbatch_semantics import the_loss
-from ..runtime.microbatch_call import merge_outputs, reduction_of
-from ..runtime.microbatch_step import loss_weights
+from ..runtime.microbatch_call import merge_outputs
+from ..runtime.microbatch_step import loss_weights, reduction_of
 
 
 class Microbatched(torch.nn.Module):
