@@ -9,13 +9,13 @@ import torch
 import torch.fx
 
 from . import passes as passes_pkg
-from .analysis.batch_wide import batch_wide
+from .analysis.batch_wide import batch_wide, the_loss
 from .batch import batch_rows, splits_evenly
 from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .input_aliases import distinct
 from .lazy import LazyOptimized
-from .microbatch_semantics import announce, check_batch_norm, runner_note, the_loss
+from .microbatch_semantics import announce, check_batch_norm
 from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
@@ -166,8 +166,6 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     )
     report.notes += announce(report.batch_wide, microbatches or 1, batch_norm,
                              f"the staged graph ({microbatches} microbatches)")
-    if microbatches:
-        report.notes += runner_note(report.batch_wide)
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
                       microbatches=microbatches)
     dumper = Dumper(dump_dir) if dump_dir else None

@@ -10,7 +10,7 @@ normalize microbatches; and how the microbatches' losses combine into the full b
 """
 from __future__ import annotations
 
-from .analysis.batch_wide import BatchWide, LossReduction
+from .analysis.batch_wide import BatchWide, LossReduction, the_loss
 from .errors import MicrobatchWarning, OptionError, UsageError, warn
 from .runtime.microbatch_step import reduction_of
 
@@ -38,23 +38,6 @@ def announce(wide: BatchWide | None, microbatches: int, batch_norm: str, who: st
     if notes:
         warn(f"{who} runs the batch as {microbatches} microbatches: " + "; ".join(notes) + ".", MicrobatchWarning)
     return [f"{who}: {note}" for note in notes]
-
-
-def runner_note(wide: BatchWide | None) -> list[str]:
-    """For a staged graph: what PipelineRunner does that its full-batch call does not. Its
-    schedules (torch.distributed.pipelining) scale every microbatch's gradients by 1/M, a mean of
-    the microbatches' losses, which is the full batch's for a mean over rows only."""
-    loss = the_loss(wide)
-    if loss is None or loss.kind in ("mean", "unknown"):
-        return []
-    return [f"PipelineRunner (torch.distributed.pipelining's schedules) scales each microbatch's gradients by 1/M: "
-            f"for the loss {loss.node} ({loss.kind}) its step's gradients are the mean of the microbatches', not "
-            "the full batch's, which the staged graph called with the full batch gives"]
-
-
-def the_loss(wide: BatchWide | None) -> LossReduction | None:
-    """The one scalar loss the graph returns, where it returns one."""
-    return wide.losses[0] if wide is not None and len(wide.losses) == 1 else None
 
 
 def loss_kind(wide: BatchWide | None, declared: str | None, outside: bool) -> tuple[str, LossReduction | None]:

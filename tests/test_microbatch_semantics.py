@@ -162,3 +162,67 @@ def test_in_eval_the_staged_graph_s_loss_is_the_full_batch_s():
         want, got = model(*args, **kwargs), staged(*args, **kwargs)
     want, got = (v if isinstance(v, torch.Tensor) else v.loss for v in (want, got))
     assert_close([got], [want])
+
+
+def sum_loss_case():
+    torch.manual_seed(0)
+    return SumLoss(), (torch.randn(6, 8), torch.randint(0, 3, (6,))), {}
+
+
+def _runner_rank(rank, world, make):
+    from graphopt.runtime.pipeline import PipelineRunner
+
+    model, args, kwargs = make()
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs, passes=STAGED)
+    runner = PipelineRunner(staged, rank, world, "cpu", example_args=args, example_kwargs=kwargs,
+                            loss_fn=lambda out, target: out if isinstance(out, torch.Tensor) else out.loss)
+    runner.step(*args, **kwargs)
+    runner.sync_tied_grads()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return runner.loss, runner.reduction, {names[id(p)]: p.grad for p in runner.parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("make", [padded_llama, sum_loss_case], ids=["mean over counted tokens", "sum"])
+def test_the_pipeline_runner_s_gradients_are_the_full_batch_s(make):
+    """torch's schedules scale by 1/M, a mean of the microbatches' losses: the runner weighs a sum's
+    and a counted mean's as train_step does (gradients 2.2 relative off for the padded Llama before)."""
+    from graphopt.testing.gloo import on_gloo_ranks
+
+    ranks = on_gloo_ranks(_runner_rank, 2, make)
+    model, args, kwargs = make()
+    want_loss, want = eager_full_batch(model, args, kwargs)
+    names = [n for n, _ in model.named_parameters()]
+    got = {}
+    for _, reduction, part in ranks:
+        assert reduction in ("counted mean", "sum")
+        got.update(part)
+    assert sorted(got) == sorted(names)
+    assert_close([got[n] for n in names], want)
+    assert ranks[0][0] is None and ranks[1][0] is not None
+    assert_close([ranks[1][0]], [want_loss])
+
+
+def _refused_rank(rank, world):
+    from graphopt.runtime.pipeline import PipelineRunner
+
+    model, args, kwargs = padded_llama()
+    staged = graphopt.optimize(model, args, example_kwargs=kwargs,
+                               passes="pipeline{stages=2 microbatches=2 schedule=interleaved-1f1b ranks=1}")
+    texts = []
+    for reduction, scale in ((None, 2.0), ("mean", 1.0)):
+        runner = PipelineRunner(staged, rank, world, "cpu", example_args=args, example_kwargs=kwargs,
+                                loss_fn=lambda out, target: out * scale if scale != 1.0 else out, reduction=reduction)
+        with pytest.raises(graphopt.UsageError) as e:
+            runner.step(*args, **kwargs)
+        texts.append(str(e.value))
+    return texts
+
+
+def test_the_pipeline_runner_refuses_weights_it_would_guess():
+    """A loss_fn whose tensor is not the graph's loss over counted tokens, and a declared reduction
+    the graph's loss does not have."""
+    from graphopt.testing.gloo import on_gloo_ranks
+
+    hidden, declared = on_gloo_ranks(_refused_rank, 1)[0]
+    assert "loss_fn returns another tensor" in hidden and "reduction=" in hidden
+    assert "reduction='mean', but loss_fn returns the model's loss" in declared

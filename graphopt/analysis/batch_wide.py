@@ -130,6 +130,11 @@ def batch_wide(gm: torch.fx.GraphModule) -> BatchWide:
     return BatchWide(tuple(dict.fromkeys(norms)), tuple(dict.fromkeys(draws)), losses)
 
 
+def the_loss(wide: BatchWide | None) -> LossReduction | None:
+    """The one scalar loss the graph returns, where it returns one."""
+    return wide.losses[0] if wide is not None and len(wide.losses) == 1 else None
+
+
 def loss_reduction(gm: torch.fx.GraphModule, loss: torch.fx.Node, rows: int | None) -> LossReduction:
     """How the scalar `loss` reduces over a batch of `rows` rows (step 3). The op found must reduce
     the batch's rows: its input's leading dim is `rows`, or a flattening of them (a view whose

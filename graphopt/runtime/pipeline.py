@@ -10,10 +10,15 @@ virtual ones) per rank.
    (what the schedules pass between stages and to the loss), and the loss function gets the
    output back in the model's own structure: loss_fn(output, target).
 3. The schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) splits the batch into
-   microbatches, runs forwards and backwards, and scales gradients by the number of
-   microbatches: a step's gradients are those of the mean microbatch loss. Schedule and
-   microbatch count default to those the pipeline pass planned for (an export graph runs
-   on that microbatch size only).
+   microbatches and runs forwards and backwards. A step's gradients are the full batch's, as
+   train_step's and the staged graph's full-batch call are: each microbatch's loss weighs as
+   the loss reduces over the batch (microbatch_step.weights). For a mean that is the schedules'
+   own 1/M scaling; for a sum (1 each) and a mean over counted targets (each microbatch's share
+   of them, counted from the batch before the step) the runner weighs the losses and turns the
+   scaling off. Every rank decides the same way before the step, from the graph's loss
+   (report.batch_wide) or reduction=, since each scales its own stages' gradients. Schedule and
+   microbatch count default to those the pipeline pass planned for (an export graph runs on
+   that microbatch size only).
 4. A parameter several stages read (a tied embedding and LM head) is held by each; after the
    step, sync_tied_grads() sums its gradients over the ranks holding it, as
    torch.distributed.pipelining leaves to its user.
@@ -26,11 +31,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..analysis.batch_wide import the_loss
 from ..analysis.saved import storage_key
 from ..errors import UsageError
 from ..trace import placeholder_values, register_dataclasses
 from .devices import check_device
-from .microbatch import first_microbatch
+from .microbatch import first_microbatch, split_batch
+from .microbatch_step import REDUCTIONS, loss_weights, reduction_of
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -54,13 +61,20 @@ class PipelineRunner:
         runner = PipelineRunner(staged, rank, world_size, device, example_args=(idx,),
                                 example_kwargs={"targets": targets}, loss_fn=lambda out, target: out.loss)
         losses = runner.step(idx, targets=targets)   # forward + backward of every microbatch
-        runner.sync_tied_grads(); optimizer.step()
+        runner.sync_tied_grads(); optimizer.step()   # runner.loss: the full batch's loss
+
+    reduction: how loss_fn's loss reduces over the batch ("mean" or "sum"), where it is not the
+    loss the graph computes; left out, it is read from the graph's loss (a mean where there is
+    none), and loss_fn must then return that loss where it is not a mean.
     """
 
     def __init__(self, staged: torch.fx.GraphModule, rank: int, world_size: int, device, *,
                  example_args: tuple, example_kwargs: dict | None = None, microbatches: int | None = None,
-                 schedule: str | None = None, loss_fn=None, group=None):
+                 schedule: str | None = None, loss_fn=None, reduction: str | None = None, group=None):
         device = check_device(device)
+        if reduction not in (None, *REDUCTIONS):
+            raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)} (how loss_fn's loss reduces over "
+                             f"the batch), got {reduction!r}.")
         planned = staged.meta.get("graphopt_pipeline", {})
         microbatches = microbatches or planned.get("microbatches")
         schedule = schedule or planned.get("schedule", "1f1b")
@@ -107,9 +121,17 @@ class PipelineRunner:
                                              output_args=outputs, group=group))
         self.user_loss = loss_fn
         wrapped = self._loss if loss_fn is not None else None
+        report = getattr(staged, "graphopt_report", None)
+        self.graph_loss = the_loss(report.batch_wide if report is not None else None)
+        self.reduction = reduction or reduction_of(self.graph_loss)
+        self.declared = reduction is not None
+        self.loss: torch.Tensor | None = None
+        self._weights: list[float] = []
+        self._parts: list[torch.Tensor] = []
         cls = SCHEDULE_CLASSES[schedule]
         target = self.stages if schedule == "interleaved-1f1b" else self.stages[0]
-        self.schedule = cls(target, microbatches, loss_fn=wrapped)
+        # a mean's 1/M is the schedules' own scaling; other weights are the runner's (step 3)
+        self.schedule = cls(target, microbatches, loss_fn=wrapped, scale_grads=self.reduction == "mean")
         self._tied = _tied_groups(modules, world_size)
         self._modules = [modules[s] for s in self.indices]
 
@@ -117,7 +139,28 @@ class PipelineRunner:
         output = pytree.tree_unflatten(list(flat), self.last.spec) if self.last.spec is not None else flat
         # An export graph returns leaves; its codegen rebuilds the model's output from them.
         output = self.staged.graph._codegen.process_outputs(output)
-        return self.user_loss(output, target)
+        loss = self.user_loss(output, target)
+        self._check_loss(loss, flat)
+        self._parts.append(loss.detach())
+        weight = self._weights[len(self._parts) - 1] if self.reduction != "mean" else 1.0
+        return loss if weight == 1.0 else loss * weight
+
+    def _check_loss(self, loss, flat) -> None:
+        """The weights are the graph's loss's: where it reduces otherwise than a mean and reduction=
+        was not given, loss_fn must return that loss; where reduction= was given and loss_fn returns
+        the graph's loss, they must agree."""
+        graph = self.graph_loss
+        theirs = isinstance(loss, torch.Tensor) and any(loss is leaf for leaf in flat)
+        if graph is None or graph.kind == "unknown":
+            return
+        if not self.declared and not theirs and self.reduction != "mean":
+            raise UsageError(f"the model's loss {graph.node} is {graph.how} ({graph.kind}), and PipelineRunner "
+                             "weighs the microbatches by it, but loss_fn returns another tensor: return the "
+                             "model's loss, or give reduction= for loss_fn's ('mean' or 'sum').")
+        if self.declared and theirs and self.reduction != reduction_of(graph):  # a counted mean weighs otherwise too
+            raise UsageError(f"reduction={self.reduction!r}, but loss_fn returns the model's loss {graph.node}, "
+                             f"{graph.how}: leave reduction out (PipelineRunner reads it from the graph), or give "
+                             "the one the loss has.")
 
     def step(self, *args, target=None, **kwargs) -> list[torch.Tensor]:
         """Forward and backward of every microbatch; on the last stage's rank, the microbatch losses."""
@@ -125,13 +168,30 @@ class PipelineRunner:
         first = 0 in self.indices
         if target is None:  # the loss comes from the output alone, but the schedules split a target
             target = torch.zeros(self.microbatches)
+        self._weights, self._parts = self._step_weights(args, kwargs), []
         # Positional only: the schedules give keyword arguments to every stage of the rank.
         inputs = placeholder_values(self.staged, args, kwargs) if first else ()
         inputs = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in inputs]
         target = target.to(self.device) if isinstance(target, torch.Tensor) else target
         # The outputs stay on the last rank (a 0-d loss would not merge across microbatches).
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
-        return losses
+        if self.last is None or self.user_loss is None:
+            return losses
+        weights = self._weights if self.reduction != "mean" else [1.0 / len(self._parts)] * len(self._parts)
+        self.loss = sum(w * part for w, part in zip(weights, self._parts))
+        return self._parts
+
+    def _step_weights(self, args, kwargs) -> list[float]:
+        """Each microbatch's weight in the full batch's loss, on the last stage's rank: for a mean over
+        counted targets counted from the batch, which that rank must then be given too."""
+        if self.last is None or self.reduction == "mean":
+            return []
+        if self.reduction == "counted mean" and not args and not kwargs:
+            raise UsageError(f"the model's loss {self.graph_loss.node} is {self.graph_loss.how}, a mean over the "
+                             "targets it does not ignore, and each microbatch weighs by its share of them: give "
+                             "the last stage's rank the batch too (runner.step(*args, **kwargs) on every rank).")
+        parts = split_batch(args, kwargs, self.microbatches) if args or kwargs else [((), {})] * self.microbatches
+        return loss_weights(self.staged, parts, self.reduction, self.graph_loss)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of this rank's stages (an optimizer's list), each once."""

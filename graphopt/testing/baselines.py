@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from ..analysis.batch_wide import the_loss
 from ..analysis.memory import GB, Estimate
 from ..passes.pipeline.partition import Partition, StageFacts, partition
 from ..batch import batch_rows
 from ..runtime.microbatch import split_batch
-from ..microbatch_semantics import the_loss
 from ..runtime.microbatch_call import merge_outputs
 from ..runtime.microbatch_step import loss_weights, reduction_of
 
