@@ -81,6 +81,7 @@ def optimize(
     dump_dir: str | os.PathLike | None = None,
     verify: bool = False,
     batch_norm: str = "warn",
+    shard: str | None = None,
 ):
     """Rewrite `model` through a pass pipeline and return a drop-in replacement.
 
@@ -114,6 +115,8 @@ def optimize(
     dump_dir: write pass-by-pass dumps there (default: $GRAPHOPT_DUMP, else none).
     verify: after each pass, compare outputs and gradients with the eager model and raise
       VerifyError naming the first pass that changed them beyond the dtype's tolerance.
+    shard: "fsdp" (shard pass): each repeated block becomes a submodule unit_k that torch's
+      fully_shard can shard on its own (graphopt.runtime.fsdp.fully_shard_units applies it).
     batch_norm: with stages in training, where a BatchNorm would normalize each microbatch by its
       own statistics: "warn" (default: a MicrobatchWarning, as for random ops and the loss's
       reduction) or "refuse" (a UsageError naming the modules).
@@ -126,7 +129,7 @@ def optimize(
         raise OptionError(f"train must be True, False or None, got {train!r}.")
     pipeline = build_pipeline(passes, OptimizeArguments(
         budget_gb=budget_gb, precision=precision, stages=stages, profile=profile, calibrate=calibrate,
-        precision_policy=precision_policy, optimizer=optimizer, accumulate=accumulate))
+        precision_policy=precision_policy, optimizer=optimizer, accumulate=accumulate, shard=shard))
     if not isinstance(verify, bool):
         raise OptionError(f"verify must be True or False, got {verify!r}.")
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None

@@ -24,6 +24,7 @@ class OptimizeArguments:
     precision_policy: dict | str | None = None
     optimizer: object = None
     accumulate: bool = False
+    shard: str | None = None
 
     def given(self) -> tuple[str, ...]:
         """The arguments that ask for something: None, False, {} and float32 precision ask for nothing."""

@@ -150,6 +150,7 @@ class PassContext:
     call_checks: list = field(default_factory=list)
     # what the other passes of the pipeline do, as the manager finds it from their declarations
     staged: bool = False           # one runs the graph as stages on microbatches (Pass.microbatches_of)
+    units: bool = False            # one makes each repeated block a submodule (Pass.makes_units)
     writes_in_place: bool = False  # one writes elementwise ops in place (Pass.writes_in_place)
     analyses: Analyses = field(init=False, repr=False)
 
@@ -190,6 +191,8 @@ class Pass:
     plans_memory: ClassVar[str | None] = None
     # It writes elementwise ops in place: a memory plan may then write within itself too.
     writes_in_place: ClassVar[bool] = False
+    # It makes each repeated block a submodule: a recompute segment must then stay within a block.
+    makes_units: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -44,6 +44,7 @@ class PassManager:
             self.dumper.graph(0, "trace", gm)
         ctx.staged = any(p.microbatches_of(None) for p in self.passes)
         ctx.writes_in_place = any(p.writes_in_place for p in self.passes)
+        ctx.units = any(p.makes_units for p in self.passes)
         index = 0  # dumps are numbered by the passes that ran
         for p in self.passes:
             if p.by_default:

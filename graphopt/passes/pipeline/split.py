@@ -38,7 +38,7 @@ def split_stages(gm: torch.fx.GraphModule, cuts: list[int]) -> torch.fx.GraphMod
         body = [n for n in nodes[cuts[s]:cuts[s + 1]] if n.op not in ("placeholder", "get_attr")]
         final = s == stages - 1
         outputs = None if final else crossing(nodes, cuts[s + 1])
-        module = _stage(gm, inputs, body, outputs, first=s == 0)
+        module = stage_module(gm, inputs, body, outputs, first=s == 0)
         owner.add_module(f"stage_{s}", module)
         call = root.call_module(f"stage_{s}", tuple(env[i] for i in inputs))
         if final:
@@ -60,7 +60,9 @@ def split_stages(gm: torch.fx.GraphModule, cuts: list[int]) -> torch.fx.GraphMod
     return result
 
 
-def _stage(gm, inputs, body, outputs, first: bool) -> torch.fx.GraphModule:
+def stage_module(gm, inputs, body, outputs, first: bool = False, class_name: str = "Stage") -> torch.fx.GraphModule:
+    """A GraphModule running `body` (nodes of gm, in order) from `inputs` to `outputs` (None: body
+    ends with gm's output node); an attribute not among the inputs is read where it is used."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for i in inputs:
@@ -83,4 +85,4 @@ def _stage(gm, inputs, body, outputs, first: bool) -> torch.fx.GraphModule:
     if outputs is not None:
         graph.output(tuple(env[o] for o in outputs))
     # Root gm: call_module and get_attr targets resolve to the same module and Parameter objects.
-    return torch.fx.GraphModule(gm, graph, class_name="Stage")
+    return torch.fx.GraphModule(gm, graph, class_name=class_name)

@@ -36,11 +36,11 @@ Where plans come from:
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch.fx
 
+from ...analysis.blocks import block_levels
 from .solver import RecomputePlan, Segment, SegmentCost, fits, make_atoms, model_peak, rerun_cost, rerun_end, solve
 
 CANDIDATES = 16   # allowances per line; every plan found is priced (pricing.py)
@@ -49,7 +49,6 @@ CANDIDATES = 16   # allowances per line; every plan found is priced (pricing.py)
 LINES = ((0, True), (0, False), (1, True))
 LEAN_ALLOWANCES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)  # of a chosen plan's allowance, for leaner plans
 GROW_BY = (1, 2, 4, 8)  # nodes a segment of a plan over the budget is grown by
-_NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")  # a child numbered by its name: layer2, denselayer3
 
 
 @dataclass
@@ -71,6 +70,7 @@ class PlanSpace:
     ops: list[int]
     flops: list[int]
     segment_cost: SegmentCost
+    barriers: tuple[int, ...] = ()  # positions no segment runs across (the shard pass's block bounds)
     views: list = field(init=False)
     blocks: list = field(init=False)
     _solved: dict = field(init=False, default_factory=dict)  # line_plan's, by (line, k)
@@ -85,12 +85,13 @@ class PlanSpace:
         self.view_costs = [(c, saves, [x if b else 0 for x, b in zip(c, self.sel)])
                            for c, saves in ((self.cost, self.saves), (self.cost, None), (heavy, self.saves))]
         self.blocks = block_plans(self.nodes, self.ok, self.live_after, self.sel, self.priced)
-        bounds = {k for p in self.blocks for s in p.segments for k in (s.start, s.stop)}
+        bounds = {k for p in self.blocks for s in p.segments for k in (s.start, s.stop)} | set(self.barriers)
         self.views = [make_atoms(self.kept, self.live_after, c, self.ok, self.sel, kept, param_grads=self.grads,
                                  ops=self.ops, saves=saves, boundaries=bounds)
                       for c, saves, kept in self.view_costs]
 
     def priced(self, segments, predicted_peak: int = 0) -> RecomputePlan:
+        segments = _clipped(segments, self.barriers)
         lean = sum(self.matmul_flops[i] for s in segments if not s.selective
                    for i in range(s.start, rerun_end(self.saves, s.start, s.stop)))
         return RecomputePlan(list(segments), self.cost_in(segments), predicted_peak, lean)
@@ -253,8 +254,7 @@ def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int
                 priced) -> list[RecomputePlan]:
     """Plans that recompute each repeated block whole, as a model's own one-line checkpointing
     does (transformers' decoder layers, timm's blocks or stages): one plan per level of
-    numbered children in the module tree (`layers.3`, `stages.1.blocks.0`; `layer2`,
-    `denseblock1.denselayer3`, numbered by name), from the nodes' nn_module_stack. A block's
+    numbered children in the module tree (analysis/blocks.py). A block's
     nodes are those that may run twice: a state write runs once wherever it is (BatchNorm's
     num_batches_tracked, moved to the top: tidy.hoist_state_writes). A block whose
     nodes are not contiguous, or hold between them one that cannot run twice, is left out. The solver's model ranks these
@@ -263,19 +263,8 @@ def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int
     input, so the rerun stops before it and reruns no matmul, while the block's first values (a
     concatenation, a norm and its activation) are not kept, as timm's DenseNet checkpoints each
     dense layer's concatenation, norm1 and conv1."""
-    levels: dict[object, dict[str, list[int]]] = {}  # by depth, numbered by index or by name
-    for i, n in enumerate(nodes):
-        if not n.op.startswith("call") or not ok[i]:
-            continue
-        for entry in (n.meta.get("nn_module_stack") or {}).values():
-            path = entry[0] if isinstance(entry, tuple) else str(entry)
-            parts = path.split(".")
-            if parts[-1].isdigit():
-                levels.setdefault(sum(p.isdigit() for p in parts), {}).setdefault(path, []).append(i)
-            elif _NUMBERED.fullmatch(parts[-1]):  # timm's ResNet stages layer1..layer4, DenseNet's denselayer1..
-                levels.setdefault(("named", sum(bool(_NUMBERED.fullmatch(p)) for p in parts)), {}).setdefault(path, []).append(i)
     plans = []
-    for blocks in levels.values():
+    for blocks in block_levels(nodes, lambda i: ok[i]).values():
         segments = []
         for members in blocks.values():
             start, stop = min(members), max(members) + 1
@@ -305,6 +294,17 @@ def block_plans(nodes: list[torch.fx.Node], ok: list[bool], live_after: list[int
             if chosen:
                 plans.append(priced(chosen))
     return plans
+
+
+def _clipped(segments, barriers: tuple[int, ...]) -> list[Segment]:
+    """segments cut at every barrier inside them."""
+    if not barriers:
+        return list(segments)
+    out = []
+    for s in segments:
+        cuts = [s.start, *(b for b in sorted(barriers) if s.start < b < s.stop), s.stop]
+        out += [Segment(a, b, s.selective) for a, b in zip(cuts, cuts[1:])]
+    return out
 
 
 def _to_first_matmul(seg: Segment, sel: list[int]) -> list[Segment]:

@@ -64,6 +64,7 @@ import torch
 import torch.fx
 
 from ... import ops
+from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
 from ...analysis.memory import Estimate, below_least, budget_bytes, estimate_peak, measure_step
 from ...analysis.meta import graph_device
@@ -179,7 +180,8 @@ class Recompute(Pass):
         r = rates(device)
         space = PlanSpace(nodes, facts.ok, kept=facts.kept, live_after=facts.live_after, grads=facts.grads, cost=cost,
                           saves=facts.saves, sel=facts.sel, ops=facts.ops, flops=flops,
-                          segment_cost=SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9)))
+                          segment_cost=SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9)),
+                          barriers=_block_bounds(nodes) if ctx.units else ())
         for n, why in zip(nodes, facts.why_not):
             if why is not None and n.op.startswith("call"):
                 note(n, "cannot_rerun", why)
@@ -316,6 +318,12 @@ class Recompute(Pass):
         return below_least(budget_gb, minimum, f"{what} needs at least, {how}", breakdown,
                            f"halve activations with precision='bf16',{batch} or split the model over devices with "
                            "stages=N")
+
+
+def _block_bounds(nodes: list[torch.fx.Node]) -> tuple[int, ...]:
+    """Where each repeated block starts and ends: the shard pass makes each a unit of its own,
+    which a segment must not run across (it would join two blocks' parameters in one unit)."""
+    return tuple(sorted({k for at in outer_blocks(nodes).values() for k in (min(at), max(at) + 1)}))
 
 
 def _measure(gm: torch.fx.GraphModule, ctx: PassContext, accumulate: bool) -> int:

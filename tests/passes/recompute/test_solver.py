@@ -153,7 +153,7 @@ def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid
     rng = random.Random(5)
     for trial in range(6):
         n = 40
-        nodes = [SimpleNamespace(op="call_function", meta={}) for _ in range(n)]
+        nodes = [SimpleNamespace(op="call_function", target=None, meta={}) for _ in range(n)]
         matmul = [rng.random() < 0.3 for _ in range(n)]
         space = PlanSpace(nodes, [rng.random() > 0.05 for _ in range(n)], kept=[rng.randint(1, 100) for _ in range(n)],
                           live_after=[rng.randint(50, 300) for _ in range(n)], grads=[0] * n,
@@ -323,7 +323,7 @@ def test_candidates_hold_plans_of_full_segments_where_selective_ones_are_priced_
 
     from graphopt.passes.recompute.candidates import CANDIDATES, PlanSpace, _least_allowance
     n = 12
-    nodes = [SimpleNamespace(op="call_function", meta={}) for _ in range(n)]
+    nodes = [SimpleNamespace(op="call_function", target=None, meta={}) for _ in range(n)]
     matmul = [i % 2 == 0 for i in range(n)]  # a matmul, then what reads it
     space = PlanSpace(nodes, [True] * n, kept=[100] * n, live_after=[100] * n, grads=[0] * n,
                       cost=[50 if m else 10 for m in matmul], saves=[SAVES_OWN] * n,
@@ -347,7 +347,7 @@ def test_block_plans_keep_blocks_whose_state_writes_moved_and_cut_them_after_the
     from graphopt.passes.recompute.candidates import block_plans
 
     def node(block):
-        return SimpleNamespace(op="call_function", meta={"nn_module_stack": {block: (block, None)}})
+        return SimpleNamespace(op="call_function", target=None, meta={"nn_module_stack": {block: (block, None)}})
     # each block's BatchNorm counter write, moved to the top (it cannot run twice), then per
     # block: a concatenation, a norm, its activation, a convolution, what reads it
     nodes = [node("layers.0"), node("layers.1")] + [node(f"layers.{b}") for b in (0, 1) for _ in range(5)]

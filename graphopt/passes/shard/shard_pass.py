@@ -1,0 +1,80 @@
+"""shard: each repeated block of the graph becomes an FSDP unit, unit_0 ... unit_{K-1}.
+
+Algorithm:
+  1. The blocks: the outermost level of numbered children that repeats (analysis/blocks.py: a
+     transformer's layers, a vision model's blocks), each with the graph nodes that run in it.
+  2. The rewrite (units.py): each block's run of nodes becomes a submodule, with the recompute
+     segments it calls; a parameter several units read (a tied embedding and head) is read by
+     the root and passed in; everything outside the blocks stays in the root.
+  3. Report each unit's blocks and parameter bytes, the root's, and the parameters passed in.
+The result trains as the unsharded graph does; runtime/fsdp.py's fully_shard_units applies
+torch's fully_shard to each unit and then to the root, as torchtitan shards a transformer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ...analysis.blocks import outer_blocks
+from ...errors import OptionError, UsageError
+from ..arguments import OptimizeArguments
+from ..base import Pass, PassContext, PassResult, option
+from ..registry import register
+from ...runtime.fsdp import unit_modules
+from .units import block_runs, split_units
+
+STYLES = ("fsdp",)
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """The shard pass's options."""
+
+    style: str = option("fsdp", str, "how the units are sharded", STYLES)
+
+
+@register
+class Shard(Pass):
+    """Make each repeated block a submodule FSDP can shard on its own (unit_0 ... unit_{K-1})."""
+
+    name = "shard"
+    # it rewrites the graph the others planned: they must have run (and planned) first
+    runs_after = {name: f"the units split the graph {name} rewrote; {name} plans on the whole graph"
+                  for name in ("normalize", "cse", "dce", "fuse", "inplace", "precision", "recompute")}
+    arguments = ("shard",)
+    makes_units = True
+    Options = ShardOptions
+
+    @classmethod
+    def from_arguments(cls, args: OptimizeArguments) -> "Shard":
+        return cls({"style": "shard"}, style=args.shard)
+
+    @classmethod
+    def check_arguments(cls, args: OptimizeArguments) -> None:
+        if args.stages:
+            raise OptionError("shard= and stages= split the model two ways: FSDP units run on every rank, "
+                              "pipeline stages one per rank. Give one of them.")
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        # Step 1
+        if not outer_blocks(list(gm.graph.nodes)):
+            raise UsageError(f"shard={self.settings.style!r}: the model repeats no block (no numbered children such "
+                             "as layers.0, layers.1 in its module tree), so there is nothing to make units of: "
+                             "shard the whole model with torch's fully_shard, or leave shard out.")
+        # Step 2
+        nodes = list(gm.graph.nodes)
+        runs = block_runs(nodes, outer_blocks(nodes))
+        passed = split_units(gm, runs)
+        # Step 3
+        units = [{"blocks": paths, "parameter_bytes": _bytes(unit)}
+                 for (_, _, paths), unit in zip(runs, unit_modules(gm))]
+        inside = {id(p) for unit in unit_modules(gm) for p in unit.parameters()}
+        root = sum(p.numel() * p.element_size() for p in gm.parameters() if id(p) not in inside)
+        return PassResult(gm, True, stats={"units": units, "root_parameter_bytes": root,
+                                           "passed_to_units": passed})
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())

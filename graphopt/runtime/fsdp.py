@@ -1,0 +1,29 @@
+"""FSDP2 on the shard pass's units: fully_shard on each unit_k, then on the root, as torchtitan
+shards a transformer (its blocks one by one, the root for the embeddings, norm and head)."""
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.distributed.fsdp import fully_shard
+
+from ..errors import UsageError
+
+
+def fully_shard_units(gm: torch.fx.GraphModule, *, mesh=None, reshard_after_forward: bool = True, **kwargs):
+    """Shard gm (optimize(..., shard="fsdp")'s result) in place and return it. The last unit keeps
+    its parameters gathered after its forward, as torchtitan does: its backward comes next.
+    kwargs: fully_shard's (mp_policy, offload_policy, ...)."""
+    units = unit_modules(gm)
+    if not units:
+        raise UsageError("this module has no FSDP units (unit_0, unit_1, ...): build it with "
+                         "graphopt.optimize(model, example_inputs, shard='fsdp').")
+    for k, unit in enumerate(units):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and k < len(units) - 1, **kwargs)
+    fully_shard(gm, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    return gm
+
+
+def unit_modules(gm: torch.nn.Module) -> list[torch.nn.Module]:
+    """unit_0 ... unit_{K-1} (the shard pass's), in the order they run."""
+    count = sum(1 for name, _ in gm.named_children() if name.startswith("unit_"))
+    return [getattr(gm, f"unit_{k}") for k in range(count)]

@@ -1,0 +1,170 @@
+"""The shard pass: each repeated block an FSDP unit, trained under fully_shard on gloo ranks as
+eager FSDP2 per block trains the model, with recompute segments inside the units."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphopt
+from graphopt.runtime.fsdp import unit_modules
+from graphopt.testing import zoo
+
+
+def gpt(batch=8, seq=64):
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=batch, seq=seq, layers=3)
+    for m in model.modules():  # each rank would draw its own masks, eager and graphopt alike, but not the same
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(m, zoo.Block):
+            m.dropout = 0.0
+    return model, args, kwargs
+
+
+class SharedWeightBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class SharedWeights(nn.Module):
+    """The first and last blocks share one Linear's weight."""
+
+    def __init__(self, dim=16, layers=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(SharedWeightBlock(dim) for _ in range(layers))
+        self.blocks[-1].fc.weight = self.blocks[0].fc.weight
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def second_batch(kwargs, args, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 256, args[0].shape, generator=gen)
+    targets = torch.randint(0, 256, kwargs["targets"].shape, generator=gen)
+    targets[0, : targets.shape[1] // 2] = -100
+    return (idx,), {"targets": targets}
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_each_block_is_a_unit_and_the_graph_trains_as_eager(frontend):
+    model, args, kwargs = gpt(batch=4, seq=16)
+    gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", frontend=frontend)
+    stats = gm.graphopt_report.passes[-1].stats
+    assert [u["blocks"] for u in stats["units"]] == [["blocks.0"], ["blocks.1"], ["blocks.2"]]
+    block_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    assert all(u["parameter_bytes"] == block_bytes for u in stats["units"])
+    units = {id(p) for unit in unit_modules(gm) for p in unit.parameters()}
+    assert units == {id(p) for p in model.blocks.parameters()}
+    args2, kwargs2 = second_batch(kwargs, args)
+    want = model(*args2, **kwargs2).loss
+    want.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    got = gm(*args2, **kwargs2).loss
+    got.backward()
+    assert torch.equal(got, want)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.equal(g, p.grad)
+
+
+def _train(module, args, kwargs, names):
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = module(*args, **kwargs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, {name: p.full_tensor() for name, p in zip(names, module.parameters())}
+
+
+def _rank(rank, world, how, frontend, budget_gb):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from graphopt.runtime.fsdp import fully_shard_units
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, args, kwargs = gpt()
+    args, kwargs = second_batch(kwargs, args, seed=10 + rank)  # each rank its own data
+    names = {id(p): n for n, p in model.named_parameters()}
+    if how == "eager":
+        for k, block in enumerate(model.blocks):
+            fully_shard(block, mesh=mesh, reshard_after_forward=k < len(model.blocks) - 1)
+        fully_shard(model, mesh=mesh)
+        return _train(model, args, kwargs, list(names.values()))
+    gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", frontend=frontend, budget_gb=budget_gb)
+    segments = sum(p.stats.get("segments", 0) for p in gm.graphopt_report.passes if p.name.startswith("recompute"))
+    order = [names[id(p)] for p in gm.parameters()]
+    fully_shard_units(gm, mesh=mesh)
+    return (*_train(gm, args, kwargs, order), segments)
+
+
+@pytest.mark.parametrize("frontend,budget_gb", [("fx", 0.004), ("export", None)])
+def test_units_under_fully_shard_train_as_eager_fsdp_per_block(frontend, budget_gb):
+    """Two gloo ranks, each its own batch, three AdamW steps: losses and parameters bitwise equal to
+    eager FSDP2 sharding each block and the root, recompute segments within the units."""
+    from graphopt.testing.gloo import on_gloo_ranks
+
+    eager = on_gloo_ranks(_rank, 2, "eager", frontend, budget_gb)
+    ours = on_gloo_ranks(_rank, 2, "graphopt", frontend, budget_gb)
+    for (want_losses, want), (losses, got, segments) in zip(eager, ours):
+        assert (segments > 0) == (budget_gb is not None)
+        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+def test_a_recompute_segment_stays_within_a_block():
+    """Under a budget that recomputes, each segment runs in one block, so each block stays a unit."""
+    model, args, kwargs = gpt()
+    gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", budget_gb=0.004)
+    assert [u["blocks"] for u in gm.graphopt_report.passes[-1].stats["units"]] == [["blocks.0"], ["blocks.1"], ["blocks.2"]]
+    assert any(name.startswith("segment_") for unit in unit_modules(gm) for name, _ in unit.named_children())
+
+
+def test_a_parameter_two_units_read_is_read_by_the_root():
+    """torch.export names a tied weight once: the root reads it and gives it to both units."""
+    torch.manual_seed(0)
+    model, x = SharedWeights(), torch.randn(4, 16)
+    gm = graphopt.optimize(model, (x,), shard="fsdp", frontend="export")
+    passed = gm.graphopt_report.passes[-1].stats["passed_to_units"]
+    assert list(passed.values()) == [["unit_0", "unit_2"]]
+    shared = model.blocks[0].fc.weight
+    assert all(id(shared) not in {id(p) for p in unit.parameters()} for unit in unit_modules(gm))
+    x2 = torch.randn(4, 16)
+    want = model(x2)
+    want.backward()
+    grad = shared.grad.clone()
+    shared.grad = None
+    gm(x2).backward()
+    assert torch.equal(shared.grad, grad)
+
+
+def test_a_module_two_units_call_is_refused():
+    """fx calls each block's Linear, and two of them hold one weight: no unit could hold it alone."""
+    model, x = SharedWeights(), torch.randn(4, 16)
+    with pytest.raises(graphopt.UsageError, match="weights shared between blocks"):
+        graphopt.optimize(model, (x,), shard="fsdp", frontend="fx")
+
+
+def test_a_model_without_blocks_and_shard_with_stages_are_refused():
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Linear(8, 8))
+    model.add_module("head", nn.Linear(8, 2))
+    with pytest.raises(graphopt.UsageError, match="repeats no block"):
+        graphopt.optimize(model, (torch.randn(4, 8),), shard="fsdp")
+    model, args, kwargs = gpt(batch=4, seq=16)
+    with pytest.raises(graphopt.OptionError, match="shard= and stages="):
+        graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", stages=2)
+    with pytest.raises(graphopt.OptionError):
+        graphopt.optimize(model, args, example_kwargs=kwargs, shard="zero3")
