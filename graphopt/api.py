@@ -82,6 +82,7 @@ def optimize(
     verify: bool = False,
     batch_norm: str = "warn",
     shard: str | None = None,
+    world_size: int | None = None,
 ):
     """Rewrite `model` through a pass pipeline and return a drop-in replacement.
 
@@ -117,6 +118,9 @@ def optimize(
       VerifyError naming the first pass that changed them beyond the dtype's tolerance.
     shard: "fsdp" (shard pass): each repeated block becomes a submodule unit_k that torch's
       fully_shard can shard on its own (graphopt.runtime.fsdp.fully_shard_units applies it).
+    world_size: with shard, the ranks FSDP2 shards over: budget_gb is then one rank's peak
+      (its shard of parameters, gradients and optimizer state, the gathered units, activations),
+      and the report gives a rank's predicted peak.
     batch_norm: with stages in training, where a BatchNorm would normalize each microbatch by its
       own statistics: "warn" (default: a MicrobatchWarning, as for random ops and the loss's
       reduction) or "refuse" (a UsageError naming the modules).
@@ -129,7 +133,8 @@ def optimize(
         raise OptionError(f"train must be True, False or None, got {train!r}.")
     pipeline = build_pipeline(passes, OptimizeArguments(
         budget_gb=budget_gb, precision=precision, stages=stages, profile=profile, calibrate=calibrate,
-        precision_policy=precision_policy, optimizer=optimizer, accumulate=accumulate, shard=shard))
+        precision_policy=precision_policy, optimizer=optimizer, accumulate=accumulate, shard=shard,
+        world_size=world_size))
     if not isinstance(verify, bool):
         raise OptionError(f"verify must be True or False, got {verify!r}.")
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None

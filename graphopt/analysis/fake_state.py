@@ -8,6 +8,7 @@ ops run a real device's kernels (planning_device.py)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import torch
@@ -18,7 +19,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..fake_kernels import active as fake_kernels_active
 from .planning_device import planning_device
-from .segments import segment_modules
+from .segments import SegmentCall, segment_modules
 
 
 def _faker(mode: FakeTensorMode):
@@ -84,3 +85,37 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
                 if isinstance(value, torch.Tensor):
                     state[node.target] = value
     return state
+
+
+def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
+    """A deep copy of module whose parameters, buffers and tensor constants are FakeTensors of
+    mode (nothing real is copied), recompute segments included: for a run that changes the
+    module for good (fully_shard replaces its parameters and its class)."""
+    fake = _faker(mode)
+    memo: dict[int, object] = {}
+    modules = [module]
+    for m in modules:
+        if isinstance(m, torch.fx.GraphModule):
+            modules += [s for s in segment_modules(m) if s not in modules]
+    for m in modules:
+        for t in _state(m).values():
+            if id(t) not in memo:
+                f = fake(t.detach())
+                memo[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+    copy_ = copy.deepcopy(module, memo)
+    # a graph's copy keeps its nodes' targets: a segment's call must run the segment's copy
+    for m in copy_.modules():
+        if isinstance(m, torch.fx.GraphModule) and _copy_segments(m, memo):
+            m.recompile()
+    return copy_
+
+
+def _copy_segments(gm: torch.fx.GraphModule, memo: dict) -> bool:
+    changed = False
+    for node in gm.graph.nodes:
+        if isinstance(node.target, SegmentCall):
+            call = copy.copy(node.target)
+            call.module = memo.get(id(node.target.module)) or copy.deepcopy(node.target.module, memo)
+            _copy_segments(call.module, memo)
+            node.target, changed = call, True
+    return changed

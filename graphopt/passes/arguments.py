@@ -25,6 +25,7 @@ class OptimizeArguments:
     optimizer: object = None
     accumulate: bool = False
     shard: str | None = None
+    world_size: int | None = None
 
     def given(self) -> tuple[str, ...]:
         """The arguments that ask for something: None, False, {} and float32 precision ask for nothing."""

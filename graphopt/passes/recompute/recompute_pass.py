@@ -72,14 +72,15 @@ from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memor
 from ...analysis.saved import record_step
 from ...analysis.segments import SegmentCall
 from ...dump import note
-from ...errors import BudgetError, BudgetWarning, warn
+from ...errors import BudgetError, BudgetWarning, OptionError, warn
 from ...plot import memory_csv, memory_png
 from ...report import BudgetFit, idle_budget
 from ...runtime.budget_check import BudgetCheck
 from ...trial import trial_run
 from ..arguments import OptimizeArguments
-from ..base import Pass, PassContext, PassResult, Text, option, plans_memory_after, positive, to_bool
+from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, positive, to_bool
 from ..fuse.head_loss_chunks import size_chunks
+from ..shard.rank_memory import rank_peak
 from ..registry import register
 from .candidates import PlanSpace, Scan
 from .in_place import write_within
@@ -115,6 +116,8 @@ class RecomputeOptions:
                                                       "a torch.optim.Optimizer or " + ", ".join(NAMED))
     accumulate: bool = option(False, to_bool, "the step runs with every .grad present, backward adding into it "
                                               "(gradient accumulation): the budget covers them from the start")
+    world_size: int | None = option(None, count, "ranks FSDP2 shards the step over (shard='fsdp'): budget_gb is "
+                                                 "then one rank's")
 
 
 @register
@@ -123,7 +126,7 @@ class Recompute(Pass):
 
     name = "recompute"
     runs_after = plans_memory_after("fuse", "inplace", "precision")
-    arguments = ("budget_gb", "profile", "calibrate", "optimizer", "accumulate")
+    arguments = ("budget_gb", "profile", "calibrate", "optimizer", "accumulate", "world_size")
     yields_to = ("stages",)
     plans_memory = ("the recompute pass writes in place within its plan, as the inplace pass would but for the "
                     "values its segments recompute from")
@@ -132,7 +135,16 @@ class Recompute(Pass):
     @classmethod
     def from_arguments(cls, args: OptimizeArguments) -> "Recompute":
         return cls({name: name for name in cls.arguments}, budget_gb=args.budget_gb, profile=args.profile,
-                   calibrate=args.calibrate, optimizer=args.optimizer, accumulate=args.accumulate)
+                   calibrate=args.calibrate, optimizer=args.optimizer, accumulate=args.accumulate,
+                   world_size=args.world_size)
+
+    @classmethod
+    def check_arguments(cls, args: OptimizeArguments) -> None:
+        if args.world_size and not args.shard:
+            raise OptionError("world_size= is the ranks FSDP2 shards the step over: give shard='fsdp' too.")
+        if args.world_size and (args.calibrate or args.accumulate):
+            raise OptionError("with world_size=, the plan is held to a rank's estimated step; calibrate= and "
+                              "accumulate= plan one device's: leave them out.")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         budget_gb = self.settings.budget_gb
@@ -153,6 +165,14 @@ class Recompute(Pass):
         before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         stats = {}  # the budget, its target and the peaks are the result's BudgetFit
         fit = functools.partial(BudgetFit, limit, target, before.peak_bytes)
+        # Per rank (world_size): the search plans one device's step, for the target that puts a rank's at
+        # it; calls at other sizes are held to that target too (the call check)
+        ranks = self.settings.world_size if ctx.train else None
+        if ranks:
+            rank_before = self._rank_peak(gm, ctx)
+            fit = functools.partial(BudgetFit, limit, target, rank_before)
+            stats["world_size"] = ranks
+            target += before.peak_bytes - rank_before  # one device's step over a rank's, unplanned
         if not ctx.train:
             if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
@@ -164,12 +184,12 @@ class Recompute(Pass):
             stats["loss_chunk_rows"] = chunk
             before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
-            _warn_idle(fit(before.peak_bytes))
+            _warn_idle(fit(rank_before if ranks else before.peak_bytes))
             written, before = self._write_in_place(gm, ctx, None, None, before)
+            peak = before.peak_bytes if not ranks else self._rank_peak(gm, ctx) if written else rank_before
             return PassResult(gm, tidied or chunk is not None or bool(written),
                               {**stats, "segments": 0, "written_in_place": written}, _pictures({"as traced": before}, limit),
-                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(before.peak_bytes),
-                              peak_bytes=before.peak_bytes)
+                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
         # Step 2
         step = ctx.analysis(record_step, gm)
         facts = node_facts(gm, step)
@@ -189,10 +209,10 @@ class Recompute(Pass):
         pricer = PlanPricer(before.log, step, nodes, facts.saves)
         search = PlanSearch(gm, space, sorted(space.blocks, key=lambda p: (p.recompute_cost, p.predicted_peak)),
                             lambda: self._estimate(gm, ctx), pricer, Scan(space))
-        if not self.settings.calibrate:  # calibrating measures the plan without the writes first
+        if not self.settings.calibrate and not ranks:  # both measure the plan without the writes first
             search.finish = lambda plan: self._written(gm, ctx, search, plan)
         # Steps 4 and 5
-        plan, after = search.cheapest_within(target)
+        plan, after = self._fit_rank(gm, ctx, search, target, budget_gb) if ranks else search.cheapest_within(target)
         if plan is None:  # without a plan at all, nothing may be recomputed: the step as it is is the least
             least = min((e for e in (after, before) if e is not None), key=lambda e: e.peak_bytes)
             raise self._error(budget_gb, least.peak_bytes, least.breakdown, inference=False)
@@ -240,9 +260,44 @@ class Recompute(Pass):
             "recompute_ms": round(plan.recompute_cost / 1e6, 3),
             "written_in_place": written,
         })
+        peak = after.peak_bytes
+        if ranks:
+            peak = self._rank_peak(gm, ctx)
+            # step 6 keeps its writes where they lower one device's step: a rank's is estimated again
+            if peak > int(limit * (1 - self.headroom)):
+                raise self._error(budget_gb, peak, {}, inference=False)
         return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
-                          call_checks=[self._check(budget_gb, target, ctx)], budget=fit(after.peak_bytes),
-                          peak_bytes=after.peak_bytes)
+                          call_checks=[self._check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
+
+    def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
+        """A rank's predicted peak through gm's step under FSDP2 (shard/rank_memory.py)."""
+        return rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size,
+                         self.settings.optimizer).peak_bytes
+
+    def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int, budget_gb: float):
+        """Steps 4 and 5 for a rank's budget (world_size): the search's plan for the one-device target,
+        estimated as a rank's step; while over, the search again for a target lowered by the
+        overshoot from that plan's own one-device peak (its shift is its own: recompute's reruns
+        run while a unit is gathered). Where the search finds none, the plan it estimated least
+        may still fit a rank; else it names the least."""
+        limit = int(budget_bytes(budget_gb) * (1 - self.headroom))
+        for _ in range(CALIBRATIONS):
+            plan, after = search.cheapest_within(target)
+            least = plan is None
+            if least:
+                if not search.estimates:
+                    raise self._error(budget_gb, self._rank_peak(gm, ctx), {}, inference=False)
+                k = min(search.estimates, key=lambda i: search.estimates[i].peak_bytes)
+                plan, after = search.candidates[k], search.estimates[k]
+            search.rewrite(plan)
+            peak = self._rank_peak(gm, ctx)
+            search.undo()
+            if peak <= limit:
+                return plan, after
+            if least:  # a rank's breakdown is not the one-device step's: none given
+                raise self._error(budget_gb, peak, {}, inference=False)
+            target = after.peak_bytes - (peak - limit)
+        raise self._error(budget_gb, peak, {}, inference=False)
 
     def _estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> Estimate:
         """The fake step of gm as it is now, with the optimizer and accumulation this plan is for."""
@@ -311,6 +366,11 @@ class Recompute(Pass):
                measured: bool = False) -> BudgetError:
         minimum = int(minimum / (1 - self.headroom))
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
+        ranks = self.settings.world_size
+        if ranks and not inference:
+            return below_least(budget_gb, minimum, f"one rank's training step under FSDP2 over {ranks} ranks needs at "
+                               f"least, {'as measured' if measured else 'by the estimate'}", breakdown,
+                               "halve activations with precision='bf16', or shard over more ranks (world_size)")
         how = "as measured" if measured else "by the estimate"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "

@@ -6,7 +6,8 @@ Algorithm:
   2. The rewrite (units.py): each block's run of nodes becomes a submodule, with the recompute
      segments it calls; a parameter several units read (a tied embedding and head) is read by
      the root and passed in; everything outside the blocks stays in the root.
-  3. Report each unit's blocks and parameter bytes, the root's, and the parameters passed in.
+  3. Report each unit's blocks and parameter bytes, the root's, and the parameters passed in;
+     with world_size, a rank's predicted peak through the step under FSDP2 (rank_memory.py).
 The result trains as the unsharded graph does; runtime/fsdp.py's fully_shard_units applies
 torch's fully_shard to each unit and then to the root, as torchtitan shards a transformer.
 """
@@ -20,10 +21,12 @@ import torch.fx
 from ...analysis.blocks import outer_blocks
 from ...errors import OptionError, UsageError
 from ..arguments import OptimizeArguments
-from ..base import Pass, PassContext, PassResult, option
+from ...analysis.optimizer_memory import NAMED, check_optimizer
+from ..base import Pass, PassContext, PassResult, count, option
 from ..registry import register
 from ...runtime.fsdp import unit_modules
-from .units import block_runs, split_units
+from .rank_memory import rank_peak
+from .units import make_units
 
 STYLES = ("fsdp",)
 
@@ -33,6 +36,9 @@ class ShardOptions:
     """The shard pass's options."""
 
     style: str = option("fsdp", str, "how the units are sharded", STYLES)
+    world_size: int | None = option(None, count, "ranks FSDP2 shards over: the report gives a rank's predicted peak")
+    optimizer: object = option(None, check_optimizer, "the optimizer whose sharded state a rank's peak covers: "
+                                                      "a torch.optim.Optimizer or " + ", ".join(NAMED))
 
 
 @register
@@ -43,13 +49,14 @@ class Shard(Pass):
     # it rewrites the graph the others planned: they must have run (and planned) first
     runs_after = {name: f"the units split the graph {name} rewrote; {name} plans on the whole graph"
                   for name in ("normalize", "cse", "dce", "fuse", "inplace", "precision", "recompute")}
-    arguments = ("shard",)
+    arguments = ("shard", "world_size", "optimizer")
     makes_units = True
     Options = ShardOptions
 
     @classmethod
     def from_arguments(cls, args: OptimizeArguments) -> "Shard":
-        return cls({"style": "shard"}, style=args.shard)
+        return cls({"style": "shard", "world_size": "world_size", "optimizer": "optimizer"}, style=args.shard,
+                   world_size=args.world_size, optimizer=args.optimizer)
 
     @classmethod
     def check_arguments(cls, args: OptimizeArguments) -> None:
@@ -64,16 +71,20 @@ class Shard(Pass):
                              "as layers.0, layers.1 in its module tree), so there is nothing to make units of: "
                              "shard the whole model with torch's fully_shard, or leave shard out.")
         # Step 2
-        nodes = list(gm.graph.nodes)
-        runs = block_runs(nodes, outer_blocks(nodes))
-        passed = split_units(gm, runs)
+        runs, passed = make_units(gm)
         # Step 3
         units = [{"blocks": paths, "parameter_bytes": _bytes(unit)}
                  for (_, _, paths), unit in zip(runs, unit_modules(gm))]
         inside = {id(p) for unit in unit_modules(gm) for p in unit.parameters()}
         root = sum(p.numel() * p.element_size() for p in gm.parameters() if id(p) not in inside)
-        return PassResult(gm, True, stats={"units": units, "root_parameter_bytes": root,
-                                           "passed_to_units": passed})
+        stats = {"units": units, "root_parameter_bytes": root, "passed_to_units": passed}
+        peak = None
+        if self.settings.world_size and ctx.train:
+            rank = rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size, self.settings.optimizer)
+            stats.update(world_size=self.settings.world_size, rank_peak_bytes=rank.peak_bytes,
+                         rank_breakdown=rank.breakdown)
+            peak = rank.peak_bytes
+        return PassResult(gm, True, stats=stats, peak_bytes=peak)
 
 
 def _bytes(module: torch.nn.Module) -> int:

@@ -24,6 +24,7 @@ import operator
 import torch
 import torch.fx
 
+from ...analysis.blocks import outer_blocks
 from ...analysis.segments import SegmentCall
 from ...errors import UsageError
 from ..pipeline.split import stage_module
@@ -122,3 +123,11 @@ def _attribute(gm: torch.nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def make_units(gm: torch.fx.GraphModule) -> tuple[list[tuple[int, int, list[str]]], dict[str, list[str]]]:
+    """The whole rewrite of gm, its blocks those outer_blocks finds: each unit's run of nodes, and
+    the parameters passed to units (split_units)."""
+    nodes = list(gm.graph.nodes)
+    runs = block_runs(nodes, outer_blocks(nodes))
+    return runs, split_units(gm, runs)

@@ -168,3 +168,59 @@ def test_a_model_without_blocks_and_shard_with_stages_are_refused():
         graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", stages=2)
     with pytest.raises(graphopt.OptionError):
         graphopt.optimize(model, args, example_kwargs=kwargs, shard="zero3")
+
+
+def _measured_rank(rank, world, budget_gb):
+    """(predicted, measured) peak of this rank's step: optimize's report, and torch's FSDPMemTracker
+    through a real step on gloo, the optimizer's state made by a first step."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphopt.runtime.fsdp import fully_shard_units
+
+    model, args, kwargs = gpt()
+    args, kwargs = second_batch(kwargs, args, seed=10 + rank)
+    gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", budget_gb=budget_gb, world_size=world,
+                           optimizer="adamw")
+    predicted = gm.graphopt_report.passes[-1].stats["rank_peak_bytes"]
+    fully_shard_units(gm, mesh=init_device_mesh("cpu", (world,)))
+    optimizer = torch.optim.AdamW(gm.parameters())
+
+    def step():
+        gm(*args, **kwargs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    tracker = FSDPMemTracker(gm, optimizer)
+    tracker.track_inputs(args)
+    with tracker:
+        step()
+    return predicted, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.mark.parametrize("world,budget_gb", [(2, None), (2, 0.006), pytest.param(4, 0.004, marks=pytest.mark.slow)])
+def test_a_rank_s_step_is_within_its_budget_and_its_prediction(world, budget_gb):
+    """budget_gb is one rank's: the plan holds each rank's measured step under it, within 3% of the
+    prediction (the same here: the estimate runs the sharded step on FakeTensors)."""
+    from graphopt.testing.gloo import on_gloo_ranks
+
+    for predicted, measured in on_gloo_ranks(_measured_rank, world, budget_gb):
+        assert abs(measured - predicted) <= 0.03 * measured, (predicted, measured)
+        if budget_gb is not None:
+            assert measured <= budget_gb * 1e9, (measured, budget_gb)
+
+
+def test_a_rank_s_budget_below_its_least_names_the_least():
+    model, args, kwargs = gpt()
+    with pytest.raises(graphopt.BudgetError, match="one rank's training step under FSDP2 over 2 ranks") as e:
+        graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", budget_gb=0.002, world_size=2)
+    least = e.value.min_budget_gb
+    gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", budget_gb=least, world_size=2)
+    assert gm.graphopt_report.passes[-1].stats["rank_peak_bytes"] <= least * 1e9
+
+
+def test_world_size_needs_shard():
+    model, args, kwargs = gpt(batch=4, seq=16)
+    with pytest.raises(graphopt.OptionError, match="shard='fsdp'"):
+        graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1.0, world_size=2)

@@ -1,0 +1,108 @@
+"""A rank's peak memory through one FSDP2 training step, predicted before any device is used.
+
+1. A copy of the graph whose parameters and buffers are FakeTensors (analysis/fake_state.fake_copy:
+   nothing real is copied) has its units sharded as the user shards them
+   (runtime/fsdp.fully_shard_units) over a fake process group of world_size ranks, whose
+   collectives move nothing but allocate what real ones allocate.
+2. The step runs twice on fake inputs: forward, backward from the loss, the optimizer's step,
+   gradients set to None; the second, with the optimizer's state made, under torch's
+   FSDPMemTracker, which counts what a rank holds at each moment: its shard of the parameters,
+   gradients and optimizer state, the gathered parameters of the unit that runs and of the one
+   prefetched, the all-gather and reduce-scatter buffers, activations and what recompute reruns.
+torchtitan estimates its steps' memory so. Allocator effects (CUDA's block rounding) are not in it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ...analysis.fake_state import fake_copy
+from ...analysis.memory import backward_roots
+from ...analysis.optimizer_memory import NAMED
+from ...errors import UsageError
+from ...fake_kernels import active as fake_kernels_active
+from ...runtime.fsdp import fully_shard_units, unit_modules
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    peak_bytes: int
+    breakdown: dict[str, int]  # FSDPMemTracker's categories at the peak (parameters, gradients, buffers, ...)
+
+
+def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: int, optimizer=None) -> RankPeak:
+    """One rank's peak through a training step of gm under FSDP2 over world_size ranks: gm's
+    units (the shard pass's, made on the copy where gm has none yet: the recompute pass asks
+    before the shard pass runs); optimizer: None (forward and backward only), a name in NAMED or a
+    torch.optim.Optimizer (its class and settings)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from .units import make_units
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    model = fake_copy(gm, mode)
+    if not unit_modules(model):
+        make_units(model)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+    with _fake_mesh(world_size) as mesh, fake_kernels_active(), mode:
+        fully_shard_units(model, mesh=mesh)
+        opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        _step(model, opt, args, kwargs)
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs(args)
+        with tracker:
+            _step(model, opt, args, kwargs)
+        peak = tracker.get_tracker_snapshot("peak")
+    totals = next(iter(peak.values()))
+    return RankPeak(int(totals["Total"]), {getattr(k, "value", str(k)): int(v) for k, v in totals.items()
+                                           if k != "Total" and v})
+
+
+def _step(model, opt, args, kwargs) -> None:
+    sum(loss.sum() for loss in backward_roots(model(*args, **kwargs))).backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    else:
+        for p in model.parameters():
+            p.grad = None
+
+
+def _optimizer(optimizer, params: list) -> torch.optim.Optimizer | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, str):
+        cls, settings = NAMED[optimizer]
+        return cls(params, **settings)
+    settings = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return type(optimizer)(params, **settings)
+
+
+@contextlib.contextmanager
+def _fake_mesh(world_size: int):
+    """A device mesh of world_size ranks over a fake process group: this process's own where it
+    has none, else a group of its world (every rank makes it, as a new group needs)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise UsageError(f"world_size={world_size}, but this process's group has {dist.get_world_size()} "
+                             "ranks: give the world the step runs in, or plan outside it.")
+        group = dist.new_group(backend="fake")
+        try:
+            yield DeviceMesh.from_group(group, "cpu")
+        finally:
+            dist.destroy_process_group(group)
+        return
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
