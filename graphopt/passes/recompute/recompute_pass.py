@@ -270,9 +270,10 @@ class Recompute(Pass):
                           call_checks=[self._check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
 
     def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
-        """A rank's predicted peak through gm's step under FSDP2 (shard/rank_memory.py)."""
+        """What a rank's step under FSDP2 may hold at most, by the estimate: its peak and what a
+        collective may still hold (shard/rank_memory.py)."""
         return rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size,
-                         self.settings.optimizer).peak_bytes
+                         self.settings.optimizer).bound_bytes
 
     def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int, budget_gb: float):
         """Steps 4 and 5 for a rank's budget (world_size): the search's plan for the one-device target,

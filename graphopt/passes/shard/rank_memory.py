@@ -10,6 +10,10 @@
    gradients and optimizer state, the gathered parameters of the unit that runs and of the one
    prefetched, the all-gather and reduce-scatter buffers, activations and what recompute reruns.
 torchtitan estimates its steps' memory so. Allocator effects (CUDA's block rounding) are not in it.
+3. What the tracker cannot see: a collective runs asynchronously, and its backend may keep the
+   input of a unit's reduce-scatter alive after FSDP2 drops it, while the next unit's is made
+   (measured on gloo: on one rank of two, one unit's buffer above the prediction). The slack is
+   the largest unit's reduce-scatter input; a plan for a rank's budget holds the peak plus it.
 """
 from __future__ import annotations
 
@@ -35,6 +39,12 @@ from ...runtime.fsdp import fully_shard_units, unit_modules
 class RankPeak:
     peak_bytes: int
     breakdown: dict[str, int]  # FSDPMemTracker's categories at the peak (parameters, gradients, buffers, ...)
+    slack_bytes: int = 0  # step 3: one unit's reduce-scatter input a backend may still hold
+
+    @property
+    def bound_bytes(self) -> int:
+        """What a plan holds to the budget: the peak and the slack."""
+        return self.peak_bytes + self.slack_bytes
 
 
 def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: int, optimizer=None) -> RankPeak:
@@ -61,8 +71,22 @@ def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: i
             _step(model, opt, args, kwargs)
         peak = tracker.get_tracker_snapshot("peak")
     totals = next(iter(peak.values()))
+    units = [list(unit.parameters()) for unit in unit_modules(model)]
+    inside = {id(p) for params in units for p in params}
+    units.append([p for p in model.parameters() if id(p) not in inside])  # the root's own
+    slack = max(_reduce_scatter_bytes(params, world_size) for params in units)
     return RankPeak(int(totals["Total"]), {getattr(k, "value", str(k)): int(v) for k, v in totals.items()
-                                           if k != "Total" and v})
+                                           if k != "Total" and v}, slack)
+
+
+def _reduce_scatter_bytes(params: list, world_size: int) -> int:
+    """A unit's reduce-scatter input: each gradient padded along dim 0 to a multiple of the ranks."""
+    total = 0
+    for p in params:
+        if p.requires_grad:
+            rows = -(-p.shape[0] // world_size) * world_size if p.dim() else world_size
+            total += rows * (p.numel() // max(p.shape[0], 1) if p.dim() else 1) * p.element_size()
+    return total
 
 
 def _step(model, opt, args, kwargs) -> None:

@@ -82,8 +82,8 @@ class Shard(Pass):
         if self.settings.world_size and ctx.train:
             rank = rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size, self.settings.optimizer)
             stats.update(world_size=self.settings.world_size, rank_peak_bytes=rank.peak_bytes,
-                         rank_breakdown=rank.breakdown)
-            peak = rank.peak_bytes
+                         rank_breakdown=rank.breakdown, rank_collective_slack_bytes=rank.slack_bytes)
+            peak = rank.bound_bytes
         return PassResult(gm, True, stats=stats, peak_bytes=peak)
 
 

@@ -182,7 +182,8 @@ def _measured_rank(rank, world, budget_gb):
     args, kwargs = second_batch(kwargs, args, seed=10 + rank)
     gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", budget_gb=budget_gb, world_size=world,
                            optimizer="adamw")
-    predicted = gm.graphopt_report.passes[-1].stats["rank_peak_bytes"]
+    stats = gm.graphopt_report.passes[-1].stats
+    predicted, slack = stats["rank_peak_bytes"], stats["rank_collective_slack_bytes"]
     fully_shard_units(gm, mesh=init_device_mesh("cpu", (world,)))
     optimizer = torch.optim.AdamW(gm.parameters())
 
@@ -196,17 +197,17 @@ def _measured_rank(rank, world, budget_gb):
     tracker.track_inputs(args)
     with tracker:
         step()
-    return predicted, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return predicted, slack, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 @pytest.mark.parametrize("world,budget_gb", [(2, None), (2, 0.006), pytest.param(4, 0.004, marks=pytest.mark.slow)])
 def test_a_rank_s_step_is_within_its_budget_and_its_prediction(world, budget_gb):
     """budget_gb is one rank's: the plan holds each rank's measured step under it, within 3% of the
-    prediction (the same here: the estimate runs the sharded step on FakeTensors)."""
+    prediction, or above it by at most the one reduce-scatter input gloo may still hold (rank_memory.py)."""
     from graphopt.testing.gloo import on_gloo_ranks
 
-    for predicted, measured in on_gloo_ranks(_measured_rank, world, budget_gb):
-        assert abs(measured - predicted) <= 0.03 * measured, (predicted, measured)
+    for predicted, slack, measured in on_gloo_ranks(_measured_rank, world, budget_gb):
+        assert 0.97 * predicted <= measured <= 1.03 * (predicted + slack), (predicted, slack, measured)
         if budget_gb is not None:
             assert measured <= budget_gb * 1e9, (measured, budget_gb)
 
@@ -217,7 +218,8 @@ def test_a_rank_s_budget_below_its_least_names_the_least():
         graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", budget_gb=0.002, world_size=2)
     least = e.value.min_budget_gb
     gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", budget_gb=least, world_size=2)
-    assert gm.graphopt_report.passes[-1].stats["rank_peak_bytes"] <= least * 1e9
+    stats = gm.graphopt_report.passes[-1].stats
+    assert stats["rank_peak_bytes"] + stats["rank_collective_slack_bytes"] <= least * 1e9
 
 
 def test_world_size_needs_shard():
