@@ -108,7 +108,7 @@ def _rank(rank, world, how, frontend, budget_gb):
     return (*_train(gm, args, kwargs, order), segments)
 
 
-@pytest.mark.parametrize("frontend,budget_gb", [("fx", 0.004), ("export", None)])
+@pytest.mark.parametrize("frontend,budget_gb", [("fx", 0.004), pytest.param("export", None, marks=pytest.mark.slow)])
 def test_units_under_fully_shard_train_as_eager_fsdp_per_block(frontend, budget_gb):
     """Two gloo ranks, each its own batch, three AdamW steps: losses and parameters bitwise equal to
     eager FSDP2 sharding each block and the root, recompute segments within the units."""
@@ -200,7 +200,7 @@ def _measured_rank(rank, world, budget_gb):
     return predicted, slack, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-@pytest.mark.parametrize("world,budget_gb", [(2, None), (2, 0.006), pytest.param(4, 0.004, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world,budget_gb", [pytest.param(2, None, marks=pytest.mark.slow), (2, 0.006), pytest.param(4, 0.004, marks=pytest.mark.slow)])
 def test_a_rank_s_step_is_within_its_budget_and_its_prediction(world, budget_gb):
     """budget_gb is one rank's: the plan holds each rank's measured step under it, within 3% of the
     prediction, or above it by at most the one reduce-scatter input gloo may still hold (rank_memory.py)."""
