@@ -1,0 +1,148 @@
+"""A rank's peak under FSDP2 per block, graphopt against what users already have, in one run on
+gloo ranks (CPU): eager FSDP2, eager FSDP2 with the model's own checkpointing (every block), and
+graphopt's units unplanned, at the peak own checkpointing reaches, and at graphopt's least budget
+per rank; each rank measured by torch's FSDPMemTracker through a real step (the optimizer's state
+made by a step before), beside graphopt's prediction. Step times as ratios to eager's.
+
+    python bench/fsdp_ranks.py [--world 2] [--out bench/results/fsdp_ranks-cpu-2-cores-<date>.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
+
+import graphopt
+from graphopt.runtime.fsdp import fully_shard_units
+from graphopt.testing.gloo import on_gloo_ranks
+
+
+def zoo_gpt():
+    from graphopt.testing import zoo
+
+    model, args, kwargs = zoo.gpt(batch=8, seq=128, layers=6, dim=128, heads=4)
+    return model, args, kwargs, list(model.blocks), lambda out: out.loss
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 512, (4, 128))
+    return model, (ids,), {"labels": ids}, list(model.model.layers), lambda out: out.loss
+
+
+MODELS = {"zoo GPT (6 blocks)": zoo_gpt, "transformers Llama (6 layers)": hf_llama}
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if hasattr(m, "dropout") and isinstance(m.dropout, float):
+            m.dropout = 0.0
+
+
+def _run(module, args, kwargs, loss_of, steps=3):
+    """(peak bytes of the second step, median seconds of the later steps)."""
+    optimizer = torch.optim.AdamW(module.parameters())
+
+    def step():
+        loss_of(module(*args, **kwargs)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    tracker = FSDPMemTracker(module, optimizer)
+    tracker.track_inputs(args)
+    with tracker:
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], statistics.median(times)
+
+
+def _rank(rank, world, name, how, budget_gb):
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model, args, kwargs, blocks, loss_of = MODELS[name]()
+    _no_dropout(model)
+    predicted = least = None
+    if how.startswith("eager"):
+        if how == "eager + own checkpointing":
+            for block in blocks:
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        for k, block in enumerate(blocks):
+            fully_shard(block, mesh=mesh, reshard_after_forward=k < len(blocks) - 1)
+        fully_shard(model, mesh=mesh)
+        module = model
+    else:
+        if budget_gb == "least":
+            try:
+                graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", world_size=world,
+                                  optimizer="adamw", budget_gb=1e-6)
+            except graphopt.BudgetError as e:
+                least = budget_gb = e.min_budget_gb
+        module = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", world_size=world,
+                                   optimizer="adamw", budget_gb=budget_gb)
+        stats = module.graphopt_report.passes[-1].stats
+        predicted = (stats["rank_peak_bytes"], stats["rank_collective_slack_bytes"])
+        fully_shard_units(module, mesh=mesh)
+    peak, seconds = _run(module, args, kwargs, loss_of)
+    return {"peak": peak, "seconds": seconds, "predicted": predicted, "budget_gb": budget_gb or least}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    options = parser.parse_args()
+    day = datetime.date.today().isoformat()
+    out = Path(options.out or f"bench/results/fsdp_ranks-cpu-{options.world}-ranks-{day}.md")
+    lines = [f"# A rank's peak under FSDP2 per block, {options.world} gloo ranks on CPU ({day})", "",
+             "`python bench/fsdp_ranks.py --world {}`: each rank's peak through a step, measured by torch's "
+             "FSDPMemTracker (the optimizer's state made by a step before); graphopt's prediction "
+             "(+ what a collective may still hold); step time as a ratio to eager FSDP2's (median of 3).".format(
+                 options.world), ""]
+    for name in MODELS:
+        eager = on_gloo_ranks(_rank, options.world, name, "eager", None)
+        own = on_gloo_ranks(_rank, options.world, name, "eager + own checkpointing", None)
+        runs = [("eager FSDP2", eager), ("eager FSDP2 + own checkpointing", own),
+                ("graphopt, no budget", on_gloo_ranks(_rank, options.world, name, "graphopt", None)),
+                ("graphopt at own checkpointing's peak",
+                 on_gloo_ranks(_rank, options.world, name, "graphopt", max(r["peak"] for r in own) / 1e9)),
+                ("graphopt at its least budget", on_gloo_ranks(_rank, options.world, name, "graphopt", "least"))]
+        base = statistics.median(r["seconds"] for r in eager)
+        lines += [f"## {name}", "", "| run | budget per rank | predicted (+slack) | measured per rank | vs eager's peak "
+                  "| step time vs eager |", "|---|---|---|---|---|---|"]
+        for label, ranks in runs:
+            measured = [r["peak"] for r in ranks]
+            budget = ranks[0]["budget_gb"]
+            predicted = ranks[0]["predicted"]
+            lines.append(
+                f"| {label} | {f'{budget * 1e3:.2f} MB' if budget else '-'} | "
+                f"{f'{predicted[0] / 1e6:.2f} MB (+{predicted[1] / 1e6:.2f})' if predicted else '-'} | "
+                f"{', '.join(f'{m / 1e6:.2f} MB' for m in measured)} | "
+                f"{max(measured) / max(r['peak'] for r in eager):.2f} | "
+                f"{statistics.median(r['seconds'] for r in ranks) / base:.2f} |")
+        lines.append("")
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
