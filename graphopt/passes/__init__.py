@@ -11,6 +11,6 @@ from . import normalize, cse, dce, recompute, fuse  # noqa: E402,F401
 from . import inplace  # noqa: E402,F401
 from . import precision  # noqa: E402,F401
 from . import pipeline  # noqa: E402,F401
-from . import shard  # noqa: E402,F401
+from .shard import shard_pass  # noqa: E402,F401
 
 __all__ = ["Option", "Pass", "PassContext", "PassResult", "available", "get", "parse_pipeline", "register"]

@@ -4,8 +4,8 @@ them after, which needs a module that holds them and whose forward is the block'
 
 1. Each block's nodes, the contiguous run from its first node to its last in graph order (a
    recompute segment belongs to the blocks its nodes ran in), become unit_k; runs that overlap
-   become one unit (the recompute pass keeps its segments within blocks where the pipeline
-   shards). Nodes outside every block (embeddings, the final norm, the head) stay in the root
+   become one unit (the recompute pass keeps its segments within blocks when the shard pass
+   follows it). Nodes outside every block (embeddings, the final norm, the head) stay in the root
    graph, whose own fully_shard holds their parameters.
 2. The GraphModule of each recompute segment a unit (or the root) calls is registered on it as
    segment_k: a segment is held by a callable, and fully_shard replaces the parameters of the
@@ -27,7 +27,7 @@ import torch.fx
 from ...analysis.blocks import outer_blocks
 from ...analysis.segments import SegmentCall
 from ...errors import UsageError
-from ..pipeline.split import stage_module
+from ..submodule import stage_module
 
 
 def block_runs(nodes: list[torch.fx.Node], blocks: dict[str, list[int]]) -> list[tuple[int, int, list[str]]]:
