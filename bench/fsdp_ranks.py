@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import graphopt
+from graphopt.passes.shard.rank_memory import step_peak
 from graphopt.runtime.fsdp import fully_shard_units
 from graphopt.testing.gloo import on_gloo_ranks
 
@@ -57,23 +57,15 @@ def _no_dropout(model):
 def _run(module, args, kwargs, loss_of, steps=3):
     """(peak bytes of the second step, median seconds of the later steps)."""
     optimizer = torch.optim.AdamW(module.parameters())
-
-    def step():
-        loss_of(module(*args, **kwargs)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()
-    tracker = FSDPMemTracker(module, optimizer)
-    tracker.track_inputs(args)
-    with tracker:
-        step()
+    peak = step_peak(module, optimizer, args, kwargs)["Total"]
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        step()
+        loss_of(module(*args, **kwargs)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], statistics.median(times)
+    return peak, statistics.median(times)
 
 
 def _rank(rank, world, name, how, budget_gb):

@@ -10,16 +10,16 @@ gradients and AdamW state, the gathered units, activations), shards the units an
 fully_shard, and trains on its own batch.
 """
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphopt
-from graphopt.runtime.devices import check_device
 from graphopt.runtime.fsdp import fully_shard_units
 from graphopt.testing import zoo
+
+from torchrun_setup import start  # examples/, beside this script
 
 
 def main():
@@ -28,17 +28,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     options = parser.parse_args()
-    if "RANK" not in os.environ:
-        parser.error("run it with torchrun, which starts one process per rank: "
-                     "torchrun --nproc-per-node 2 examples/fsdp_gpt.py")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        device = check_device(f"cuda:{os.environ['LOCAL_RANK']}" if options.device == "cuda" else "cpu")
-    except graphopt.UsageError as e:
-        parser.error(str(e))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world, device = start(parser, options.device, "examples/fsdp_gpt.py")
 
     torch.manual_seed(0)  # the same weights on every rank; fully_shard keeps each rank's shard
     with device:

@@ -9,15 +9,15 @@ Every rank builds the same model and lets graphopt cut it into balanced stages (
 deterministic); each keeps its own stages and runs the schedule on torch.distributed.pipelining.
 """
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
 import graphopt
-from graphopt.runtime.devices import check_device
 from graphopt.runtime.pipeline import PipelineRunner
 from graphopt.testing import zoo
+
+from torchrun_setup import start  # examples/, beside this script
 
 
 def main():
@@ -28,17 +28,7 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--frontend", default="fx", choices=["fx", "export"])
     options = parser.parse_args()
-    if "RANK" not in os.environ:
-        parser.error("run it with torchrun, which starts one process per stage: "
-                     "torchrun --nproc-per-node 2 examples/pipeline_gpt.py")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        device = check_device(f"cuda:{os.environ['LOCAL_RANK']}" if options.device == "cuda" else "cpu")
-    except graphopt.UsageError as e:
-        parser.error(str(e))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world, device = start(parser, options.device, "examples/pipeline_gpt.py")
 
     # The same model on every rank, built on the host: the runner moves only its stages to `device`.
     torch.manual_seed(0)

@@ -52,8 +52,6 @@ def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: i
     units (the shard pass's, made on the copy where gm has none yet: the recompute pass asks
     before the shard pass runs); optimizer: None (forward and backward only), a name in NAMED or a
     torch.optim.Optimizer (its class and settings)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     from .units import make_units
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -63,14 +61,8 @@ def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: i
     args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
     with _fake_mesh(world_size) as mesh, fake_kernels_active(), mode:
         fully_shard_units(model, mesh=mesh)
-        opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-        _step(model, opt, args, kwargs)
-        tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs(args)
-        with tracker:
-            _step(model, opt, args, kwargs)
-        peak = tracker.get_tracker_snapshot("peak")
-    totals = next(iter(peak.values()))
+        totals = step_peak(model, _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad]),
+                           args, kwargs)
     units = [list(unit.parameters()) for unit in unit_modules(model)]
     inside = {id(p) for params in units for p in params}
     units.append([p for p in model.parameters() if id(p) not in inside])  # the root's own
@@ -87,6 +79,20 @@ def _reduce_scatter_bytes(params: list, world_size: int) -> int:
             rows = -(-p.shape[0] // world_size) * world_size if p.dim() else world_size
             total += rows * (p.numel() // max(p.shape[0], 1) if p.dim() else 1) * p.element_size()
     return total
+
+
+def step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict) -> dict:
+    """FSDPMemTracker's totals at the peak of model's second training step (the optimizer's state
+    made by the first), by category and "Total": a prediction on fakes, a measurement on real
+    tensors (tests and benchmarks measure ranks so)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    _step(model, opt, args, kwargs)
+    tracker = FSDPMemTracker(model, opt)
+    tracker.track_inputs(args)
+    with tracker:
+        _step(model, opt, args, kwargs)
+    return next(iter(tracker.get_tracker_snapshot("peak").values()))
 
 
 def _step(model, opt, args, kwargs) -> None:

@@ -171,11 +171,11 @@ def test_a_model_without_blocks_and_shard_with_stages_are_refused():
 
 
 def _measured_rank(rank, world, budget_gb):
-    """(predicted, measured) peak of this rank's step: optimize's report, and torch's FSDPMemTracker
-    through a real step on gloo, the optimizer's state made by a first step."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    """(predicted, slack, measured) peak of this rank's step: optimize's report, and torch's
+    FSDPMemTracker through a real step on gloo, the optimizer's state made by a first step."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from graphopt.passes.shard.rank_memory import step_peak
     from graphopt.runtime.fsdp import fully_shard_units
 
     model, args, kwargs = gpt()
@@ -185,19 +185,7 @@ def _measured_rank(rank, world, budget_gb):
     stats = gm.graphopt_report.passes[-1].stats
     predicted, slack = stats["rank_peak_bytes"], stats["rank_collective_slack_bytes"]
     fully_shard_units(gm, mesh=init_device_mesh("cpu", (world,)))
-    optimizer = torch.optim.AdamW(gm.parameters())
-
-    def step():
-        gm(*args, **kwargs).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()
-    tracker = FSDPMemTracker(gm, optimizer)
-    tracker.track_inputs(args)
-    with tracker:
-        step()
-    return predicted, slack, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return predicted, slack, step_peak(gm, torch.optim.AdamW(gm.parameters()), args, kwargs)["Total"]
 
 
 @pytest.mark.parametrize("world,budget_gb", [pytest.param(2, None, marks=pytest.mark.slow), (2, 0.006), pytest.param(4, 0.004, marks=pytest.mark.slow)])
@@ -226,3 +214,22 @@ def test_world_size_needs_shard():
     model, args, kwargs = gpt(batch=4, seq=16)
     with pytest.raises(graphopt.OptionError, match="shard='fsdp'"):
         graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=1.0, world_size=2)
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_trains_within_a_rank_s_budget():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from graphopt.testing.gloo import free_port
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "fsdp_gpt.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(example), "--steps", "3", "--budget-gb", "0.05"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", run.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
+    assert "(budget 50.0 MB)" in run.stdout

@@ -69,9 +69,9 @@ def test_corpus_units_train_as_eager_fsdp_per_block(name):
 
 
 def _budget_rank(rank, world, name):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
+    from graphopt.passes.shard.rank_memory import step_peak
     from graphopt.runtime.fsdp import fully_shard_units
 
     model, case = _case(name, rank)
@@ -87,19 +87,8 @@ def _budget_rank(rank, world, name):
     stats = gm.graphopt_report.passes[-1].stats
     predicted, slack = stats["rank_peak_bytes"], stats["rank_collective_slack_bytes"]
     fully_shard_units(gm, mesh=init_device_mesh("cpu", (world,)))
-    optimizer = torch.optim.AdamW(gm.parameters())
-
-    def step():
-        case.loss(gm(*case.args, **case.kwargs)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    step()
-    tracker = FSDPMemTracker(gm, optimizer)
-    tracker.track_inputs(case.args)
-    with tracker:
-        step()
-    return free, budget_gb, predicted, slack, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    measured = step_peak(gm, torch.optim.AdamW(gm.parameters()), case.args, case.kwargs)["Total"]
+    return free, budget_gb, predicted, slack, measured
 
 
 @pytest.mark.parametrize("name", MODELS)
