@@ -55,12 +55,7 @@ def optimizer_memory(optimizer, params: list[torch.Tensor]) -> OptimizerMemory:
     fakes = {}
     for g in groups:
         g["params"] = [fakes.setdefault(id(p), _fake_parameter(mode, p)) for p in g["params"]]
-    try:
-        fake_optimizer = cls(groups)
-    except Exception as e:  # noqa: BLE001 (the user's optimizer class, whatever it raises)
-        raise OptionError(f"optimizer={type(optimizer).__name__}: cannot build it again over stand-in "
-                          f"parameters to measure its memory ({type(e).__name__}: {e}); give its name "
-                          f"instead ({', '.join(NAMED)}).") from e
+    fake_optimizer = _build(optimizer, cls, groups)
     resident = [t for p in fakes.values() for t in (p, p.grad)]
     with LiveStorage(resident):  # the first step makes the state
         fake_optimizer.step()
@@ -69,6 +64,26 @@ def optimizer_memory(optimizer, params: list[torch.Tensor]) -> OptimizerMemory:
         fake_optimizer.step()
     return OptimizerMemory(second.live - sum(t.untyped_storage().nbytes() for t in resident),
                            second.peak - second.live)
+
+
+def optimizer_over(optimizer, params: list) -> torch.optim.Optimizer:
+    """`optimizer` built again over `params` (one group): a name in NAMED, or an instance's class with
+    its first group's settings (what its state's size depends on)."""
+    if isinstance(optimizer, str):
+        cls, settings = NAMED[optimizer]
+    else:
+        cls, settings = type(optimizer), {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return _build(optimizer, cls, params, **settings)
+
+
+def _build(optimizer, cls, *args, **settings) -> torch.optim.Optimizer:
+    """cls(*args, **settings), or OptionError: a user's optimizer class may not build again."""
+    try:
+        return cls(*args, **settings)
+    except Exception as e:  # noqa: BLE001 (the user's optimizer class, whatever it raises)
+        raise OptionError(f"optimizer={type(optimizer).__name__}: cannot build it again over stand-in "
+                          f"parameters to measure its memory ({type(e).__name__}: {e}); give its name "
+                          f"instead ({', '.join(NAMED)}).") from e
 
 
 def _fake_parameter(mode: FakeTensorMode, p: torch.Tensor) -> torch.Tensor:

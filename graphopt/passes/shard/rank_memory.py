@@ -9,11 +9,11 @@
    FSDPMemTracker, which counts what a rank holds at each moment: its shard of the parameters,
    gradients and optimizer state, the gathered parameters of the unit that runs and of the one
    prefetched, the all-gather and reduce-scatter buffers, activations and what recompute reruns.
-torchtitan estimates its steps' memory so. Allocator effects (CUDA's block rounding) are not in it.
 3. What the tracker cannot see: a collective runs asynchronously, and its backend may keep the
    input of a unit's reduce-scatter alive after FSDP2 drops it, while the next unit's is made
-   (measured on gloo: on one rank of two, one unit's buffer above the prediction). The slack is
-   the largest unit's reduce-scatter input; a plan for a rank's budget holds the peak plus it.
+   (gloo does, on some ranks). The slack is the largest unit's reduce-scatter input; a plan for
+   a rank's budget holds the peak plus it.
+torchtitan estimates its steps' memory so. Allocator effects (CUDA's block rounding) are not in it.
 """
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ...analysis.fake_state import fake_copy
 from ...analysis.memory import backward_roots
-from ...analysis.optimizer_memory import NAMED
+from ...analysis.optimizer_memory import optimizer_over
 from ...errors import UsageError
 from ...fake_kernels import active as fake_kernels_active
 from ...runtime.fsdp import fully_shard_units, unit_modules
+from .units import make_units
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,6 @@ def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: i
     units (the shard pass's, made on the copy where gm has none yet: the recompute pass asks
     before the shard pass runs); optimizer: None (forward and backward only), a name in NAMED or a
     torch.optim.Optimizer (its class and settings)."""
-    from .units import make_units
-
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     model = fake_copy(gm, mode)
     if not unit_modules(model):
@@ -61,8 +60,8 @@ def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: i
     args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
     with _fake_mesh(world_size) as mesh, fake_kernels_active(), mode:
         fully_shard_units(model, mesh=mesh)
-        totals = step_peak(model, _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad]),
-                           args, kwargs)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        totals = step_peak(model, optimizer_over(optimizer, trained) if optimizer is not None else None, args, kwargs)
     units = [list(unit.parameters()) for unit in unit_modules(model)]
     inside = {id(p) for params in units for p in params}
     units.append([p for p in model.parameters() if id(p) not in inside])  # the root's own
@@ -103,16 +102,6 @@ def _step(model, opt, args, kwargs) -> None:
     else:
         for p in model.parameters():
             p.grad = None
-
-
-def _optimizer(optimizer, params: list) -> torch.optim.Optimizer | None:
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, str):
-        cls, settings = NAMED[optimizer]
-        return cls(params, **settings)
-    settings = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    return type(optimizer)(params, **settings)
 
 
 @contextlib.contextmanager

@@ -19,12 +19,12 @@ import torch
 import torch.fx
 
 from ...analysis.blocks import outer_blocks
-from ...errors import OptionError, UsageError
-from ..arguments import OptimizeArguments
 from ...analysis.optimizer_memory import NAMED, check_optimizer
+from ...errors import OptionError, UsageError
+from ...runtime.fsdp import unit_modules
+from ..arguments import OptimizeArguments
 from ..base import Pass, PassContext, PassResult, count, option
 from ..registry import register
-from ...runtime.fsdp import unit_modules
 from .rank_memory import rank_peak
 from .units import make_units
 
