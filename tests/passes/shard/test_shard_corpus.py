@@ -1,5 +1,5 @@
 """The shard pass on corpus models (make test-real): two transformers language models and a
-vision transformer on two gloo ranks, each with its own batch. Three AdamW steps train as eager
+vision transformer on two and four gloo ranks, each with its own batch. Three AdamW steps train as eager
 FSDP2 sharding each block and the root; under a budget per rank, each rank's measured step is
 within it and within 3% of the prediction."""
 import pytest
@@ -54,12 +54,13 @@ def _rank(rank, world, name, how):
     return _train(gm, case, order)
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
-def test_corpus_units_train_as_eager_fsdp_per_block(name):
+def test_corpus_units_train_as_eager_fsdp_per_block(name, world):
     from graphopt.testing.gloo import on_gloo_ranks
 
-    eager = on_gloo_ranks(_rank, 2, name, "eager")
-    ours = on_gloo_ranks(_rank, 2, name, "graphopt")
+    eager = on_gloo_ranks(_rank, world, name, "eager")
+    ours = on_gloo_ranks(_rank, world, name, "graphopt")
     for (want_losses, want), (losses, got) in zip(eager, ours):
         for a, b in zip(losses, want_losses):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -91,12 +92,13 @@ def _budget_rank(rank, world, name):
     return free, budget_gb, predicted, slack, measured
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
-def test_corpus_rank_budget_holds_and_is_predicted(name):
+def test_corpus_rank_budget_holds_and_is_predicted(name, world):
     from graphopt.testing.gloo import on_gloo_ranks
 
-    for rank, (free, budget_gb, predicted, slack, measured) in enumerate(on_gloo_ranks(_budget_rank, 2, name)):
-        print(f"{name} rank {rank}: unplanned {free / 1e6:.3f} MB, budget {budget_gb * 1e3:.3f} MB, predicted "
+    for rank, (free, budget_gb, predicted, slack, measured) in enumerate(on_gloo_ranks(_budget_rank, world, name)):
+        print(f"{name} rank {rank}/{world}: unplanned {free / 1e6:.3f} MB, budget {budget_gb * 1e3:.3f} MB, predicted "
               f"{predicted / 1e6:.3f} MB (+{slack / 1e6:.3f} MB a collective may hold), measured {measured / 1e6:.3f} MB")
         assert measured <= budget_gb * 1e9
         assert 0.97 * predicted <= measured <= 1.03 * (predicted + slack)
