@@ -108,7 +108,7 @@ class TrainStep:
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         total, parts = None, self._split(args, kwargs)
-        shares = loss_weights(self.graph, parts, self.reduction, self._loss)
+        shares = loss_weights(self.graph, parts, self.reduction, self._loss)  # weights(), split once
         for i, (a, kw) in enumerate(parts):
             try:
                 loss = step_loss(self.graph, a, kw, self.loss_fn)
@@ -119,6 +119,12 @@ class TrainStep:
             total = accumulate(loss, total, shares[i])
             del loss  # before the next microbatch's forward, as its backward freed the rest
         return total
+
+    def weights(self, *args, **kwargs) -> list[float]:
+        """Each microbatch's weight in this batch's loss, as a call weighs them (1/k for a mean, 1
+        for a sum, its share of the counted targets for a mean over them)."""
+        parts = self._split(args, kwargs)
+        return loss_weights(self.graph, parts, self.reduction, self._loss)
 
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         k = self.microbatches

@@ -53,14 +53,16 @@ def no_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def eager_step(model, args, kwargs, loss_fn=None, seed=0, microbatches=1):
+def eager_step(model, args, kwargs, loss_fn=None, seed=0, microbatches=1, weights=None):
     """(loss, {parameter: grad}) of eager's full-batch step, or of its microbatches one after
-    another, each loss scaled by 1/k (train_step's reduction="mean"); grads None before and after."""
+    another, each loss scaled by its weight (default 1/k, train_step's reduction="mean"); grads None
+    before and after."""
     clear_grads(model)
     torch.manual_seed(seed)
     losses = []
-    for a, k in split_batch(args, kwargs, microbatches):
-        loss = step_loss(model, a, k, loss_fn) / microbatches
+    weights = weights or [1 / microbatches] * microbatches
+    for (a, k), weight in zip(split_batch(args, kwargs, microbatches), weights):
+        loss = step_loss(model, a, k, loss_fn) * weight
         loss.backward()
         losses.append(loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -443,11 +445,13 @@ def test_corpus_train_step_holds_a_quarter_budget(train_step_model):
     assert compare(want, got, truth, EXACT).max_rel <= EXACT
     # A second batch (other tokens, labels apart from them with -100 here and there): against eager on
     # the full batch where the step gives the full batch's (a loss over counted tokens weighs each
-    # microbatch by its count), else on the same microbatches (a loss_fn outside, averaged over each).
+    # microbatch by its count), else on the same microbatches weighed as the step weighs them (a
+    # loss_fn outside averaged over each; a model whose calls may draw, its counted tokens' shares).
     _, args, kwargs, _ = corpus_step_case(train_step_model, second=True)
     k = 1 if step.whole else step.microbatches
-    _, want = eager_step(model, args, kwargs, loss_fn, microbatches=k)
+    weights = None if step.whole else step.weights(*args, **kwargs)
+    _, want = eager_step(model, args, kwargs, loss_fn, microbatches=k, weights=weights)
     _, got = train_step_grads(step, model, args, kwargs)
-    _, truth = eager_step(*float64_copy(model, args, kwargs), loss_fn, microbatches=k)
+    _, truth = eager_step(*float64_copy(model, args, kwargs), loss_fn, microbatches=k, weights=weights)
     against = "the full batch" if k == 1 else f"its {k} microbatches"
     assert compare(want, got, truth, EXACT).max_rel <= EXACT, f"against eager on {against}"
