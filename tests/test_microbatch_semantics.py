@@ -182,7 +182,8 @@ def _runner_rank(rank, world, make):
     return runner.loss, runner.reduction, {names[id(p)]: p.grad for p in runner.parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("make", [padded_llama, sum_loss_case], ids=["mean over counted tokens", "sum"])
+@pytest.mark.parametrize("make", [padded_llama, pytest.param(sum_loss_case, marks=pytest.mark.slow)],
+                         ids=["mean over counted tokens", "sum"])
 def test_the_pipeline_runner_s_gradients_are_the_full_batch_s(make):
     """torch's schedules scale by 1/M, a mean of the microbatches' losses: the runner weighs a sum's
     and a counted mean's as train_step does (gradients 2.2 relative off for the padded Llama before)."""
@@ -218,6 +219,7 @@ def _refused_rank(rank, world):
     return texts
 
 
+@pytest.mark.slow  # a gloo launch: make test-real
 def test_the_pipeline_runner_refuses_weights_it_would_guess():
     """A loss_fn whose tensor is not the graph's loss over counted tokens, and a declared reduction
     the graph's loss does not have."""

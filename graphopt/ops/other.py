@@ -24,6 +24,8 @@ SPECS = {
     "triu": ref("aten.triu.default"),
     "tril": ref("aten.tril.default"),
     "repeat": ref("aten.repeat.default"),
+    # with an int count (GPT-J's rotary tables); a tensor of counts makes a data-dependent size
+    "repeat_interleave": ref("aten.repeat_interleave.self_int"),
     "tile": ref("aten.tile.default"),
     "flip": ref("aten.flip.default"),
     "roll": ref("aten.roll.default"),

@@ -177,7 +177,7 @@ SPELLINGS = {
     "index_put": "* aten._unsafe_index_put",
     "index_add": "*", "index_copy": "*", "scatter": "*", "scatter_add": "*",
     "masked_scatter": "*", "masked_select": "*", "nonzero": "*",
-    "diff": "*", "triu": "*", "tril": "*", "repeat": "*", "tile": "*", "flip": "*", "roll": "*",
+    "diff": "*", "triu": "*", "tril": "*", "repeat": "*", "repeat_interleave": "aten.repeat_interleave.self_int", "tile": "*", "flip": "*", "roll": "*",
     "pad": "F.pad aten.pad aten.constant_pad_nd torch.constant_pad_nd",
     "one_hot": "F.one_hot aten.one_hot",
     "sort": "*", "argsort": "*", "topk": "*", "histc": "*", "bincount": "*",

@@ -200,6 +200,7 @@ def test_a_rank_s_step_is_within_its_budget_and_its_prediction(world, budget_gb)
             assert measured <= budget_gb * 1e9, (measured, budget_gb)
 
 
+@pytest.mark.slow  # 10 s: make test-real
 def test_a_rank_s_budget_below_its_least_names_the_least():
     model, args, kwargs = gpt()
     with pytest.raises(graphopt.BudgetError, match="one rank's training step under FSDP2 over 2 ranks") as e:
