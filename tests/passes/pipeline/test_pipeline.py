@@ -254,6 +254,7 @@ def test_schedules_on_gloo_equal_one_process(world):
     _assert_runs_equal_one_process(_model, runs, world)
 
 
+@pytest.mark.slow  # 16 s: make test-real; make test keeps the zoo's export graph on gloo
 def test_hugging_face_gpt2_on_gloo_equals_one_process():
     """torch.export's ATen graph of a transformers model, its embedding tied to the LM head."""
     pytest.importorskip("transformers")
