@@ -73,11 +73,12 @@ class Shard(Pass):
         # Step 2
         runs, passed = make_units(gm)
         # Step 3
-        units = [{"blocks": paths, "parameter_bytes": _bytes(unit)}
-                 for (_, _, paths), unit in zip(runs, unit_modules(gm))]
-        inside = {id(p) for unit in unit_modules(gm) for p in unit.parameters()}
-        root = sum(p.numel() * p.element_size() for p in gm.parameters() if id(p) not in inside)
-        stats = {"units": units, "root_parameter_bytes": root, "passed_to_units": passed}
+        modules = unit_modules(gm)
+        inside = {id(p) for unit in modules for p in unit.parameters()}
+        stats = {"units": [{"blocks": paths, "parameter_bytes": _bytes(unit.parameters())}
+                           for (_, _, paths), unit in zip(runs, modules)],
+                 "root_parameter_bytes": _bytes(p for p in gm.parameters() if id(p) not in inside),
+                 "passed_to_units": passed}
         peak = None
         if self.settings.world_size and ctx.train:
             rank = rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size, self.settings.optimizer)
@@ -87,5 +88,5 @@ class Shard(Pass):
         return PassResult(gm, True, stats=stats, peak_bytes=peak)
 
 
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)

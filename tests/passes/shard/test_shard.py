@@ -234,3 +234,13 @@ def test_the_torchrun_example_trains_within_a_rank_s_budget():
     losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", run.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
     assert "(budget 50.0 MB)" in run.stdout
+
+
+def test_units_in_eval_composed_with_bf16_compute_what_the_graph_without_them_does():
+    model, args, kwargs = gpt(batch=4, seq=16)
+    model.eval()
+    units = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", precision="bf16")
+    plain = graphopt.optimize(model, args, example_kwargs=kwargs, precision="bf16")
+    args2, kwargs2 = second_batch(kwargs, args)
+    with torch.no_grad():
+        assert torch.equal(units(*args2, **kwargs2).loss, plain(*args2, **kwargs2).loss)
