@@ -29,6 +29,7 @@ from .analysis.planning_device import planning_device
 from .api import optimize
 from .batch import why_unsplittable
 from .errors import BudgetError, BudgetWarning, TraceError, UsageError
+from .passes.shard.rank_memory import RANK_ADVICE, rank_peak
 from .runtime.microbatch import split_batch
 from .runtime.microbatch_step import accumulate
 from .runtime.step import step_loss
@@ -41,7 +42,8 @@ REPLANS = 3  # plans again for a lower budget after a predicted step over it
 class MicrobatchChoice:
     """The graph for train_step's microbatches: `choose` the fewest that fit the budget, or take a
     count given (`fixed`); `plan` is one count's graph. It leaves microbatches, the chosen step's
-    predicted peak (predicted_peak_bytes) and notes (the decision, as lines)."""
+    predicted peak (predicted_peak_bytes) and notes (the decision, as lines). With shard='fsdp'
+    and world_size=N (`ranks`), the step and budget are a rank's under FSDP2."""
 
     def __init__(self, model: torch.nn.Module, example: tuple[tuple, dict], loss_fn, budget_gb: float | None,
                  options: dict):
@@ -51,6 +53,8 @@ class MicrobatchChoice:
         self.notes: list[str] = []
         self.predicted_peak_bytes: int | None = None
         self._needs: dict[int, int] = {}  # k -> least budget of its step, where known exactly
+        # a rank's step under FSDP2 (shard='fsdp', world_size=N): budget_gb is a rank's
+        self.ranks = options.get("world_size") if options.get("shard") else None
 
     def fixed(self, k: int):
         """The graph for k microbatches as given; BudgetError naming their least where it does not fit."""
@@ -99,6 +103,9 @@ class MicrobatchChoice:
     def refusal(self, k: int, least: int, e: BudgetError, where: str) -> BudgetError:
         """where: how the step was split ("in 2 microbatches"), after "needs at least"."""
         accumulated = ", gradients accumulated" if k > 1 else ""
+        if self.ranks:
+            return below_least(self.budget_gb, least, f"one rank's training step under FSDP2 over {self.ranks} ranks "
+                               f"needs at least{where}{accumulated}, by the estimate", e.breakdown, RANK_ADVICE)
         return below_least(self.budget_gb, least, f"one training step needs at least{where}{accumulated}, by the "
                            "estimate", e.breakdown)
 
@@ -192,6 +199,8 @@ class MicrobatchChoice:
         """Peak bytes of one microbatch's step as __call__ runs it, with every gradient present for
         k > 1: on FakeTensors under the estimate's instrument, or, where the loss does not run on
         them (a .item(), say), measured on one real step that leaves no trace."""
+        if self.ranks:
+            return self._rank_peak(graph, args, kwargs, k, optimizer)
         extra = optimizer_memory(optimizer, list(self.model.parameters())) if optimizer is not None else None
 
         def run(a, kw):  # a microbatch after the first: the running total exists
@@ -216,6 +225,23 @@ class MicrobatchChoice:
             with trial_run(self.model, (args, kwargs)), _gradients(self.model, present=k > 1):
                 peak = measure_peak(lambda: run(args, kwargs), self.model, *tensor_leaves((args, kwargs)))
             return peak + (extra.state_bytes + extra.step_bytes if extra is not None else 0)
+
+
+    def _rank_peak(self, graph, args, kwargs, k: int, optimizer) -> int:
+        """What a rank's step as __call__ runs it may hold (shard/rank_memory.py): its microbatches'
+        backwards into sharded gradients, the loss outside the graph in it."""
+        def loss(module, a, kw):
+            return step_loss(module, a, kw, self.loss_fn) * (1.0 / k)
+
+        try:
+            return rank_peak(graph, args, kwargs, self.ranks, optimizer, accumulate=k > 1, loss=loss).bound_bytes
+        except UsageError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a loss_fn that needs real values): no rank's step to measure here
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            raise UsageError(f"with world_size=, a rank's step is estimated on FakeTensors over a fake process group, "
+                             f"and the loss around the graph does not run on them ({why}): give a loss_fn that "
+                             "computes from tensors alone (no .item(), no Python branch on a value).") from None
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from .microbatch_choice import MicrobatchChoice
 from .microbatch_semantics import announce, check_batch_norm, loss_kind
 from .passes.arguments import OptimizeArguments
 from .passes.recompute.recompute_pass import Recompute
+from .runtime.fsdp import sharded
 from .runtime.guards import describe
 from .runtime.microbatch import split_batch
 from .runtime.microbatch_step import REDUCTIONS, accumulate, loss_weights
@@ -72,9 +73,15 @@ class TrainStep:
     int that splits the batch into equal parts. Other keyword arguments go to
     graphopt.optimize (passes, precision, optimizer, frontend, ...).
 
+    With shard="fsdp" and world_size=N (options for graphopt.optimize), budget_gb is one rank's
+    under FSDP2 and k is chosen by a rank's step (the microbatches' backwards accumulating into
+    the sharded gradients); shard the graph with graphopt.runtime.fsdp.fully_shard_units before
+    the first call, which refuses an unsharded one.
+
     Attributes: microbatches (k), graph, report (graph.graphopt_report, whose notes end with
     train_step's), notes (the microbatch decision and warnings, as lines), predicted_peak_bytes
-    (with budget_gb), reduction (how the microbatches' losses combined), whole (whether the step
+    (with budget_gb; a rank's with the collective slack the plan holds), world_size (with shard),
+    reduction (how the microbatches' losses combined), whole (whether the step
     gives the full batch's loss and gradients, not only its microbatches').
     """
 
@@ -95,6 +102,7 @@ class TrainStep:
                 self.graph = choice.fixed(_check_microbatches(microbatches, args, kwargs))
         self.microbatches, self.notes, self.predicted_peak_bytes = \
             choice.microbatches, choice.notes, choice.predicted_peak_bytes
+        self.world_size = choice.ranks
         self.report = self.graph.graphopt_report
         self.report.microbatches = self.microbatches
         # how the microbatches' losses combine: the graph's loss's reduction, or the one declared
@@ -128,6 +136,10 @@ class TrainStep:
 
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         k = self.microbatches
+        if self.world_size and not sharded(self.graph):
+            raise UsageError(f"this train step was planned for one rank of FSDP2 over {self.world_size} ranks, and its "
+                             "graph's units are not sharded: call graphopt.runtime.fsdp.fully_shard_units(step.graph, "
+                             "mesh=...) on every rank first, then build the optimizer over step.graph.parameters().")
         if self.budget_gb is not None and signature(args, kwargs) != self._planned:
             raise UsageError(f"this train step was planned for inputs {describe(*self._example)} "
                              f"({self._shape_text()}, budget_gb={self.budget_gb:g}), and got {describe(args, kwargs)}: "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ..errors import UsageError
 
@@ -27,3 +27,9 @@ def unit_modules(gm: torch.nn.Module) -> list[torch.nn.Module]:
     """unit_0 ... unit_{K-1} (the shard pass's), in the order they run."""
     count = sum(1 for name, _ in gm.named_children() if name.startswith("unit_"))
     return [getattr(gm, f"unit_{k}") for k in range(count)]
+
+
+def sharded(gm: torch.nn.Module) -> bool:
+    """Whether fully_shard_units (or fully_shard on each unit) has sharded gm's units."""
+    units = unit_modules(gm)
+    return bool(units) and all(isinstance(unit, FSDPModule) for unit in units)

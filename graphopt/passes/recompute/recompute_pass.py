@@ -80,7 +80,7 @@ from ...trial import trial_run
 from ..arguments import OptimizeArguments
 from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, positive, to_bool
 from ..fuse.head_loss_chunks import size_chunks
-from ..shard.rank_memory import rank_peak
+from ..shard.rank_memory import RANK_ADVICE, rank_peak
 from ..registry import register
 from .candidates import PlanSpace, Scan
 from .in_place import write_within
@@ -142,9 +142,9 @@ class Recompute(Pass):
     def check_arguments(cls, args: OptimizeArguments) -> None:
         if args.world_size and not args.shard:
             raise OptionError("world_size= is the ranks FSDP2 shards the step over: give shard='fsdp' too.")
-        if args.world_size and (args.calibrate or args.accumulate):
-            raise OptionError("with world_size=, the plan is held to a rank's estimated step; calibrate= and "
-                              "accumulate= plan one device's: leave them out.")
+        if args.world_size and args.calibrate:
+            raise OptionError("with world_size=, the plan is held to a rank's estimated step; calibrate= measures "
+                              "one device's: leave it out.")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         budget_gb = self.settings.budget_gb
@@ -273,7 +273,7 @@ class Recompute(Pass):
         """What a rank's step under FSDP2 may hold at most, by the estimate: its peak and what a
         collective may still hold (shard/rank_memory.py)."""
         return rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size,
-                         self.settings.optimizer).bound_bytes
+                         self.settings.optimizer, accumulate=self.accumulate).bound_bytes
 
     def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int, budget_gb: float):
         """Steps 4 and 5 for a rank's budget (world_size): the search's plan for the one-device target,
@@ -370,8 +370,7 @@ class Recompute(Pass):
         ranks = self.settings.world_size
         if ranks and not inference:
             return below_least(budget_gb, minimum, f"one rank's training step under FSDP2 over {ranks} ranks needs at "
-                               f"least, {'as measured' if measured else 'by the estimate'}", breakdown,
-                               "halve activations with precision='bf16', or shard over more ranks (world_size)")
+                               f"least, {'as measured' if measured else 'by the estimate'}", breakdown, RANK_ADVICE)
         how = "as measured" if measured else "by the estimate"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "

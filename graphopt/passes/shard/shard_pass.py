@@ -23,7 +23,7 @@ from ...analysis.optimizer_memory import NAMED, check_optimizer
 from ...errors import OptionError, UsageError
 from ...runtime.fsdp import unit_modules
 from ..arguments import OptimizeArguments
-from ..base import Pass, PassContext, PassResult, count, option
+from ..base import Pass, PassContext, PassResult, count, option, to_bool
 from ..registry import register
 from .rank_memory import rank_peak
 from .units import make_units
@@ -39,6 +39,8 @@ class ShardOptions:
     world_size: int | None = option(None, count, "ranks FSDP2 shards over: the report gives a rank's predicted peak")
     optimizer: object = option(None, check_optimizer, "the optimizer whose sharded state a rank's peak covers: "
                                                       "a torch.optim.Optimizer or " + ", ".join(NAMED))
+    accumulate: bool = option(False, to_bool, "the step's microbatches add into the sharded gradients: a rank's "
+                                              "peak covers them")
 
 
 @register
@@ -49,14 +51,14 @@ class Shard(Pass):
     # it rewrites the graph the others planned: they must have run (and planned) first
     runs_after = {name: f"the units split the graph {name} rewrote; {name} plans on the whole graph"
                   for name in ("normalize", "cse", "dce", "fuse", "inplace", "precision", "recompute")}
-    arguments = ("shard", "world_size", "optimizer")
+    arguments = ("shard", "world_size", "optimizer", "accumulate")
     makes_units = True
     Options = ShardOptions
 
     @classmethod
     def from_arguments(cls, args: OptimizeArguments) -> "Shard":
-        return cls({"style": "shard", "world_size": "world_size", "optimizer": "optimizer"}, style=args.shard,
-                   world_size=args.world_size, optimizer=args.optimizer)
+        return cls({"style": "shard", "world_size": "world_size", "optimizer": "optimizer", "accumulate": "accumulate"},
+                   style=args.shard, world_size=args.world_size, optimizer=args.optimizer, accumulate=args.accumulate)
 
     @classmethod
     def check_arguments(cls, args: OptimizeArguments) -> None:
@@ -81,7 +83,8 @@ class Shard(Pass):
                  "passed_to_units": passed}
         peak = None
         if self.settings.world_size and ctx.train:
-            rank = rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size, self.settings.optimizer)
+            rank = rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size, self.settings.optimizer,
+                             accumulate=self.settings.accumulate)
             stats.update(world_size=self.settings.world_size, rank_peak_bytes=rank.peak_bytes,
                          rank_breakdown=rank.breakdown, rank_collective_slack_bytes=rank.slack_bytes)
             peak = rank.bound_bytes

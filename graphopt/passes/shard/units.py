@@ -19,6 +19,7 @@ them after, which needs a module that holds them and whose forward is the block'
 """
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -65,6 +66,7 @@ def split_units(gm: torch.fx.GraphModule, runs: list[tuple[int, int, list[str]]]
         if n.op == "get_attr" and not n.users:
             gm.graph.erase_node(n)
     gm.graph.lint()
+    _own_containers(gm)
     gm.delete_all_unused_submodules()
     for module in (gm, *(getattr(gm, f"unit_{k}") for k in range(len(runs)))):
         for n in module.graph.nodes:
@@ -72,6 +74,21 @@ def split_units(gm: torch.fx.GraphModule, runs: list[tuple[int, int, list[str]]]
                 module.add_submodule(f"segment_{n.target.index}", n.target.module)
     gm.recompile()
     return {target: [f"unit_{k}" for k in sorted(k for k in readers[target] if k is not None)] for target in sorted(shared)}
+
+
+def _own_containers(module: torch.nn.Module) -> None:
+    """Give module a copy of each child that holds children of its own, recursively, sharing the
+    leaves and every parameter and buffer: the traced graph holds the model's own modules
+    (trace._share_structure), and deleting the submodules the root no longer calls must not
+    delete them from the user's model."""
+    for name, child in list(module._modules.items()):
+        if child is None or not child._modules or isinstance(child, torch.fx.GraphModule):
+            continue
+        owned = copy.copy(child)
+        owned._modules, owned._parameters, owned._buffers = \
+            dict(child._modules), dict(child._parameters), dict(child._buffers)
+        module._modules[name] = owned
+        _own_containers(owned)
 
 
 def _extract(gm: torch.fx.GraphModule, body: list[torch.fx.Node], name: str, shared: set[str]) -> None:

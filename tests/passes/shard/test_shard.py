@@ -44,6 +44,21 @@ class SharedWeights(nn.Module):
         return x.square().mean()
 
 
+class Logits(nn.Module):
+    """The GPT's logits, its targets taken and left to a loss outside."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx, targets):
+        return self.gpt(idx).logits
+
+
+def _cross_entropy(logits, idx, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def second_batch(kwargs, args, seed=1):
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 256, args[0].shape, generator=gen)
@@ -72,6 +87,20 @@ def test_each_block_is_a_unit_and_the_graph_trains_as_eager(frontend):
     assert torch.equal(got, want)
     for g, p in zip(grads, model.parameters()):
         assert torch.equal(g, p.grad)
+
+
+def test_the_model_keeps_the_modules_its_units_took():
+    """The graph holds the model's own modules; dropping those its root no longer calls leaves the
+    model whole (a model whose blocks sit one level down lost them)."""
+    model, args, kwargs = gpt(batch=4, seq=16)
+    logits = Logits(model)
+    before = [name for name, _ in logits.named_modules()]
+    gm = graphopt.optimize(logits, args, example_kwargs=kwargs, shard="fsdp")
+    assert [u["blocks"] for u in gm.graphopt_report.passes[-1].stats["units"]] == [["gpt.blocks.0"], ["gpt.blocks.1"],
+                                                                                   ["gpt.blocks.2"]]
+    assert [name for name, _ in logits.named_modules()] == before
+    args2, kwargs2 = second_batch(kwargs, args)
+    assert torch.equal(gm(*args2, **kwargs2), logits(*args2, **kwargs2))
 
 
 def _train(module, args, kwargs, names):
@@ -198,6 +227,110 @@ def test_a_rank_s_step_is_within_its_budget_and_its_prediction(world, budget_gb)
         assert 0.97 * predicted <= measured <= 1.03 * (predicted + slack), (predicted, slack, measured)
         if budget_gb is not None:
             assert measured <= budget_gb * 1e9, (measured, budget_gb)
+
+
+def _train_steps(step, params, names, args, kwargs):
+    """Three AdamW steps of step(*args, **kwargs) -> (losses, parameters after, first step's gradients)."""
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    losses, grads = [], None
+    for _ in range(3):
+        losses.append(step(*args, **kwargs))
+        grads = grads or {name: p.grad.full_tensor() for name, p in zip(names, params) if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, {name: p.full_tensor() for name, p in zip(names, params)}, grads, optimizer
+
+
+def _eager_microbatches(model, k):
+    """Eager FSDP2's step as k microbatches weighted by their counted targets, as train_step weighs them."""
+    def step(idx, targets):
+        counts = [int((t != -100).sum()) for t in targets.chunk(k)]
+        total = 0
+        for i, t, c in zip(idx.chunk(k), targets.chunk(k), counts):
+            loss = model(i, targets=t).loss
+            (loss * (c / sum(counts))).backward()
+            total = total + loss.detach() * (c / sum(counts))
+        return total
+    return step
+
+
+def _train_step_rank(rank, world, budget_gb):
+    """This rank's batch (-100 in half of one row) through three AdamW steps of eager FSDP2 per
+    block, on the whole batch and as 2 weighted microbatches, and of graphopt.train_step under a
+    rank's budget, its microbatches accumulating into FSDP2's sharded gradients, then one measured."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from graphopt.passes.shard.rank_memory import step_peak
+    from graphopt.runtime.fsdp import fully_shard_units
+
+    mesh = init_device_mesh("cpu", (world,))
+    runs = {}
+    for how in ("whole", "microbatches", "graphopt"):
+        model, args, kwargs = gpt()
+        args, kwargs = second_batch(kwargs, args, seed=10 + rank)
+        names = [n for n, _ in model.named_parameters()]
+        if how == "graphopt":
+            ids = {id(p): n for n, p in model.named_parameters()}
+            step = graphopt.train_step(model, args, kwargs, shard="fsdp", world_size=world, budget_gb=budget_gb,
+                                       optimizer="adamw")
+            with pytest.raises(graphopt.UsageError, match="fully_shard_units"):
+                step(*args, **kwargs)
+            names = [ids[id(p)] for p in step.graph.parameters()]
+            fully_shard_units(step.graph, mesh=mesh)
+            *run, optimizer = _train_steps(step, list(step.graph.parameters()), names, args, kwargs)
+            measured = step_peak(step.graph, optimizer, args, kwargs, run=lambda: step(*args, **kwargs))["Total"]
+            slack = step.report.passes[-1].stats["rank_collective_slack_bytes"]
+            runs[how] = (*run, step.microbatches, step.predicted_peak_bytes, slack, measured)
+            continue
+        for k, block in enumerate(model.blocks):
+            fully_shard(block, mesh=mesh, reshard_after_forward=k < len(model.blocks) - 1)
+        fully_shard(model, mesh=mesh)
+        call = _eager_microbatches(model, 2 if how == "microbatches" else 1)
+        runs[how] = _train_steps(call, list(model.parameters()), names, args, kwargs)[:3]
+    return runs
+
+
+def test_train_step_under_a_rank_s_budget_accumulates_microbatches_as_eager_fsdp_trains_the_batch():
+    """A rank's budget the whole batch cannot meet: train_step runs 2 microbatches into FSDP2's sharded
+    gradients, bitwise as eager FSDP2 per block runs them, and its first step's gradients are the whole
+    batch's within 1e-6 (the microbatches sum in another order; AdamW then carries that apart); each
+    rank's measured step, its optimizer's state made, is within the budget and the prediction."""
+    from graphopt.testing.gloo import on_gloo_ranks
+
+    budget_gb = 0.004
+    for runs in on_gloo_ranks(_train_step_rank, 2, budget_gb):
+        losses, params, grads, k, predicted, slack, measured = runs["graphopt"]
+        want_losses, want_params, want_grads = runs["microbatches"]
+        assert k == 2
+        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+        assert all(torch.equal(params[name], want_params[name]) for name in want_params)
+        whole_losses, _, whole_grads = runs["whole"]
+        torch.testing.assert_close(losses[0], whole_losses[0], rtol=1e-6, atol=0)
+        assert grads.keys() == whole_grads.keys()
+        for name, g in whole_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-6)
+        # predicted: what the plan holds to the budget, the slack a backend's collective may keep in it
+        assert measured <= budget_gb * 1e9 and 0.97 * (predicted - slack) <= measured <= predicted, (measured, predicted)
+
+
+@pytest.mark.slow  # a minute: make test-real
+def test_train_step_below_a_rank_s_least_names_it_with_a_loss_outside_the_graph():
+    """The step around the graph is a rank's too: a loss_fn outside it runs in the estimate; below
+    the least of any microbatch count, BudgetError names it, and at it the step fits."""
+    model, args, kwargs = gpt()
+    logits = Logits(model)
+
+    def step(budget_gb):
+        return graphopt.train_step(logits, args, kwargs, loss_fn=_cross_entropy, shard="fsdp", world_size=2,
+                                   budget_gb=budget_gb, optimizer="adamw")
+
+    with pytest.raises(graphopt.BudgetError, match="one rank's training step under FSDP2 over 2 ranks needs at "
+                                                   "least in any number of equal microbatches") as e:
+        step(0.001)
+    least = e.value.min_budget_gb
+    fitted = step(least)
+    assert fitted.microbatches > 1 and fitted.predicted_peak_bytes <= least * 1e9
 
 
 @pytest.mark.slow  # 10 s: make test-real
