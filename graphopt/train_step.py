@@ -115,6 +115,10 @@ class TrainStep:
     # -- running ---------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
+        if self.world_size and not sharded(self.graph):
+            raise UsageError(f"this train step was planned for one rank of FSDP2 over {self.world_size} ranks, and its "
+                             "graph's units are not sharded: call graphopt.runtime.fsdp.fully_shard_units(step.graph, "
+                             "mesh=...) on every rank first, then build the optimizer over step.graph.parameters().")
         total, parts = None, self._split(args, kwargs)
         shares = loss_weights(self.graph, parts, self.reduction, self._loss)  # weights(), split once
         for i, (a, kw) in enumerate(parts):
@@ -136,10 +140,6 @@ class TrainStep:
 
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         k = self.microbatches
-        if self.world_size and not sharded(self.graph):
-            raise UsageError(f"this train step was planned for one rank of FSDP2 over {self.world_size} ranks, and its "
-                             "graph's units are not sharded: call graphopt.runtime.fsdp.fully_shard_units(step.graph, "
-                             "mesh=...) on every rank first, then build the optimizer over step.graph.parameters().")
         if self.budget_gb is not None and signature(args, kwargs) != self._planned:
             raise UsageError(f"this train step was planned for inputs {describe(*self._example)} "
                              f"({self._shape_text()}, budget_gb={self.budget_gb:g}), and got {describe(args, kwargs)}: "
