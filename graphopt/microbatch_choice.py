@@ -54,7 +54,7 @@ class MicrobatchChoice:
         self.predicted_peak_bytes: int | None = None
         self._needs: dict[int, int] = {}  # k -> least budget of its step, where known exactly
         # a rank's step under FSDP2 (shard='fsdp', world_size=N): budget_gb is a rank's
-        self.ranks = options.get("world_size") if options.get("shard") else None
+        self.ranks = options.get("world_size")  # given without shard, optimize refuses it
 
     def fixed(self, k: int):
         """The graph for k microbatches as given; BudgetError naming their least where it does not fit."""

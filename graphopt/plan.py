@@ -46,13 +46,15 @@ class StepPlan:
     recomputed_nodes: int = 0
     recompute_overhead_pct: float = 0.0  # estimated recompute time, per cent of a step's
     notes: list[str] = field(default_factory=list)
+    world_size: int | None = None      # with shard='fsdp': the bytes are one rank's under FSDP2 over so many
 
     @property
     def fits(self) -> bool:
         return self.microbatches is not None
 
     def __str__(self) -> str:
-        lines = [f"device {self.device}: one step needs at least {size_text(self.least_bytes)} "
+        step = f"one rank's step under FSDP2 over {self.world_size} ranks" if self.world_size else "one step"
+        lines = [f"device {self.device}: {step} needs at least {size_text(self.least_bytes)} "
                  f"(the whole batch, recompute's least plan)"]
         if self.budget_bytes is not None:
             budget = f"budget {size_text(self.budget_bytes)}"
@@ -72,7 +74,7 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
     with budget_gb, the plan graphopt.train_step would make for it (recompute segments and the
     fewest microbatches that fit). optimizer: a torch.optim.Optimizer or a name (adamw, adam,
     sgd, momentum), whose state and step count. Other options go to graphopt.optimize
-    (precision, passes, ...)."""
+    (precision, passes, shard and world_size: a rank's step under FSDP2, ...)."""
     if device not in DEVICES:
         raise OptionError(f"device={device!r}: graphopt plans for one of {', '.join(DEVICES)}.")
     real = [name for name in _REAL_STEPS if optimize_options.get(name)]
@@ -89,18 +91,19 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
     # the least's step and the budget's share one export (train_step keeps the one open)
     with planning_for(device), keeping_exports(ExportCache()):
         least = _least(model, example_inputs, example_kwargs, loss_fn, options)
+        ranks = options.get("world_size")  # given without shard, optimize refuses it
         if budget_gb is None:
-            return StepPlan(device, None, least)
+            return StepPlan(device, None, least, world_size=ranks)
         budget = budget_bytes(budget_gb)
         try:
             step = TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=budget_gb, **options)
         except BudgetError:
-            return StepPlan(device, budget, least)
+            return StepPlan(device, budget, least, world_size=ranks)
     record = step.report.recompute()
     stats = record.stats if record is not None else {}
     return StepPlan(device, budget, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
-                    stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes))
+                    stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size)
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

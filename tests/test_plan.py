@@ -17,9 +17,9 @@ from graphopt.microbatch_choice import MicrobatchChoice
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama(device: str = "meta"):
-    """(model, args, kwargs): a one-layer Llama with its own loss on labels=input_ids."""
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+def tiny_llama(device: str = "meta", layers: int = 1):
+    """(model, args, kwargs): a Llama of one layer (or `layers`) with its own loss on labels=input_ids."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       use_cache=False)
     torch.manual_seed(0)
@@ -43,6 +43,32 @@ def test_a_meta_model_plans_what_the_real_model_measures():
     with pytest.raises(graphopt.BudgetError) as refused:
         graphopt.train_step(real, rargs, rkwargs, budget_gb=1e-9, microbatches=1)
     assert refused.value.min_budget_bytes == least
+
+
+def test_a_rank_s_step_under_fsdp_is_estimated_on_the_meta_device_as_on_the_real_model():
+    """A meta model's fakes are made on the CPU, each tensor its own (a temporary's id was reused:
+    one weight took another's shape)."""
+    options = dict(shard="fsdp", world_size=2, optimizer="adamw")
+    meta, args, kwargs = tiny_llama("meta", layers=2)
+    with planning_for("cpu"):
+        planned = graphopt.optimize(meta, args, example_kwargs=kwargs, **options)
+    real, rargs, rkwargs = tiny_llama("cpu", layers=2)
+    measured = graphopt.optimize(real, rargs, example_kwargs=rkwargs, **options)
+    assert planned.graphopt_report.passes[-1].stats == measured.graphopt_report.passes[-1].stats
+
+
+@pytest.mark.slow  # half a minute: make test-real
+def test_a_rank_s_least_under_fsdp_plans_on_the_meta_device_as_on_the_real_model():
+    """shard='fsdp', world_size=2: the least of a rank's step, its units sharded over a fake group, is
+    the real model's to the byte (a meta model's fakes are made on the CPU, each tensor its own)."""
+    options = dict(shard="fsdp", world_size=2, optimizer="adamw")
+    meta, args, kwargs = tiny_llama("meta", layers=2)
+    planned = graphopt.plan(meta, args, kwargs, device="cpu", **options)
+    assert "one rank's step under FSDP2 over 2 ranks needs at least" in str(planned)
+    real, rargs, rkwargs = tiny_llama("cpu", layers=2)
+    with pytest.raises(graphopt.BudgetError, match="one rank's training step under FSDP2 over 2 ranks") as refused:
+        graphopt.train_step(real, rargs, rkwargs, budget_gb=1e-9, microbatches=1, **options)
+    assert refused.value.min_budget_bytes == planned.least_bytes
 
 
 def test_the_optimizer_counts_as_on_the_real_model_and_nothing_is_allocated():

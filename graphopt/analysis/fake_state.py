@@ -22,7 +22,7 @@ from .planning_device import planning_device
 from .segments import SegmentCall, segment_modules
 
 
-def _faker(mode: FakeTensorMode):
+def faker(mode: FakeTensorMode):
     """mode.from_tensor, with meta tensors made on the CPU while planning (memoized, as
     from_tensor is, so that a tensor shared stays one fake)."""
     if planning_device() is None:
@@ -46,7 +46,7 @@ def fake_run(module: torch.nn.Module, inputs):
     """Open a FakeTensor run of `module`: yields (mode, inputs with every tensor a fake of that
     mode, in the same structure). The mode is not entered: callers enter it around what runs."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = _faker(mode)
+    fake = faker(mode)
     with fake_kernels_active(), fake_state(module, mode, fake):
         yield mode, pytree.tree_map_only(torch.Tensor, fake, inputs)
 
@@ -87,11 +87,12 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
+def fake_copy(module: torch.nn.Module, mode: FakeTensorMode, inputs):
     """A deep copy of module whose parameters, buffers and tensor constants are FakeTensors of
-    mode (nothing real is copied), recompute segments included: for a run that changes the
-    module for good (fully_shard replaces its parameters and its class)."""
-    fake = _faker(mode)
+    mode (nothing real is copied), recompute segments included, and inputs with every tensor a
+    fake of the same mode: for a run that changes the module for good (fully_shard replaces its
+    parameters and its class)."""
+    fake = faker(mode)
     memo: dict[int, object] = {}
     modules = [module]
     for m in modules:
@@ -99,15 +100,15 @@ def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
             modules += [s for s in segment_modules(m) if s not in modules]
     for m in modules:
         for t in _state(m).values():
-            if id(t) not in memo:
-                f = fake(t.detach())
+            if id(t) not in memo:  # faked as itself: faker's memo is by id, a temporary's is reused
+                f = fake(t).detach()
                 memo[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
     copy_ = copy.deepcopy(module, memo)
     # a graph's copy keeps its nodes' targets: a segment's call must run the segment's copy
     for m in copy_.modules():
         if isinstance(m, torch.fx.GraphModule) and _copy_segments(m, memo):
             m.recompile()
-    return copy_
+    return copy_, pytree.tree_map_only(torch.Tensor, fake, inputs)
 
 
 def _copy_segments(gm: torch.fx.GraphModule, memo: dict) -> bool:

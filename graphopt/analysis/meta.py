@@ -111,6 +111,22 @@ def gather(dst: torch.fx.Node, srcs: list[torch.fx.Node], single: bool) -> None:
         values = [s.meta.get(key) for s in srcs]
         if values and all(v is not None for v in values):
             dst.meta[key] = values[0] if single or key in (ANNOTATED, "stack_trace") else tuple(values)
+    stack = common_stack(srcs)
+    if stack:
+        dst.meta["nn_module_stack"] = stack
+
+
+def common_stack(nodes: list[torch.fx.Node]) -> dict:
+    """The nn_module_stack entries every node runs in, outermost first: a call made of them (a
+    fused group) runs in those modules, in one block where all of its nodes do (blocks.py)."""
+    stacks = [list((n.meta.get("nn_module_stack") or {}).items()) for n in nodes]
+    common = stacks[0] if stacks else []
+    for stack in stacks[1:]:
+        k = 0
+        while k < min(len(common), len(stack)) and common[k] == stack[k]:
+            k += 1
+        common = common[:k]
+    return dict(common)
 
 
 def invalidate(node: torch.fx.Node) -> None:

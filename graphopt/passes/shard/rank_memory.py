@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.fx
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -65,10 +64,9 @@ def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: i
     the sharded gradients (train_step's); loss(module, args, kwargs): the scalar backpropagated
     (a loss outside the graph), by default the graph's losses (memory.backward_roots)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    model = fake_copy(gm, mode)
+    model, (args, kwargs) = fake_copy(gm, mode, (args, kwargs))
     if not unit_modules(model):
         make_units(model)
-    args, kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
     with _fake_mesh(world_size) as mesh, fake_kernels_active(), mode:
         fully_shard_units(model, mesh=mesh)
         trained = [p for p in model.parameters() if p.requires_grad]

@@ -16,10 +16,11 @@ them after, which needs a module that holds them and whose forward is the block'
    input, so that exactly one FSDP unit (the root) holds it. A parameter that two units reach
    through a module they both call (a layer shared by every block) cannot be held by one: the
    rewrite refuses it.
+4. The root then holds only what its graph calls and reads, in containers of its own: the model's
+   modules are the graph's (trace.py shares them), and what the units took stays in the model.
 """
 from __future__ import annotations
 
-import copy
 import operator
 
 import torch
@@ -45,7 +46,7 @@ def block_runs(nodes: list[torch.fx.Node], blocks: dict[str, list[int]]) -> list
 
 
 def split_units(gm: torch.fx.GraphModule, runs: list[tuple[int, int, list[str]]]) -> dict[str, list[str]]:
-    """Steps 1 to 3: unit_k for each run; the parameters read by the root and given to units
+    """Steps 1 to 4: unit_k for each run; the parameters read by the root and given to units
     (by attribute name -> the units that read them)."""
     nodes = list(gm.graph.nodes)
     owner: dict[torch.fx.Node, int] = {}
@@ -66,8 +67,7 @@ def split_units(gm: torch.fx.GraphModule, runs: list[tuple[int, int, list[str]]]
         if n.op == "get_attr" and not n.users:
             gm.graph.erase_node(n)
     gm.graph.lint()
-    _own_containers(gm)
-    gm.delete_all_unused_submodules()
+    _hold_what_the_root_uses(gm)
     for module in (gm, *(getattr(gm, f"unit_{k}") for k in range(len(runs)))):
         for n in module.graph.nodes:
             if isinstance(n.target, SegmentCall):
@@ -76,19 +76,48 @@ def split_units(gm: torch.fx.GraphModule, runs: list[tuple[int, int, list[str]]]
     return {target: [f"unit_{k}" for k in sorted(k for k in readers[target] if k is not None)] for target in sorted(shared)}
 
 
-def _own_containers(module: torch.nn.Module) -> None:
-    """Give module a copy of each child that holds children of its own, recursively, sharing the
-    leaves and every parameter and buffer: the traced graph holds the model's own modules
-    (trace._share_structure), and deleting the submodules the root no longer calls must not
-    delete them from the user's model."""
-    for name, child in list(module._modules.items()):
-        if child is None or not child._modules or isinstance(child, torch.fx.GraphModule):
-            continue
-        owned = copy.copy(child)
-        owned._modules, owned._parameters, owned._buffers = \
-            dict(child._modules), dict(child._parameters), dict(child._buffers)
-        module._modules[name] = owned
-        _own_containers(owned)
+def _hold_what_the_root_uses(gm: torch.fx.GraphModule) -> None:
+    """Step 4: the root holds the modules its graph calls and the attributes it reads, each at its
+    path in containers of its own, and nothing else, as fx builds a GraphModule: fully_shard on the
+    root manages every parameter under it that no unit holds, so a parameter left there and read in a
+    unit would be managed twice (a block's Linear whose weight a unit reads and whose bias a fused
+    kernel in the root adds). The traced graph held the model's own modules (trace._share_structure):
+    the model keeps them."""
+    before = torch.nn.Module()
+    for name, child in list(gm.named_children()):
+        if not name.startswith("unit_"):
+            before.add_module(name, child)
+            delattr(gm, name)
+    direct = {**gm._parameters, **gm._buffers}
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_module" and not n.target.startswith("unit_")]
+    read = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    for name in direct:
+        if name not in read:  # the model's own tensor, read in a unit only
+            delattr(gm, name)
+    for target in [*targets, *(t for t in read if t not in direct)]:
+        _install(before, gm, target)
+
+
+def _install(source: torch.nn.Module, root: torch.nn.Module, target: str) -> None:
+    """source's attribute at `target` (a module, parameter or tensor) at the same path in root,
+    in fresh containers where root has none yet."""
+    *path, field = target.split(".")
+    for part in path:
+        source = getattr(source, part)
+        held = root._modules.get(part)
+        if held is source:  # the whole module is there already
+            return
+        if held is None:
+            held = torch.nn.Module()
+            root.add_module(part, held)
+        root = held
+    value = getattr(source, field)
+    if isinstance(value, torch.nn.Module):
+        root.add_module(field, value)
+    elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        root.register_buffer(field, value, persistent=field not in source._non_persistent_buffers_set)
+    else:
+        setattr(root, field, value)
 
 
 def _extract(gm: torch.fx.GraphModule, body: list[torch.fx.Node], name: str, shared: set[str]) -> None:

@@ -103,6 +103,27 @@ def test_the_model_keeps_the_modules_its_units_took():
     assert torch.equal(gm(*args2, **kwargs2), logits(*args2, **kwargs2))
 
 
+def test_fused_kernels_run_in_the_unit_of_their_block():
+    """Planned for CUDA, fuse's kernels carry the block their nodes ran in, so each block's Linear
+    layers sit in its unit; a kernel across two blocks' bounds is where it runs, and each parameter
+    is held once (a Linear whose weight a unit reads and whose bias a kernel in the root adds too)."""
+    from graphopt.analysis.planning_device import planning_for
+
+    with torch.device("meta"):
+        model, args, kwargs = zoo.gpt(batch=4, seq=16, layers=3)
+    with planning_for("cuda"):
+        gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", world_size=2, optimizer="adamw")
+    assert any(p.name == "fuse" and p.changed for p in gm.graphopt_report.passes)
+    for k, unit in enumerate(unit_modules(gm)):
+        held = {id(p) for p in unit.parameters()}
+        assert all(id(p) in held for name in ("qkv", "proj", "fc", "out")
+                   for p in getattr(model.blocks[k], name).parameters() if p.dim() == 2)
+    groups = [{id(p) for p in unit.parameters()} for unit in unit_modules(gm)]
+    groups.append({id(p) for name, p in gm.named_parameters() if not name.startswith("unit_")})
+    assert sum(map(len, groups)) == len(set().union(*groups)) == len(list(model.parameters()))
+    assert gm.graphopt_report.passes[-1].stats["rank_peak_bytes"] > 0
+
+
 def _train(module, args, kwargs, names):
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     losses = []
