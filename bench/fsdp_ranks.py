@@ -1,7 +1,8 @@
 """A rank's peak under FSDP2 per block, graphopt against what users already have, in one run on
 gloo ranks (CPU): eager FSDP2, eager FSDP2 with the model's own checkpointing (every block), and
 graphopt's units unplanned, at the peak own checkpointing reaches, and at graphopt's least budget
-per rank; each rank measured by torch's FSDPMemTracker through a real step (the optimizer's state
+per rank; then own checkpointing with 2 microbatches accumulated by hand, and graphopt.train_step
+(the fewest microbatches that fit) at that peak and at its least; each rank measured by torch's FSDPMemTracker through a real step (the optimizer's state
 made by a step before), beside graphopt's prediction. Step times as ratios to eager's.
 
     python bench/fsdp_ranks.py [--world 2] [--out bench/results/fsdp_ranks-cpu-2-cores-<date>.md]
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 import graphopt
 from graphopt.passes.shard.rank_memory import step_peak
 from graphopt.runtime.fsdp import fully_shard_units
+from graphopt.runtime.microbatch import split_batch
 from graphopt.testing.gloo import on_gloo_ranks
 
 
@@ -54,18 +56,36 @@ def _no_dropout(model):
             m.dropout = 0.0
 
 
-def _run(module, args, kwargs, loss_of, steps=3):
-    """(peak bytes of the second step, median seconds of the later steps)."""
+def _by_hand(module, args, kwargs, loss_of, k):
+    """Forward and backward as k equal microbatches, gradients accumulated (each loss a mean over
+    equally many targets here, weighted 1/k): what users write when a batch does not fit."""
+    def run():
+        for a, kw in split_batch(args, kwargs, k):
+            (loss_of(module(*a, **kw)) / k).backward()
+    return run
+
+
+def _run(module, args, kwargs, run, steps=3):
+    """(peak bytes of the second step, median seconds of the later steps); run(): forward and backward."""
     optimizer = torch.optim.AdamW(module.parameters())
-    peak = step_peak(module, optimizer, args, kwargs)["Total"]
+    peak = step_peak(module, optimizer, args, kwargs, run=run)["Total"]
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        loss_of(module(*args, **kwargs)).backward()
+        run()
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
     return peak, statistics.median(times)
+
+
+def _least(build) -> float:
+    """The least budget per rank graphopt names (build(budget_gb) refused far below it)."""
+    try:
+        build(1e-6)
+    except graphopt.BudgetError as e:
+        return e.min_budget_gb
+    raise AssertionError("a step that fits in 1 kB")
 
 
 def _rank(rank, world, name, how, budget_gb):
@@ -73,33 +93,45 @@ def _rank(rank, world, name, how, budget_gb):
     torch.manual_seed(0)
     model, args, kwargs, blocks, loss_of = MODELS[name]()
     _no_dropout(model)
-    predicted = least = None
+    predicted, microbatches = None, 1
     if how.startswith("eager"):
-        if how == "eager + own checkpointing":
+        if "own checkpointing" in how:
             for block in blocks:
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         for k, block in enumerate(blocks):
             fully_shard(block, mesh=mesh, reshard_after_forward=k < len(blocks) - 1)
         fully_shard(model, mesh=mesh)
+        microbatches = 2 if "2 microbatches" in how else 1
+        run = _by_hand(model, args, kwargs, loss_of, microbatches)
         module = model
     else:
+        if how == "train_step":
+            def build(budget):
+                return graphopt.train_step(model, args, kwargs, shard="fsdp", world_size=world, optimizer="adamw",
+                                           budget_gb=budget)
+        else:
+            def build(budget):
+                return graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", world_size=world,
+                                         optimizer="adamw", budget_gb=budget)
         if budget_gb == "least":
-            try:
-                graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", world_size=world,
-                                  optimizer="adamw", budget_gb=1e-6)
-            except graphopt.BudgetError as e:
-                least = budget_gb = e.min_budget_gb
+            budget_gb = _least(build)
         try:
-            module = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp", world_size=world,
-                                       optimizer="adamw", budget_gb=budget_gb)
+            built = build(budget_gb)
         except graphopt.BudgetError as e:  # below what graphopt plans for: the row says its least
             return {"peak": None, "seconds": None, "predicted": None, "budget_gb": budget_gb,
                     "refused": e.min_budget_gb}
+        module = built.graph if how == "train_step" else built
         stats = module.graphopt_report.passes[-1].stats
-        predicted = (stats["rank_peak_bytes"], stats["rank_collective_slack_bytes"])
+        slack = stats["rank_collective_slack_bytes"]
+        predicted = (built.predicted_peak_bytes - slack if how == "train_step" else stats["rank_peak_bytes"], slack)
         fully_shard_units(module, mesh=mesh)
-    peak, seconds = _run(module, args, kwargs, loss_of)
-    return {"peak": peak, "seconds": seconds, "predicted": predicted, "budget_gb": budget_gb or least}
+        if how == "train_step":
+            microbatches, run = built.microbatches, (lambda: built(*args, **kwargs))
+        else:
+            run = _by_hand(module, args, kwargs, loss_of, 1)
+    peak, seconds = _run(module, args, kwargs, run)
+    return {"peak": peak, "seconds": seconds, "predicted": predicted, "budget_gb": budget_gb,
+            "microbatches": microbatches}
 
 
 def main():
@@ -117,24 +149,30 @@ def main():
     for name in MODELS:
         eager = on_gloo_ranks(_rank, options.world, name, "eager", None)
         own = on_gloo_ranks(_rank, options.world, name, "eager + own checkpointing", None)
+        halves = on_gloo_ranks(_rank, options.world, name, "eager + own checkpointing, 2 microbatches", None)
         runs = [("eager FSDP2", eager), ("eager FSDP2 + own checkpointing", own),
                 ("graphopt, no budget", on_gloo_ranks(_rank, options.world, name, "graphopt", None)),
                 ("graphopt at own checkpointing's peak",
                  on_gloo_ranks(_rank, options.world, name, "graphopt", max(r["peak"] for r in own) / 1e9)),
-                ("graphopt at its least budget", on_gloo_ranks(_rank, options.world, name, "graphopt", "least"))]
+                ("graphopt at its least budget", on_gloo_ranks(_rank, options.world, name, "graphopt", "least")),
+                ("eager FSDP2 + own checkpointing, 2 microbatches by hand", halves),
+                ("graphopt train_step at that peak",
+                 on_gloo_ranks(_rank, options.world, name, "train_step", max(r["peak"] for r in halves) / 1e9)),
+                ("graphopt train_step at its least budget",
+                 on_gloo_ranks(_rank, options.world, name, "train_step", "least"))]
         base = statistics.median(r["seconds"] for r in eager)
-        lines += [f"## {name}", "", "| run | budget per rank | predicted (+slack) | measured per rank | vs eager's peak "
-                  "| step time vs eager |", "|---|---|---|---|---|---|"]
+        lines += [f"## {name}", "", "| run | budget per rank | microbatches | predicted (+slack) | measured per rank "
+                  "| vs eager's peak | step time vs eager |", "|---|---|---|---|---|---|---|"]
         for label, ranks in runs:
             budget = ranks[0]["budget_gb"]
             if ranks[0].get("refused"):
-                lines.append(f"| {label} | {budget * 1e3:.2f} MB | refused: a rank needs "
+                lines.append(f"| {label} | {budget * 1e3:.2f} MB | - | refused: a rank needs "
                              f"{ranks[0]['refused'] * 1e3:.2f} MB by the estimate | - | - | - |")
                 continue
             measured = [r["peak"] for r in ranks]
             predicted = ranks[0]["predicted"]
             lines.append(
-                f"| {label} | {f'{budget * 1e3:.2f} MB' if budget else '-'} | "
+                f"| {label} | {f'{budget * 1e3:.2f} MB' if budget else '-'} | {ranks[0]['microbatches']} | "
                 f"{f'{predicted[0] / 1e6:.2f} MB (+{predicted[1] / 1e6:.2f})' if predicted else '-'} | "
                 f"{', '.join(f'{m / 1e6:.2f} MB' for m in measured)} | "
                 f"{max(measured) / max(r['peak'] for r in eager):.2f} | "

@@ -55,8 +55,10 @@ def build_pipeline(passes=None, args: OptimizeArguments = OptimizeArguments()) -
             if not leads:
                 raise OptionError(f"{arg}= needs a pass this version of graphopt does not implement (available "
                                   f"passes: {', '.join(sorted(passes_pkg.available()))}); leave {arg} out.")
-            raise OptionError(f"{arg}= refines what {' or '.join(f'{lead}=' for lead in leads)} asks for: give "
-                              f"{' or '.join(leads)} too.")
+            if len(leads) == 1:
+                raise OptionError(f"{arg}= refines what {leads[0]}= asks for: give {leads[0]} too.")
+            raise OptionError(f"{arg}= refines what {' or '.join(f'{lead}=' for lead in leads)} asks for: give one "
+                              "of them too.")
     for cls in added:
         passes_pkg.insert_in_order(pipeline, cls.from_arguments(args))
     passes_pkg.check_order(pipeline)

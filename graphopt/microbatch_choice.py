@@ -226,7 +226,6 @@ class MicrobatchChoice:
                 peak = measure_peak(lambda: run(args, kwargs), self.model, *tensor_leaves((args, kwargs)))
             return peak + (extra.state_bytes + extra.step_bytes if extra is not None else 0)
 
-
     def _rank_peak(self, graph, args, kwargs, k: int, optimizer) -> int:
         """What a rank's step as __call__ runs it may hold (shard/rank_memory.py): its microbatches'
         backwards into sharded gradients, the loss outside the graph in it."""

@@ -155,7 +155,7 @@ def test_errors_speak_in_flags(tmp_path, monkeypatch, capsys):
     assert err.startswith("graphopt: error: --budget-gb 1e-09 (") and "Raise --budget-gb to " in err
     assert "--precision bf16" in err and "--stages N" in err and "_gb" not in err and "=" not in err
     assert main(["optimize", spec, "--profile"]) == 2
-    assert "--profile refines what --budget-gb asks for: give --budget-gb too." in capsys.readouterr().err
+    assert "--profile refines what --budget-gb or --stages asks for: give one of them too." in capsys.readouterr().err
     assert cli_text("optimize(budget_gb=...): bad value -1.0") == "--budget-gb: bad value -1.0"
     assert cli_text("with stages=, budget_gb caps each stage: leave calibrate out") == \
         "with --stages, --budget-gb caps each stage: leave --calibrate out"

@@ -7,10 +7,10 @@
 2. The step runs twice on fake inputs: forward, backward from the loss (for gradient
    accumulation, twice, the second into the sharded gradients the first left: a microbatch after
    the first), the optimizer's step, gradients set to None; the second, with the optimizer's
-   state made, under torch's
-   FSDPMemTracker, which counts what a rank holds at each moment: its shard of the parameters,
-   gradients and optimizer state, the gathered parameters of the unit that runs and of the one
-   prefetched, the all-gather and reduce-scatter buffers, activations and what recompute reruns.
+   state made, under torch's FSDPMemTracker, which counts what a rank holds at each moment: its
+   shard of the parameters, gradients and optimizer state, the gathered parameters of the unit
+   that runs and of the one prefetched, the all-gather and reduce-scatter buffers, activations
+   and what recompute reruns.
 3. What the tracker cannot see: a collective runs asynchronously, and its backend may keep the
    input of a unit's reduce-scatter alive after FSDP2 drops it, while the next unit's is made
    (gloo does, on some ranks). The slack is the largest unit's reduce-scatter input; a plan for
@@ -38,8 +38,8 @@ from ...fake_kernels import active as fake_kernels_active
 from ...runtime.fsdp import fully_shard_units, unit_modules
 from .units import make_units
 
-# what else lowers a rank's step, where a budget is below its least
 ESTIMATE_DIM = "graphopt_rank_estimate"  # the fake mesh's dimension (_fake_mesh)
+# what else lowers a rank's step, where a budget is below its least
 RANK_ADVICE = "halve activations with precision='bf16', or shard over more ranks (world_size)"
 
 
