@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ..errors import UsageError
@@ -18,9 +19,19 @@ def fully_shard_units(gm: torch.fx.GraphModule, *, mesh=None, reshard_after_forw
         raise UsageError("this module has no FSDP units (unit_0, unit_1, ...): build it with "
                          "graphopt.optimize(model, example_inputs, shard='fsdp').")
     for k, unit in enumerate(units):
+        unit.register_forward_hook(_no_views)  # before fully_shard's own: it sees what this returns
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and k < len(units) - 1, **kwargs)
     fully_shard(gm, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     return gm
+
+
+def _no_views(module, args, output):
+    """A unit's outputs, each view copied: FSDP2 hooks its backward on the outputs, and an in-place
+    op after it on a view (a rewrite's add_ into the residual stream) would drop that hook, and the
+    unit's backward would run on parameters it never gathered."""
+    if not any(t._is_view() for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)):
+        return None
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.clone() if t._is_view() else t, output)
 
 
 def unit_modules(gm: torch.nn.Module) -> list[torch.nn.Module]:
