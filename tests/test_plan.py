@@ -45,6 +45,7 @@ def test_a_meta_model_plans_what_the_real_model_measures():
     assert refused.value.min_budget_bytes == least
 
 
+@pytest.mark.slow  # 12 s: make test-real, beside the least's test below
 def test_a_rank_s_step_under_fsdp_is_estimated_on_the_meta_device_as_on_the_real_model():
     """A meta model's fakes are made on the CPU, each tensor its own (a temporary's id was reused:
     one weight took another's shape)."""
