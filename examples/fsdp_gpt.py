@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/fsdp_gpt.py                         # gloo on CPU
     torchrun --nproc-per-node 4 examples/fsdp_gpt.py --budget-gb 0.05        # recompute to fit a rank's budget
     torchrun --nproc-per-node 2 examples/fsdp_gpt.py --device cuda           # NCCL on GPUs
-    torchrun --nproc-per-node 2 examples/fsdp_gpt.py --budget-gb 0.03 --train-step   # microbatches too
+    torchrun --nproc-per-node 2 examples/fsdp_gpt.py --budget-gb 0.02 --train-step   # 8 microbatches
 
 Every rank builds the same model and lets graphopt make each block a unit (the rewrite is
 deterministic), plans recompute so one rank's step fits --budget-gb (its shard of parameters,
