@@ -162,7 +162,12 @@ class Inplace(Pass):
 
     def skip_by_default(self, gm, ctx, pipeline):
         # A value written in place is no longer there to run a segment again: the least budget rises.
-        return next((f"a budget is planned: {p.plans_memory}" for p in pipeline if p.plans_memory), None)
+        planned = next((f"a budget is planned: {p.plans_memory}" for p in pipeline if p.plans_memory), None)
+        # FSDP2 hands a unit its inputs as views of one autograd function's outputs, which refuses
+        # an in-place write into them (seen on transformers' Llama with fused kernels)
+        units = next((f"{p.name} makes FSDP units, whose inputs take no write in place" for p in pipeline
+                      if p.makes_units), None)
+        return planned or units
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # Steps 1 and 2
