@@ -104,6 +104,24 @@ FX_ZOO = {
 def pytest_addoption(parser):
     parser.addoption("--corpus", choices=("quick", "all"), default="quick",
                      help="real-model corpus: the quick subset (make test) or every model (make test-real)")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th collected test from the I-th (0-based): make test-real runs N=2 "
+                          "halves at once")
+
+
+def pytest_collection_modifyitems(config, items):
+    """--shard=I/N keeps items[I::N]: neighbours in collection order cost alike, so halves balance."""
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard={shard}: expected I/N with 0 <= I < N, e.g. 0/2") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"--shard={shard}: expected I/N with 0 <= I < N, e.g. 0/2")
+    config.hook.pytest_deselected(items=[t for k, t in enumerate(items) if k % n != i])
+    items[:] = items[i::n]
 
 
 def pytest_generate_tests(metafunc):
