@@ -110,6 +110,7 @@ def test_a_vision_model_with_its_loss_outside_plans_as_the_real_one():
             out, labels.to("meta")))
 
 
+@pytest.mark.slow  # 44 s of four plans; make test keeps the headroom's path in the train_step test below
 def test_cuda_rounds_blocks_and_keeps_its_headroom(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:1")  # no workspaces: a tiny model's step would be mostly theirs
     meta, args, kwargs = tiny_llama("meta")
