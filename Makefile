@@ -37,11 +37,12 @@ test: $(STAMP)
 # Every check on every model of the real-model corpus, every pair of passes on six of them, the
 # memory promise through both frontends, and the tests too slow for make test (about 2 hours on 2
 # cores). Two halves run at once, a thread each: the Triton interpreter keeps one core busy per
-# process, so one process with two threads would take twice as long. The second half's output
-# follows the first's.
+# process, so one process would take about twice as long (the halves' test times add to 4 hours).
+# The second half's output follows the first's; an interrupt stops both.
 REAL := OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "realmodels or slow" --corpus=all
 test-real: $(STAMP)
 	@log=$$(mktemp); $(REAL) --shard=1/2 >$$log 2>&1 & other=$$!; \
+	trap 'kill $$other 2>/dev/null; rm -f $$log; exit 130' INT TERM; \
 	$(REAL) --shard=0/2; mine=$$?; wait $$other; theirs=$$?; \
 	echo "--- make test-real, the other half (--shard=1/2):"; cat $$log; rm -f $$log; \
 	exit $$((mine || theirs))
