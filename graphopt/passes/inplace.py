@@ -165,8 +165,7 @@ class Inplace(Pass):
         planned = next((f"a budget is planned: {p.plans_memory}" for p in pipeline if p.plans_memory), None)
         # FSDP2 hands a unit its inputs as views of one autograd function's outputs, which refuses
         # an in-place write into them (seen on transformers' Llama with fused kernels)
-        units = next((f"{p.name} makes FSDP units, whose inputs take no write in place" for p in pipeline
-                      if p.makes_units), None)
+        units = "the blocks become FSDP units (shard), whose inputs take no write in place" if ctx.units else None
         return planned or units
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
