@@ -29,6 +29,7 @@ eager's kernels compute them in float32 and round their output.
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class RowInput(Input):
     kind: str = FULL
     shift: int = 0  # a FULL input read shifted along the columns: column j reads column j + shift (0 past the ends)
     dtype: torch.dtype = torch.float32  # a float input's; an integer input (class indices) says float32
+    ignore: int | None = None  # class indices (a cross entropy's target): each a column or this value
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,11 @@ class RowGroup:
 INTEGERS = (torch.int32, torch.int64)
 
 
-def check_inputs(group: RowGroup, inputs, values: bool = True, missing: bool = False) -> None:
+def check_inputs(group: RowGroup, inputs, missing: bool = False) -> None:
     """ValueError unless an index input is given as None and only it (or, with missing=True, an
     input a backward does not read); Unsupported unless every other input is of its RowInput's
-    float dtype, a bool mask, or a per-row integer below 2**24 (a class index: exact in fp32;
-    its values are looked at only with values=True, not on tensors without data)."""
+    float dtype, a bool mask, or per-row integers (class indices: the forward kernel checks each is
+    a column or the ignored value, so fp32 holds it exactly, columns being fewer than 2**24)."""
     if len(inputs) != len(group.inputs):
         raise ValueError(f"the group has {len(group.inputs)} inputs, got {len(inputs)}")
     for k, t in enumerate(inputs):
@@ -185,8 +187,12 @@ def check_inputs(group: RowGroup, inputs, values: bool = True, missing: bool = F
         if not (t.dtype in INTEGERS and group.input_kind(k) == ROW):
             raise Unsupported(f"input {k} is {t.dtype}, where the group reads {group.inputs[k].dtype}; row kernels "
                               "take float inputs of their group's dtypes and int32/int64 per-row ones")
-        if t.numel() and values and int(t.abs().max()) >= 2**24:
-            raise Unsupported(f"input {k} holds integers of 2**24 or more, which fp32 does not hold exactly")
+
+
+def check_columns(group: RowGroup, columns: int) -> None:
+    """Unsupported where class indices would not be exact in fp32: rows of 2**24 columns or more."""
+    if columns >= 2**24 and any(i.ignore is not None for i in group.inputs):
+        raise Unsupported(f"rows of {columns} classes: a class index of 2**24 or more is not exact in fp32")
 
 
 # -- builders: the graph's norms and softmaxes as row programs -------------------------------------
@@ -213,6 +219,12 @@ class Builder:
             self.steps.append(Reduce(op[4:], args[0]) if op.startswith("row_") else Step(op, args, params))
         self.dtypes.append(torch.float32)
         return ("step", len(self.steps) - 1)
+
+    def class_indices(self, ref, ignore_index: int) -> None:
+        """Input ref holds class indices into the row's columns, or ignore_index: the forward kernel
+        checks so."""
+        if isinstance(ref, tuple) and ref[0] == "input":
+            self.inputs[ref[1]] = dataclasses.replace(self.inputs[ref[1]], ignore=int(ignore_index))
 
     def made_in(self, ref, dtype: torch.dtype, since: int = 0, one_kernel: bool = False) -> None:
         """Step ref's value is eager's in dtype (rounded to it when half), where ref is a step
@@ -277,6 +289,7 @@ def log_softmax() -> RowGroup:
 def emit_cross_entropy(b: Builder, x, target, cols, ignore_index: int):
     """Per row: -log_softmax(logits)[target], as eager's nll_loss of log_softmax, 0 where target
     == ignore_index; target a ROW input of integers, cols the INDEX input."""
+    b.class_indices(target, ignore_index)
     picked = b("row_sum", b("where", b("eq", cols, target), b("log_softmax", x), 0.0))
     return b("mul", b("neg", picked), b("ne", target, float(ignore_index)))
 

@@ -28,14 +28,17 @@ sum is at pid * C + col.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .compile import load
 from .kernel import INDENT, TL, module
-from .row_group import COL, FULL, ROW, RowGroup, check_inputs, remembered
+from .row_group import COL, FULL, ROW, RowGroup, check_columns, check_inputs, remembered
 from .row_program import Line, RowProgram, backward_program, forward_program, vector
 from .row_space import RowSpace, addressing, empty_like_order
 
+CLASS_MESSAGE = "graphopt: a class index of a cross entropy is out of range: not in [0, classes) nor ignore_index"
 MAX_PERSISTENT = 1 << 14  # columns held in one block
 LOOP_BLOCK = 1024  # columns per chunk in the looped form
 PARTIAL = "pid * C + cols"  # where a program stores its partial sum of a COL store
@@ -56,10 +59,15 @@ def _mask(pointer: str, kind: str, shifts: dict) -> str:
     return mask
 
 
-def _load(line: Line, shifts: dict) -> str:
+def _load(line: Line, shifts: dict, checks: dict) -> str:
     kind = line.expr  # where it is read from
-    return (f"{line.target} = tl.load({line.target}_ptr + {_at(line.target, kind)}, "
+    text = (f"{line.target} = tl.load({line.target}_ptr + {_at(line.target, kind)}, "
             f"mask={_mask(line.target, kind, shifts)}, other=0.0).to(tl.float32)")
+    if line.target in checks:  # class indices: each a column or the ignored value (masked lanes load 0)
+        value = line.target
+        text += (f"; tl.device_assert(((({value} >= 0) & ({value} < C)) | ({value} == {float(checks[value])})), "
+                 f"\"{CLASS_MESSAGE}\")")
+    return text
 
 
 def _store(pointer: str, kind: str, value: str, shifts: dict, dtype: torch.dtype = torch.float32) -> str:
@@ -118,9 +126,9 @@ def _offsets(kinds: dict, which: str, n: int, shifts: dict) -> list[str]:
 SHAPE = {FULL: "[RB, BLOCK]", ROW: "[RB, 1]", COL: "[1, BLOCK]"}
 
 
-def _assign(line: Line, kinds: dict, shifts: dict) -> str:
+def _assign(line: Line, kinds: dict, shifts: dict, checks: dict) -> str:
     if line.load:
-        return _load(line, shifts)
+        return _load(line, shifts, checks)
     expr = line.expr
     if not any(kinds[r] in (FULL, line.kind) for r in line.reads):
         expr = f"tl.zeros({SHAPE[line.kind]}, dtype=tl.float32) + ({expr})"  # its tile, whatever it reads
@@ -147,13 +155,13 @@ def _partial_sum(s) -> str:
     return f"tl.sum(tl.where(mask, {s.value}, 0.0), axis=0)[None, :]"
 
 
-def _persistent(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[str]:
+def _persistent(program: RowProgram, dims: tuple[int, int], shifts: dict, checks: dict) -> list[str]:
     kinds, pointers = {line.target: line.kind for line in program.lines}, pointer_kinds(program)
     partial = [s for s in program.stores if s.kind == COL]
     head = [f"{s.value}_acc = tl.zeros([1, BLOCK], dtype=tl.float32)" for s in partial]
     body = _tile_rows(dims, pointers, shifts) + _columns("", dims, pointers, shifts)
     for line in program.lines:
-        body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds, shifts))
+        body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds, shifts, checks))
     body += [_store(s.pointer, s.kind, s.value, shifts, s.dtype) for s in program.stores if s.kind != COL]
     body += [f"{s.value}_acc = {s.value}_acc + {_partial_sum(s)}" for s in partial]
     loop = ["for first in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R), RB):"] + [INDENT + b for b in body]
@@ -188,16 +196,16 @@ def _chunks(body: list[str], dims: tuple[int, int], pointers: dict, shifts: dict
     return ["for start in range(0, C, BLOCK):"] + [INDENT + b for b in _columns("start + ", dims, pointers, shifts) + body]
 
 
-def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[str]:
+def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict, checks: dict) -> list[str]:
     kinds, pointers = {line.target: line.kind for line in program.lines}, pointer_kinds(program)
     after = _known_after(program)
     scalars = [line for line in program.lines if line.kind == ROW and not line.reduce]
-    body = [_assign(line, kinds, shifts) for line in scalars if after[line.target] == 0]
+    body = [_assign(line, kinds, shifts, checks) for line in scalars if after[line.target] == 0]
     for p in range(1, max((after[line.target] for line in program.lines if line.reduce), default=0) + 1):
         reduces = [line for line in program.lines if line.reduce and after[line.target] == p]
         body.append(f"# pass {p}: {', '.join(line.target for line in reduces)}")
         body += [f"{line.target}_acc = tl.full([RB, BLOCK], {NEUTRAL[line.reduce]}, tl.float32)" for line in reduces]
-        inner = [_assign(line, kinds, shifts) for line in _closure(program, [r for line in reduces for r in line.reads])]
+        inner = [_assign(line, kinds, shifts, checks) for line in _closure(program, [r for line in reduces for r in line.reads])]
         for line in reduces:
             value = f"tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]})"
             inner.append(f"{line.target}_acc = {line.target}_acc + {value}" if line.reduce == "sum"
@@ -205,10 +213,10 @@ def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict) -> list[st
         body += _chunks(inner, dims, pointers, shifts)
         body += [f"{line.target} = {'tl.sum' if line.reduce == 'sum' else 'tl.max'}({line.target}_acc, axis=1)[:, None]"
                  f"  # {line.comment}" for line in reduces]
-        body += [_assign(line, kinds, shifts) for line in scalars if after[line.target] == p]
+        body += [_assign(line, kinds, shifts, checks) for line in scalars if after[line.target] == p]
     full = [s for s in program.stores if s.kind != ROW]
     if full:
-        inner = [_assign(line, kinds, shifts) for line in _closure(program, [s.value for s in full])]
+        inner = [_assign(line, kinds, shifts, checks) for line in _closure(program, [s.value for s in full])]
         inner += [f"tl.store({s.pointer}_ptr + {PARTIAL}, {_partial_sum(s)}, mask=cmask)" if s.kind == COL
                   else _store(s.pointer, FULL, s.value, shifts, s.dtype) for s in full]
         body += ["# the stores"] + _chunks(inner, dims, pointers, shifts)
@@ -233,23 +241,39 @@ def source(group: RowGroup, program: RowProgram, name: str, looped: bool, dims: 
     shifts = pointer_shifts(group, program)
     if shifts and dims[1] != 1:
         raise ValueError("a shifted input needs rows over one col dim")
-    body = _looped(program, dims, shifts) if looped else _persistent(program, dims, shifts)
+    # the forward checks the class indices it reads (as eager's nll_loss does on CUDA): on the device, with
+    # no sync; Triton compiles device assertions into a kernel only in its debug mode
+    checks = class_checks(group) if name == "row_forward" else {}
+    if checks:
+        signature[0] = "@triton.jit(debug=True)"
+    body = _looped(program, dims, shifts, checks) if looped else _persistent(program, dims, shifts, checks)
     return module(head, signature + [INDENT + b for b in body])
 
 
+def class_checks(group: RowGroup) -> dict[str, int]:
+    """Each class-index input's pointer, and the value it may hold besides a column (ignore_index)."""
+    return {f"x{k}": i.ignore for k, i in enumerate(group.inputs) if i.ignore is not None}
+
+
 # -- launching -------------------------------------------------------------------------------------
+#
+# RowForward and RowBackward hold what one launch derives from its tensors' shapes, strides and
+# dtypes (the rows, the outputs' and gradient buffers' layouts, the kernel's text, grid and integer
+# arguments, what is summed up after): made once per input signature (runtime/fused_row.py keeps
+# them), they then allocate and name the pointers for each call.
 
 
-def _space(group: RowGroup, inputs, space: RowSpace | None, values: bool, missing: bool = False):
+def _space(group: RowGroup, inputs, space: RowSpace | None, missing: bool = False):
     """The rows (by default over the leading dims of the first FULL input) and the inputs as the
     kernel reads them: a ROW input of one value per row but no col dims (a class index per row)
     viewed with them. ValueError when an input does not fit the rows."""
-    check_inputs(group, inputs, values, missing)
+    check_inputs(group, inputs, missing)
     if space is None:
         full = [t for k, t in enumerate(inputs) if group.input_kind(k) == FULL]
         if not full or full[0].dim() == 0:
             raise ValueError("a row group needs a full input of at least one dim: the rows are its leading dims")
         space = RowSpace.last(full[0].shape)
+    check_columns(group, space.columns)
     given = []
     for k, t in enumerate(inputs):
         if t is None:
@@ -292,7 +316,8 @@ def layout(c: int, block: int | None = None) -> tuple[bool, int]:
 _KERNELS: dict = {}
 
 
-def _kernel(text: str, name: str):
+def kernel(text: str, name: str):
+    """The Triton kernel of this text, loaded once."""
     if text not in _KERNELS:
         _KERNELS[text] = getattr(load(text), name)
     return _KERNELS[text]
@@ -312,8 +337,28 @@ def programs(r: int, size: int, looped: bool, partial: bool, device: torch.devic
     return -(-tiles // per), per * rb, rb
 
 
-def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, tensors: dict, grid: tuple,
-            block: int | None) -> None:
+@dataclass(frozen=True)
+class RowLaunch:
+    """One launch of a row program: its kernel's text and name, the pointers it takes (names, in
+    parameter order), the grid, the integer arguments after the pointers and the constexprs."""
+
+    text: str
+    name: str
+    pointers: tuple
+    grid: tuple
+    scalars: tuple
+    constexprs: tuple  # (name, value) pairs
+
+    def kernel(self):
+        return kernel(self.text, self.name)
+
+    def __call__(self, tensors: dict) -> None:
+        """Launch through Triton's JITFunction, the tensors by pointer name (an unbound launch)."""
+        self.kernel()[self.grid](*[tensors[p] for p in self.pointers], *self.scalars, **dict(self.constexprs))
+
+
+def row_launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, tensors: dict, grid: tuple,
+               block: int | None) -> RowLaunch:
     """tensors: pointer name -> tensor (a partial-sum buffer is [P, C], without strides); grid:
     (P, ROWS, RB) from programs()."""
     looped, size = layout(space.columns, block)
@@ -322,32 +367,135 @@ def _launch(group: RowGroup, program: RowProgram, name: str, space: RowSpace, te
     where = addressing(space, [tensors[p] for p in strided])
     text = remembered(group, (program, name, looped, where.dims),
                       lambda: source(group, program, name, looped, where.dims))
-    kernel = _kernel(text, name)
-    args = [tensors[p] for p in program.pointers] + [space.rows, space.columns, grid[1]]
-    args += list(where.row_sizes) + list(where.col_sizes)
+    args = [space.rows, space.columns, grid[1]] + list(where.row_sizes) + list(where.col_sizes)
     for p, row_strides, col_strides in zip(strided, where.row_strides, where.col_strides):
         args += list(row_strides) if kinds[p] in (FULL, ROW) else []
         args += list(col_strides) if kinds[p] in (FULL, COL) else []
-    kernel[(grid[0],)](*args, BLOCK=size, RB=grid[2])
+    return RowLaunch(text, name, tuple(program.pointers), (grid[0],), tuple(args), (("BLOCK", size), ("RB", grid[2])))
+
+
+def _reshaped(inputs, given) -> tuple:
+    """The inputs whose view the kernel reads is a copy, not a view (made again at each call)."""
+    return tuple(k for k, (t, g) in enumerate(zip(inputs, given))
+                 if t is not None and g is not t and not g._is_view())
+
+
+class RowForward:
+    """The forward of a group on inputs of one signature: its rows, its outputs' layouts (FULL ones
+    at the rows' shape, laid out in orders[i], outermost dim first, contiguous by default; ROW ones
+    at the row shape) and its launch (None where no element is computed)."""
+
+    def __init__(self, group: RowGroup, inputs, block: int | None = None, space: RowSpace | None = None,
+                 orders: tuple = ()):
+        self.group = group
+        self.space, given = _space(group, inputs, space)
+        self.reshaped = _reshaped(inputs, given)
+        self.views = tuple(None if g is None else tuple(g.shape) for g in given)
+        device = next(t.device for t in given if t is not None)
+        self.outputs = tuple((self.space.shape, orders[i] if i < len(orders) else None, group.dtypes[j])
+                             if group.step_kind(j) == FULL else (self.space.row_shape(), None, group.dtypes[j])
+                             for i, j in enumerate(group.outputs))
+        self.launch = None
+        if self.space.rows and self.space.columns:
+            program = forward_program(group)
+            tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
+            tensors.update({f"out{i}": o for i, o in enumerate(self.allocate(torch.device("meta")))})
+            looped, size = layout(self.space.columns, block)
+            self.launch = row_launch(group, program, "row_forward", self.space, tensors,
+                                     programs(self.space.rows, size, looped, False, device), block)
+            pool = [f"x{k}" for k in range(len(inputs))] + [f"out{i}" for i in range(len(self.outputs))]
+            self.places = tuple(pool.index(p) for p in self.launch.pointers)
+
+    def allocate(self, device) -> list[torch.Tensor]:
+        return [empty_like_order(shape, order, dtype, device) for shape, order, dtype in self.outputs]
+
+    def pointers(self, inputs, outputs) -> list:
+        """The launch's tensors: inputs as given (a view of one shares its data), then outputs."""
+        if self.reshaped:
+            inputs = [t.reshape(self.views[k]) if k in self.reshaped else t for k, t in enumerate(inputs)]
+        pool = (*inputs, *outputs)
+        return [pool[i] for i in self.places]
 
 
 def row_forward(group: RowGroup, inputs, block: int | None = None, launch: bool = True,
                 space: RowSpace | None = None, orders: tuple = ()) -> list[torch.Tensor]:
-    """The outputs, each in its step's dtype: FULL ones at the rows' shape, laid out in orders[i]
-    (outermost dim first; contiguous by default), ROW ones at the row shape; with launch=False they are allocated
-    and not computed (FakeTensors: what a run allocates)."""
-    space, given = _space(group, inputs, space, launch)
-    device = next(t.device for t in given if t is not None)
-    outs = [empty_like_order(space.shape, orders[i] if i < len(orders) else None, group.dtypes[j], device)
-            if group.step_kind(j) == FULL else torch.empty(space.row_shape(), dtype=group.dtypes[j], device=device)
-            for i, j in enumerate(group.outputs)]
-    if launch and space.rows and space.columns:
-        program = forward_program(group)
-        tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
-        tensors.update({f"out{i}": o for i, o in enumerate(outs)})
-        looped, size = layout(space.columns, block)
-        _launch(group, program, "row_forward", space, tensors, programs(space.rows, size, looped, False, device), block)
+    """The outputs, each in its step's dtype (RowForward); with launch=False they are allocated and
+    not computed (FakeTensors: what a run allocates)."""
+    bound = RowForward(group, inputs, block, space, orders)
+    device = next(t.device for t in inputs if t is not None)
+    outs = bound.allocate(device)
+    if launch and bound.launch is not None:
+        bound.launch(dict(zip(bound.launch.pointers, bound.pointers(inputs, outs))))
     return outs
+
+
+class RowBackward:
+    """The backward of a group for one signature of inputs, incoming gradients and wanted
+    gradients: its program, the gradient buffers (a shifted input's zeroed: it is stored only at
+    the columns it was read from; a COL gradient's partial sums in fp32, cast to its input's dtype
+    once added up) and its launch (None where nothing is computed). grads: per output whether it
+    has an incoming gradient; loaded: the steps the caller kept, read instead of recomputed; an
+    input the program does not read may be None, its shape given in shapes."""
+
+    def __init__(self, group: RowGroup, inputs, grads, needs, block: int | None = None,
+                 space: RowSpace | None = None, loaded: dict | None = None, shapes: list | None = None):
+        loaded = loaded or {}
+        self.group, self.needs = group, tuple(bool(n) for n in needs)
+        self.space, given = _space(group, inputs, space, missing=True)
+        self.reshaped = _reshaped(inputs, given)
+        self.views = tuple(None if g is None else tuple(g.shape) for g in given)
+        self.program = backward_program(group, [g is not None for g in grads], needs, frozenset(loaded))
+        device = next(t.device for t in [*given, *grads, *loaded.values()] if t is not None)
+        self.shapes = [None if group.is_index(k) else tuple(t.shape) if t is not None else tuple(shapes[k])
+                       for k, t in enumerate(inputs)]
+        looped, size = layout(self.space.columns, block)
+        grid = programs(self.space.rows, size, looped, any(s.kind == COL for s in self.program.stores), device)
+        sizes = {FULL: self.space.shape, ROW: self.space.row_shape(), COL: (grid[0], self.space.columns)}
+        self.buffers = tuple((k, sizes[group.input_kind(k)], bool(group.inputs[k].shift),
+                              torch.float32 if group.input_kind(k) == COL else group.inputs[k].dtype)
+                             for k in self.program.grads)
+        self.zeros = tuple((k, shape, inputs[k].dtype if inputs[k] is not None else group.inputs[k].dtype)
+                           for k, shape in enumerate(self.shapes)
+                           if needs[k] and k not in self.program.grads and shape is not None)
+        self.launch = None
+        if self.space.rows and self.space.columns and self.program.grads:
+            tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
+            tensors.update({f"v{j}": t for j, t in loaded.items()})
+            tensors.update({f"g{i}": g for i, g in enumerate(grads) if g is not None})
+            tensors.update({f"d{k}": b for k, b in zip(self.program.grads, self.allocate(torch.device("meta")))})
+            self.launch = row_launch(group, self.program, "row_backward", self.space, tensors, grid, block)
+            # a call's pool of tensors: the inputs, the loaded steps in step order, the grads, the buffers
+            self.steps = sorted(loaded)
+            pool = ([f"x{k}" for k in range(len(inputs))] + [f"v{j}" for j in self.steps]
+                    + [f"g{i}" for i in range(len(grads))] + [f"d{k}" for k in self.program.grads])
+            self.places = tuple(pool.index(p) for p in self.launch.pointers)
+
+    def allocate(self, device) -> list[torch.Tensor]:
+        return [(torch.zeros if shifted else torch.empty)(size, device=device, dtype=dtype)
+                for _, size, shifted, dtype in self.buffers]
+
+    def pointers(self, inputs, loaded: dict, grads, buffers) -> list:
+        if self.reshaped:
+            inputs = [t.reshape(self.views[k]) if k in self.reshaped else t for k, t in enumerate(inputs)]
+        pool = (*inputs, *[loaded[j] for j in self.steps], *grads, *buffers)
+        return [pool[i] for i in self.places]
+
+    def gradients(self, buffers, device) -> list[torch.Tensor | None]:
+        """The inputs' gradients from the filled buffers (a COL one's partial sums added up), each
+        summed to its input's shape; zeros for one wanted without a path to an output with a gradient."""
+        out: list[torch.Tensor | None] = [None] * len(self.shapes)
+        space, group = self.space, self.group
+        for (k, _, _, _), buffer in zip(self.buffers, buffers):
+            kind = group.input_kind(k)
+            if kind == COL:  # the programs' partial sums added up
+                buffer = buffer.sum(0).reshape(space.col_shape()).to(group.inputs[k].dtype)
+            view = _view_shape(kind, self.shapes[k], space)
+            if tuple(buffer.shape) != view:
+                buffer = buffer.sum_to_size(view)
+            out[k] = buffer if view == self.shapes[k] else buffer.reshape(self.shapes[k])
+        for k, shape, dtype in self.zeros:
+            out[k] = torch.zeros(shape, device=device, dtype=dtype)
+        return out
 
 
 def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None, launch: bool = True,
@@ -355,36 +503,14 @@ def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None
                  shapes: list | None = None) -> list[torch.Tensor | None]:
     """grads: per output, its incoming gradient or None; needs: per input, whether it wants one;
     loaded: {step: its stored output}, read instead of recomputed where the caller kept it; an
-    input the program does not read may then be None, its shape given in shapes."""
+    input the program does not read may then be None, its shape given in shapes (RowBackward)."""
     loaded = loaded or {}
-    space, given = _space(group, inputs, space, launch, missing=True)
-    program = backward_program(group, [g is not None for g in grads], needs, frozenset(loaded))
-    device = next(t.device for t in [*given, *grads, *loaded.values()] if t is not None)
-    shapes = [None if group.is_index(k) else tuple(t.shape) if t is not None else tuple(shapes[k])
-              for k, t in enumerate(inputs)]
-    looped, size = layout(space.columns, block)
-    grid = programs(space.rows, size, looped, any(s.kind == COL for s in program.stores), device)
-    sizes = {FULL: space.shape, ROW: space.row_shape(), COL: (grid[0], space.columns)}
-    # a shifted input's gradient is stored at the columns it was read from: the others stay 0
-    # a COL gradient's partial sums are fp32, cast to its input's dtype once added up
-    buffers = {k: (torch.zeros if group.inputs[k].shift else torch.empty)(
-        sizes[group.input_kind(k)], device=device,
-        dtype=torch.float32 if group.input_kind(k) == COL else group.inputs[k].dtype) for k in program.grads}
-    if launch and space.rows and space.columns and program.grads:
-        tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
-        tensors.update({f"v{j}": t for j, t in loaded.items()})
-        tensors.update({f"g{i}": g for i, g in enumerate(grads) if g is not None})
-        tensors.update({f"d{k}": b for k, b in buffers.items()})
-        _launch(group, program, "row_backward", space, tensors, grid, block)
-    out: list[torch.Tensor | None] = [None] * len(inputs)
-    for k, buffer in buffers.items():
-        if group.input_kind(k) == COL:  # the programs' partial sums added up
-            buffer = buffer.sum(0).reshape(space.col_shape()).to(group.inputs[k].dtype)
-        out[k] = buffer.sum_to_size(_view_shape(group.input_kind(k), shapes[k], space)).reshape(shapes[k])
-    for k, shape in enumerate(shapes):
-        if needs[k] and out[k] is None and shape is not None:  # no path from it to an output with a gradient
-            out[k] = torch.zeros(shape, device=device, dtype=inputs[k].dtype if inputs[k] is not None else group.inputs[k].dtype)
-    return out
+    bound = RowBackward(group, inputs, grads, needs, block, space, loaded, shapes)
+    device = next(t.device for t in [*inputs, *grads, *loaded.values()] if t is not None)
+    buffers = bound.allocate(device)
+    if launch and bound.launch is not None:
+        bound.launch(dict(zip(bound.launch.pointers, bound.pointers(inputs, loaded, grads, buffers))))
+    return bound.gradients(buffers, device)
 
 
 class RowFunction(torch.autograd.Function):

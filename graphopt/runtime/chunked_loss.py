@@ -79,7 +79,6 @@ class ChunkedHeadLoss:
         flat_logits = None if logits is None else logits.reshape(rows, classes)
         per_row = [self._kind(i + (i >= self.logits_at)) == ROW and t.dim() > 0 for i, t in enumerate(others)]
         shaped = [t.reshape(rows, 1) if r else t for t, r in zip(others, per_row)]
-        self.rows.check_classes(self.rows._all(self._given(None, others)), classes)
         scale = self._scale(others, h)
         grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) if n else None  # contiguous: filled by rows
                  for t, n in zip((h, weight, bias, *others), needs or ())]
@@ -114,8 +113,7 @@ class ChunkedHeadLoss:
         wants = [True] * len(given)  # the logits'; then each other input's where it wants one
         for i, k in enumerate(others):
             wants[k] = bool(needs[3 + i])
-        space = self.per_row.space(self.per_row._all(given))
-        d = self.per_row.backward(given, [row_grads], wants, {}, [tuple(t.shape) for t in given], space)
+        d = self.per_row.backward(given, [row_grads], wants)
         dz = d[self.logits_at]
         if needs[0]:
             grads[0].view(-1, h_c.shape[-1])[part].addmm_(dz, weight)

@@ -21,6 +21,13 @@ def with_masks(inputs, draws: tuple, shape, device: torch.device) -> tuple:
         torch.empty(shape, dtype=dtype, device=device) if given is None else torch.empty_like(given), keep)))
 
 
+def with_stand_ins(inputs, draws: tuple, shape, device: torch.device) -> tuple:
+    """The call's inputs with uninitialized masks of the drawn ones' shapes and dtype in their
+    places: what binding a call needs to know of them, nothing drawn."""
+    return tuple(_placed(inputs, draws, lambda given, keep, dtype: torch.empty(
+        shape if given is None else given.shape, dtype=torch.bool, device=device)))
+
+
 def holes(inputs, draws: tuple) -> list:
     """The inputs with None where the masks go: what a shape rule that skips None reads."""
     return _placed(inputs, draws, lambda given, keep, dtype: None)

@@ -1,38 +1,41 @@
-"""Running a fused elementwise group: autograd-aware, each kernel compiled once per structural key.
+"""Running a fused elementwise group: autograd-aware, everything a call derives bound once per
+input signature.
 
-1. FusedOp(group)(*inputs) (or fused_call(group, *inputs)) applies an autograd.Function: its forward
-   runs the group and keeps only the inputs its backward kernel reads (for the inputs that need a
-   gradient: drop-path's x * mask + residual keeps the mask), the others as meta tensors of their
-   shapes, strides and dtypes (no memory); its backward computes every input gradient in one
-   pass, recomputing the intermediates. A group holding a dropout in training is called
-   without its mask: the call draws it (dropout_masks.py) and passes it on as one more input,
-   which the backward reads; a stochastic depth's bernoulli is given the tensor whose shape
-   its mask takes, and the call puts the mask in its place.
-2. Where it runs: CUDA tensors run the generated Triton kernels; CPU (and other) tensors run the
+1. FusedOp(group)(*inputs) (or fused_call(group, *inputs)): the first call of an input signature
+   (each input's type, dtype, shape, strides, device and requires_grad, and the grad mode) binds
+   a _Forward: the launch plan, the outputs' shapes and dtypes, what the backward kernel reads,
+   the kernel and its launch with grid, sizes and strides bound (launch.py). A later call of that
+   signature makes one tuple, finds its _Forward, allocates the outputs and launches.
+2. Under autograd the _Forward is applied as an autograd.Function whose forward saves only the
+   inputs the backward kernel reads (for the inputs that need a gradient: drop-path's
+   x * mask + residual keeps the mask); the others' shapes are the _Forward's. Its backward binds
+   a _Backward per signature of the incoming gradients: the plan, the gradient buffers' shapes and
+   dtypes, which of them are summed down to a broadcast input's shape or cast to its dtype, and
+   the launch; it computes every input gradient in one pass, recomputing the intermediates. A
+   group holding a dropout in training is called without its mask: the call draws it
+   (dropout_masks.py) and passes it on as one more input, which the backward reads; a stochastic
+   depth's bernoulli is given the tensor whose shape its mask takes, and the call puts the mask
+   in its place.
+3. Where it runs: CUDA tensors run the generated Triton kernels; CPU (and other) tensors run the
    torch reference (codegen/reference.py), except under TRITON_INTERPRET=1, where CPU tensors run the
    Triton kernels in Triton's interpreter: that is how CI tests the codegen. FakeTensors take the
    same path without launching a kernel, so they allocate what a real run allocates; meta
    tensors only get outputs of the right shapes and dtypes.
-3. Kernels are cached in a module-level dict by their Spec (ops, params, dtypes, layout patterns,
-   merged rank, offset width), never by sizes: a new batch size reuses the kernel. Each FusedOp also
-   remembers its plans and kernels by its inputs' dtypes, shapes and strides, so a repeated call
-   skips the planning (Python time a small tensor would notice).
-4. Outputs are allocated contiguous at their eager shapes; the grid is cdiv(n, BLOCK).
-5. A broadcast input's gradient comes back at the full shape in fp32 and is summed down to the
+4. Kernels are cached in a module-level dict by their Spec (ops, params, dtypes, layout patterns,
+   merged rank, offset width), never by sizes: a new batch size binds again and reuses the kernel.
+5. Outputs are allocated contiguous at their eager shapes; the grid is cdiv(n, BLOCK).
+6. A broadcast input's gradient comes back at the full shape in fp32 and is summed down to the
    input's shape, then cast to its dtype.
-6. Each forward and each backward that computes counts as one launch (launch_count()); the torch
-   calls a run makes inside (allocations, the CPU reference) run under running_fused(), so a
+7. Each forward and each backward that computes counts as one launch (launch_count()); the torch
+   calls a run makes inside (allocations, the CPU reference) run where running_fused() is true, so a
    dispatch-level op counter can tell them from the graph's own ops.
 """
 from __future__ import annotations
 
-import gc
 import math
-import os
 import threading
 from collections import Counter
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -44,22 +47,18 @@ from ..codegen.forward import KERNEL as FORWARD
 from ..codegen.forward import forward_source
 from ..codegen.group import Group, differentiable
 from ..codegen.layout import MAX_BLOCK, contiguous_strides
-from ..codegen.program import Backward
 from ..codegen.reference import reference_source
 from ..codegen.spec import LaunchPlan, plan_backward, plan_forward
-from .dropout_masks import inserted, with_masks
+from .dropout_masks import inserted, with_masks, with_stand_ins
+from .launch import bind, interpreting, release_interpreted_arguments
 
 GPU_BLOCK = 1024
 MAX_PLANS = 64  # input signatures each FusedOp remembers (then it starts over)
 _KERNELS: dict = {}  # (Spec, interpreted) -> the Triton kernel
 _REFERENCES: dict = {}  # (Spec of the backward, or forward) -> the torch reference module
-STATS = Counter()  # kernel cache "hits" and "misses", and "launches"
+STATS = Counter()  # kernel cache "hits" and "misses" (at binding), and "launches"
 _INSIDE = threading.local()  # .depth: how many fused runs this thread is inside
 _GENERATION = [0]  # bumped by clear_cache()
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cache_info() -> dict:
@@ -76,33 +75,35 @@ def running_fused() -> bool:
     return getattr(_INSIDE, "depth", 0) > 0
 
 
-@contextmanager
-def _inside():
+def enter() -> None:
     _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _INSIDE.depth -= 1
+
+
+def leave() -> None:
+    _INSIDE.depth -= 1
 
 
 def clear_cache() -> None:
     _KERNELS.clear()
     _REFERENCES.clear()
     STATS.clear()
-    _GENERATION[0] += 1  # every FusedOp forgets its remembered plans and kernels
+    _GENERATION[0] += 1  # every fused op forgets its bound calls
 
 
-def _signature(tensors) -> tuple:
-    return tuple(None if t is None else (t.dtype, t.shape, t.stride()) for t in tensors)
+def signature_key(tensors) -> tuple:
+    """What a bound call depends on, per tensor: its class (a FakeTensor runs no kernel), dtype,
+    shape, strides, device and whether it wants a gradient. AttributeError for a non-tensor."""
+    return tuple([(t.__class__, t.dtype, t.shape, t.stride(), t.device, t.requires_grad) for t in tensors])
 
 
-def _shape_only(tensors) -> bool:
-    # a plain tensor is never fake: skip is_fake's unwrapping on the common path
+def shape_only(tensors) -> bool:
+    """Whether these tensors have no data: meta tensors, or FakeTensors (a plain tensor is never fake:
+    is_fake's unwrapping is skipped for it)."""
     return any(t.device.type == "meta" or (type(t) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(t))
                for t in tensors)
 
 
-def _runs_kernel(device: torch.device) -> bool:
+def runs_kernel(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
@@ -123,32 +124,17 @@ def _kernel(plan: LaunchPlan, name: str, render):
     return kernel
 
 
-def _launch(kernel, plan: LaunchPlan, tensors, device: torch.device, scalars: list) -> None:
+def _launch(kernel, plan: LaunchPlan, device: torch.device, scalars) -> callable:
     n = plan.layout.numel
     block = _block(n, device)
-    grid = (triton_cdiv(n, block),)
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            kernel[grid](*tensors, *scalars, BLOCK=block)
-    else:
-        kernel[grid](*tensors, *scalars, BLOCK=block)
-    release_interpreted_arguments()
-
-
-def release_interpreted_arguments() -> None:
-    """Triton's interpreter keeps a launch's tensor storages in a reference cycle (a recursive
-    closure over a dict of them) until Python collects it, which can be long after the tensors'
-    last use: a measured step would hold them where a GPU run does not. The cycle is young, so a
-    collection of the youngest generation frees it."""
-    if interpreting():
-        gc.collect(0)
+    return bind(kernel, (triton_cdiv(n, block),), tuple(scalars), {"BLOCK": block}, device)
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _device(inputs) -> torch.device:
+def group_device(inputs) -> torch.device:
     """The device the group runs on: a 0-dim CPU tensor may ride along with CUDA ones, as in eager."""
     devices = {t.device for t in inputs if not (t.dim() == 0 and t.device.type == "cpu")}
     if len(devices) > 1:
@@ -156,38 +142,216 @@ def _device(inputs) -> torch.device:
     return devices.pop() if devices else inputs[0].device
 
 
+def mode_of(tensors, device: torch.device) -> str:
+    """How a bound call runs: "meta" (outputs of the right shapes only), "fake" (allocating what a run
+    allocates, launching nothing), "kernel" (the Triton kernels) or "reference" (the torch reference)."""
+    if device.type == "meta":
+        return "meta"
+    if shape_only(tensors):
+        return "fake"
+    return "kernel" if runs_kernel(device) else "reference"
+
+
+def _riders(inputs, device: torch.device) -> tuple:
+    """Inputs on another device than the group's (0-dim CPU tensors beside CUDA ones): moved at each call."""
+    return tuple(k for k, t in enumerate(inputs) if t.device != device)
+
+
+def _moved(tensors, riders, device):
+    tensors = list(tensors)
+    for k in riders:
+        tensors[k] = tensors[k].to(device)
+    return tensors
+
+
 class _Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, *inputs):
+    def forward(ctx, call, *inputs):
         ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
-        ctx.op = op
-        outputs, dtypes = op.forward(inputs)
-        # only what the backward kernel reads: an input it does not read is kept as a meta tensor
-        # of its shape, strides and dtype, which is all the backward's plan asks of it
-        keep = op.kept_for_backward(inputs, ctx.needs_input_grad[1:])
-        ctx.save_for_backward(*[t if keep is None or k in keep else _stand_in(t) for k, t in enumerate(inputs)])
-        ctx.device = _device(inputs)
-        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, dtypes) if not differentiable(d)])
-        return tuple(outputs)
+        ctx.call = call
+        outputs = call.run(inputs)
+        ctx.save_for_backward(*[inputs[k] for k in call.kept])  # only what the backward kernel reads
+        if call.non_differentiable:
+            ctx.mark_non_differentiable(*[outputs[i] for i in call.non_differentiable])
+        return outputs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
-        return (None, *ctx.op.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:], ctx.device))
+        if torch.is_grad_enabled():  # create_graph: the gradients are not differentiable again
+            return _once_backward(ctx, *grads)
+        return (None, *ctx.call.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:]))
 
 
-@dataclass
-class _Prepared:
-    """What calls with one input signature need, worked out on the first of them."""
+@once_differentiable
+def _once_backward(ctx, *grads):
+    return (None, *ctx.call.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:]))
 
-    plan: LaunchPlan
-    program: Backward | None  # the backward's gradient program; None for the forward
-    outputs: list = field(default_factory=list)  # forward: (shape, dtype) of each output
-    loaded: list = field(default_factory=list)  # forward: the inputs the kernel loads, in signature order
-    compiled: dict = field(default_factory=dict)  # interpreting (bool) -> kernel; "reference" -> torch module
 
-    def __post_init__(self):
-        self.scalars = self.plan.scalar_args()  # launch arguments after the pointers
+class _Forward:
+    """One input signature's forward, bound: what every call of it needs, derived once."""
+
+    def __init__(self, op: "FusedOp", inputs, autograd: bool):
+        self.op, self.autograd = op, autograd
+        self.device = group_device(inputs)
+        self.mode = mode_of(inputs, self.device)
+        self.cpu = self.device.type == "cpu"  # where TRITON_INTERPRET decides the path (tests change it)
+        self.interpreted = interpreting()
+        self.plan = plan_forward(op.group, inputs)
+        self.outputs = tuple((tuple(self.plan.shapes[j]), self.plan.dtypes[j]) for j in op.group.outputs)
+        self.single = len(self.outputs) == 1
+        self.non_differentiable = tuple(i for i, (_, d) in enumerate(self.outputs) if not differentiable(d))
+        self.inputs = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
+        self.riders = _riders(inputs, self.device) if self.device.type != "meta" else ()
+        self.loaded = tuple(int(o.name[1:]) for o in self.plan.spec.operands if o.name.startswith("x"))
+        self.empty = self.plan.layout.numel == 0
+        needs = tuple(t.requires_grad for t in inputs)
+        # the backward kernel reads no more than with a gradient for every output; the reference reads all
+        self.kept = tuple(range(len(inputs))) if self.mode == "reference" or not autograd else \
+            tuple(sorted(self._read_by_backward(needs)))
+        self.backwards: dict = {}
+        self.launch = None
+        if self.mode == "kernel" and not self.empty:
+            kernel = op.kernel(self.plan, FORWARD, lambda: forward_source(op.group, self.plan.spec, self.plan.dtypes))
+            self.launch = _launch(kernel, self.plan, self.device, self.plan.scalar_args())
+        self.run = {"kernel": self._kernel, "fake": self._allocate, "meta": self._allocate,
+                    "reference": self._reference}[self.mode] if not self.empty else self._allocate
+
+    def _read_by_backward(self, needs) -> frozenset:
+        grads = [_meta(shape, dtype) if differentiable(dtype) else None for shape, dtype in self.outputs]
+        _, program = plan_backward(self.op.group, self.stand_ins(), grads, needs)
+        return frozenset(program.inputs)
+
+    def stand_ins(self) -> list[torch.Tensor]:
+        """Real meta tensors of the inputs' shapes, strides and dtypes (no memory, even while FakeTensors
+        run: a fake one would stand for memory to the estimate): what a plan asks of an input."""
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            return [_meta(shape, dtype, strides) for shape, strides, dtype in self.inputs]
+
+    def __call__(self, inputs):
+        if self.op.draws:
+            inputs = with_masks(inputs, self.op.draws, self.plan.full, self.device)
+        outputs = _Function.apply(self, *inputs) if self.autograd else self.run(inputs)
+        return outputs[0] if self.single else outputs
+
+    def _allocate(self, inputs) -> tuple:
+        device = self.device
+        return tuple([torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.outputs])
+
+    def _kernel(self, inputs) -> tuple:
+        enter()
+        try:
+            outputs = self._allocate(inputs)
+            if self.riders:
+                inputs = _moved(inputs, self.riders, self.device)
+            self.launch(*[inputs[k] for k in self.loaded], *outputs)
+            STATS["launches"] += 1
+            return outputs
+        finally:
+            leave()
+
+    def _reference(self, inputs) -> tuple:
+        enter()
+        try:
+            module = self.op.reference(self.plan, None)
+            values = module.reference_forward(*inputs)
+            STATS["launches"] += 1
+            return tuple([torch.empty(s, dtype=d, device=self.device).copy_(v) for v, (s, d) in zip(values, self.outputs)])
+        finally:
+            leave()
+
+    def backward(self, saved, grads, needs) -> list:
+        key = (needs, *[None if g is None else (g.__class__, g.dtype, g.shape, g.stride()) for g in grads])
+        call = self.backwards.get(key)
+        if call is None:
+            if len(self.backwards) >= MAX_PLANS:
+                self.backwards.clear()
+            call = self.backwards[key] = _Backward(self, grads, needs)
+        return call.run(saved, grads)
+
+
+class _Backward:
+    """One signature of a forward's incoming gradients, bound: the plan, the gradient buffers, what is
+    summed down or cast, the launch."""
+
+    def __init__(self, forward: _Forward, grads, needs):
+        self.forward = forward
+        op, device = forward.op, forward.device
+        self.mode = "meta" if device.type == "meta" else forward.mode
+        if self.mode == "kernel" and shape_only([g for g in grads if g is not None]):
+            self.mode = "fake"
+        self.plan, self.program = plan_backward(op.group, forward.stand_ins(), grads, needs)
+        program, inputs = self.program, forward.inputs
+        missing = set(program.inputs) - set(forward.kept)
+        if missing:
+            raise RuntimeError(f"{op.__name__}: the backward reads an input the forward did not keep; "
+                               "this is a graphopt bug, please report it")
+        self.count = len(inputs)
+        self.grads = program.grads
+        operands = {o.name: o for o in self.plan.spec.operands}
+        n = self.plan.layout.numel
+        self.buffers = []  # (shape, dtype, input place, summed down to, cast to)
+        for k in program.grads:
+            shape, _, dtype = inputs[k]
+            kind = operands[f"d{k}"].dtype
+            whole = kind == dtype and math.prod(shape) == n
+            size = shape if whole else tuple(self.plan.full)
+            self.buffers.append((size, kind, k, None if size == shape else shape, None if kind == dtype else dtype))
+        places = {k: i for i, k in enumerate(forward.kept)}
+        self.reads = tuple(places[k] for k in program.inputs)
+        self.seeds = tuple(i for _, i in program.seeds)
+        self.riders = forward.riders
+        self.launch = None
+        if self.mode == "kernel" and n and program.grads:
+            kernel = op.kernel(self.plan, BACKWARD, lambda: backward_source(op.group, self.plan.spec, program))
+            self.launch = _launch(kernel, self.plan, device, self.plan.scalar_args())
+        if not program.grads:
+            self.run = self._nothing
+        elif self.mode == "meta" or not n:
+            self.run = self._zeros
+        else:
+            self.run = {"kernel": self._kernel, "fake": self._kernel, "reference": self._reference}[self.mode]
+
+    def _nothing(self, saved, grads) -> list:
+        return [None] * self.count
+
+    def _zeros(self, saved, grads) -> list:
+        result = [None] * self.count
+        for k in self.grads:
+            shape, _, dtype = self.forward.inputs[k]
+            result[k] = torch.zeros(shape, dtype=dtype, device=self.forward.device)
+        return result
+
+    def _kernel(self, saved, grads) -> list:
+        enter()
+        try:
+            device = self.forward.device
+            buffers = [torch.empty(size, dtype=kind, device=device) for size, kind, *_ in self.buffers]
+            if self.launch is not None:
+                reads = [saved[i] for i in self.reads]
+                if self.riders:
+                    reads = [t.to(device) for t in reads]
+                self.launch(*reads, *[grads[i] for i in self.seeds], *buffers)
+                STATS["launches"] += 1
+            result = [None] * self.count
+            for buffer, (_, _, k, down, cast) in zip(buffers, self.buffers):
+                if down is not None:
+                    buffer = buffer.sum_to_size(down)
+                result[k] = buffer if cast is None else buffer.to(cast)
+            return result
+        finally:
+            leave()
+
+    def _reference(self, saved, grads) -> list:
+        enter()
+        try:
+            values = self.forward.op.reference(self.plan, self.program).reference_backward(*saved, *grads)
+            STATS["launches"] += 1
+            result = [None] * self.count
+            for k, v in zip(self.program.grads, values):
+                result[k] = v.to(self.forward.inputs[k][2])
+            return result
+        finally:
+            leave()
 
 
 class FusedOp:
@@ -197,9 +361,10 @@ class FusedOp:
     def __init__(self, group: Group, draws: tuple = ()):
         self.group = group if isinstance(group, Group) else Group(*group)
         self.draws = tuple(draws)  # (input place, keep, dtype, sourced) of each mask the call draws (dropout_masks.py)
+        self.taken = len(self.group.inputs) - inserted(self.draws)
         self.__name__ = "fused_" + "_".join(s.op for s in self.group.steps)[:80]
         self.__qualname__ = self.__name__
-        self._memo: dict = {}  # (kind, input signature) -> _Prepared
+        self._memo: dict = {}  # (grad mode, input signature) -> _Forward
         self._generation = _GENERATION[0]
 
     def __getstate__(self):
@@ -208,156 +373,52 @@ class FusedOp:
     def __setstate__(self, state):
         self.__init__(state["group"], state.get("draws", ()))
 
-    def _remembered(self, key, make) -> _Prepared:
-        if self._generation != _GENERATION[0] or len(self._memo) >= MAX_PLANS:
-            self._memo.clear()
-            self._generation = _GENERATION[0]
-        entry = self._memo.get(key)
-        if entry is None:
-            entry = self._memo[key] = make()
-        return entry
-
-    def _prepare_forward(self, inputs) -> _Prepared:
-        plan = plan_forward(self.group, inputs)
-        return _Prepared(plan, None, outputs=[(plan.shapes[j], plan.dtypes[j]) for j in self.group.outputs],
-                         loaded=[int(o.name[1:]) for o in plan.spec.operands if o.name.startswith("x")])
-
-    def _prepare_backward(self, inputs, grads, needs) -> _Prepared:
-        return _Prepared(*plan_backward(self.group, inputs, grads, needs))
-
-    def _kernel_for(self, entry: _Prepared, name, render):
-        mode = interpreting()
-        kernel = entry.compiled.get(mode)
-        if kernel is None:
-            kernel = entry.compiled[mode] = _kernel(entry.plan, name, render)
-        else:
-            STATS["hits"] += 1
-        return kernel
-
     def __repr__(self) -> str:
         return f"FusedOp({self.group.describe()})"
 
     def __call__(self, *inputs):
-        taken = len(self.group.inputs) - inserted(self.draws)
-        if len(inputs) != taken:
-            raise TypeError(f"{self.__name__} takes {taken} tensors, got {len(inputs)}")
-        for k, t in enumerate(inputs):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{self.__name__}: input {k} is {type(t).__name__}; group inputs are tensors "
-                                "(put Python numbers into the steps as scalar args)")
+        if len(inputs) != self.taken:
+            raise TypeError(f"{self.__name__} takes {self.taken} tensors, got {len(inputs)}")
+        try:
+            key = (torch.is_grad_enabled(), signature_key(inputs))
+        except AttributeError:
+            raise self._not_tensors(inputs) from None
+        call = self._memo.get(key)
+        if call is None or (call.cpu and call.interpreted != interpreting()) or self._generation != _GENERATION[0]:
+            call = self._bind(key, inputs)
+        return call(inputs)
+
+    def _not_tensors(self, inputs) -> TypeError:
+        k, t = next((k, t) for k, t in enumerate(inputs) if not isinstance(t, torch.Tensor))
+        return TypeError(f"{self.__name__}: input {k} is {type(t).__name__}; group inputs are tensors "
+                         "(put Python numbers into the steps as scalar args)")
+
+    def _bind(self, key, inputs) -> _Forward:
+        if self._generation != _GENERATION[0] or len(self._memo) >= MAX_PLANS:
+            self._memo.clear()
+            self._generation = _GENERATION[0]
         if self.draws:  # a dropout's mask has the group's shape: the others broadcast to it
-            inputs = with_masks(inputs, self.draws, torch.broadcast_shapes(*(t.shape for t in inputs)), _device(inputs))
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            outputs = _Function.apply(self, *inputs)
-        else:  # nothing to differentiate: skip the autograd.Function (its Python costs a small tensor time)
-            outputs = tuple(self.forward(inputs)[0])
-        return outputs[0] if len(outputs) == 1 else outputs
+            inputs = with_stand_ins(inputs, self.draws, torch.broadcast_shapes(*(t.shape for t in inputs)),
+                                    group_device(inputs))
+        autograd = key[0] and any(t.requires_grad for t in inputs)
+        call = self._memo[key] = _Forward(self, inputs, autograd)
+        return call
 
-    # the two halves of the autograd.Function, on plain tensors
+    def kernel(self, plan: LaunchPlan, name: str, render):
+        """The Triton kernel of this plan, compiled once per Spec."""
+        return _kernel(plan, name, render)
 
-    def forward(self, inputs) -> tuple[list[torch.Tensor], list[torch.dtype]]:
-        with _inside():
-            return self._forward(inputs)
-
-    def backward(self, inputs, grads, needs, device: torch.device | None = None) -> list[torch.Tensor | None]:
-        """The inputs' gradients; an input the kernel does not read may be a meta tensor of its
-        shape (kept_for_backward), the group's device then given."""
-        with _inside():
-            return self._backward(inputs, grads, needs, device or _device(inputs))
-
-    def kept_for_backward(self, inputs, needs) -> frozenset | None:
-        """The inputs the backward kernel reads with a gradient for every output, for the inputs
-        that need one (any backward reads no more); None where the torch reference runs the
-        backward, which reads them all."""
-        if not (_runs_kernel(_device(inputs)) or _shape_only(inputs)):
-            return None
-        needs = tuple(bool(n) for n in needs)
-        return self._remembered(("kept", _signature(inputs), needs), lambda: self._prepare_kept(inputs, needs))
-
-    def _prepare_kept(self, inputs, needs) -> frozenset:
-        forward = self._remembered(("forward", _signature(inputs)), lambda: self._prepare_forward(inputs))
-        grads = [_meta(shape, dtype) if differentiable(dtype) else None for shape, dtype in forward.outputs]
-        _, program = plan_backward(self.group, inputs, grads, needs)
-        return frozenset(program.inputs)
-
-    def _forward(self, inputs):
-        entry = self._remembered(("forward", _signature(inputs)), lambda: self._prepare_forward(inputs))
-        plan = entry.plan
-        device = _device(inputs)
-        dtypes = [d for _, d in entry.outputs]
-        if plan.layout.numel == 0 or (_shape_only(inputs) and device.type == "meta"):
-            return [torch.empty(s, dtype=d, device=device) for s, d in entry.outputs], dtypes
-        # FakeTensors take the path the device takes, allocating what it allocates (the memory
-        # estimate counts it); only the kernel launch is left out.
-        fake = _shape_only(inputs)
-        STATS["launches"] += not fake
-        if not _runs_kernel(device):
-            values = self._reference(entry).reference_forward(*inputs)
-            return [torch.empty(s, dtype=d, device=device).copy_(v) for v, (s, d) in zip(values, entry.outputs)], dtypes
-        outputs = [torch.empty(s, dtype=d, device=device) for s, d in entry.outputs]
-        if fake:
-            return outputs, dtypes
-        loaded = [inputs[k].to(device) for k in entry.loaded]
-        kernel = self._kernel_for(entry, FORWARD, lambda: forward_source(self.group, plan.spec, plan.dtypes))
-        _launch(kernel, plan, loaded + outputs, device, entry.scalars)
-        return outputs, dtypes
-
-    def _backward(self, inputs, grads, needs, device: torch.device):
-        key = ("backward", _signature(inputs), _signature(grads), tuple(needs))
-        entry = self._remembered(key, lambda: self._prepare_backward(inputs, grads, needs))
-        plan, program = entry.plan, entry.program
-        result: list[torch.Tensor | None] = [None] * len(inputs)
-        if not program.grads:
-            return result
-        kept = [t for t in inputs if t.device.type != "meta" or device.type == "meta"]
-        fake = device.type == "meta" or _shape_only(kept + [g for g in grads if g is not None])
-        if device.type != "meta" and any(inputs[k].device.type == "meta" for k in program.inputs):
-            raise RuntimeError(f"{self.__name__}: the backward reads an input the forward did not keep; "
-                               "this is a graphopt bug, please report it")
-        if plan.layout.numel == 0 or (fake and device.type == "meta"):
-            for k in program.grads:
-                result[k] = torch.zeros(inputs[k].shape, dtype=inputs[k].dtype, device=device)
-            return result
-        STATS["launches"] += not fake
-        if not _runs_kernel(device):
-            values = self._reference(entry).reference_backward(*inputs, *grads)
-            for k, v in zip(program.grads, values):
-                result[k] = v.to(inputs[k].dtype)
-            return result
-        operands = {o.name: o for o in plan.spec.operands}
-        buffers = {k: torch.empty(inputs[k].shape if operands[f"d{k}"].dtype == inputs[k].dtype
-                                  and math.prod(inputs[k].shape) == plan.layout.numel else plan.full,
-                                  dtype=operands[f"d{k}"].dtype, device=device) for k in program.grads}
-        tensors = ([inputs[k].to(device) for k in program.inputs] + [grads[i].to(device) for _, i in program.seeds]
-                   + [buffers[k] for k in program.grads])
-        if not fake:
-            kernel = self._kernel_for(entry, BACKWARD, lambda: backward_source(self.group, plan.spec, program))
-            _launch(kernel, plan, tensors, device, entry.scalars)
-        for k, buffer in buffers.items():
-            result[k] = buffer.sum_to_size(inputs[k].shape).to(inputs[k].dtype)
-        return result
-
-    def _reference(self, entry: _Prepared):
-        module = entry.compiled.get("reference")
+    def reference(self, plan: LaunchPlan, program):
+        """The torch reference module of this plan (backward: with its program), built once per Spec."""
+        module = _REFERENCES.get(plan.spec)
         if module is None:
-            plan = entry.plan
-            module = _REFERENCES.get(plan.spec)
-            if module is None:
-                module = _REFERENCES[plan.spec] = load(reference_source(self.group, plan.dtypes, entry.program))
-            entry.compiled["reference"] = module
+            module = _REFERENCES[plan.spec] = load(reference_source(self.group, plan.dtypes, program))
         return module
 
 
 def fused_call(group: Group, *inputs):
     """Run `group` on `inputs` (see FusedOp)."""
     return FusedOp(group)(*inputs)
-
-
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A real meta tensor of t's shape, strides and dtype (no memory, even while FakeTensors run:
-    a fake one would stand for memory to the estimate)."""
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        return _meta(t.shape, t.dtype, t.stride())
 
 
 def _meta(shape, dtype, strides=None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Running a fused row group (codegen/row_group.py): a norm, softmax or reduction over the last dim
-with the elementwise ops around it, as one autograd op.
+with the elementwise ops around it, as one autograd op, everything a call derives bound once per
+input signature (as fused.py's groups).
 
 1. FusedRowOp(group)(*inputs) applies an autograd.Function whose forward runs the group and saves
    only what its backward kernel reads: the inputs a derivative needs (not an add's operands),
@@ -12,6 +13,12 @@ with the elementwise ops around it, as one autograd op.
    the row kernels (row_kernel.py); other CPU tensors run the group's steps as torch ops on the
    rows (row_reference), the backward recomputing them under autograd. FakeTensors allocate what a
    run allocates and launch nothing.
+3. The first call of an input signature binds a _RowCall: the rows, what the backward keeps, the
+   codegen's RowForward (outputs' layouts, the launch's arguments) and its launch (launch.py); a
+   _RowBackward per signature of the incoming gradients likewise. Later calls allocate and launch.
+4. Class indices (a cross entropy's target) out of range are refused as eager refuses them, with
+   no sync: on CUDA the forward kernel asserts on the device (row_kernel.class_checks); on CPU a
+   torch check runs (torch._assert_async), whose failure is eager's IndexError.
 """
 from __future__ import annotations
 
@@ -21,12 +28,14 @@ from torch.autograd.function import once_differentiable
 from ..codegen.group import Step
 from ..codegen.program import forward_expr, name
 from ..codegen.row_group import COL, FULL, ROW, RowGroup, Softmax
-from ..codegen.row_kernel import row_backward, row_forward
+from ..codegen.row_kernel import RowBackward, RowForward
 from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
 from ..ops.shim import tl
-from .dropout_masks import holes, inserted, with_masks
-from .fused import MAX_PLANS, STATS, _device, _inside, _runs_kernel, _shape_only, release_interpreted_arguments
+from .dropout_masks import holes, inserted, with_masks, with_stand_ins
+from .fused import (MAX_PLANS, STATS, _GENERATION, enter, group_device, interpreting, leave, mode_of,
+                    signature_key)
+from .launch import bind
 
 
 def row_reference(group: RowGroup, inputs, space: RowSpace) -> list[torch.Tensor]:
@@ -73,28 +82,202 @@ def _shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
 
 class _RowFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, *inputs):
+    def forward(ctx, call, *inputs):
         ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
-        ctx.op = op
-        given = inputs[:len(op.given)]  # not the state the call just updated
-        keep, loaded = op.kept_for_backward(given, ctx.needs_input_grad[1:len(op.given) + 1])
-        outputs = op.forward(inputs, loaded)
-        stored = dict(zip([j for j in loaded if j not in op.group.outputs], outputs[op.returned:]))
+        ctx.call = call
+        outputs = call.run(inputs)
+        op, given = call.op, inputs[:call.count]
+        stored = dict(zip(call.extra, outputs[op.returned:]))
         outputs = outputs[:op.returned]
-        ctx.save_for_backward(*[t if k in keep else None for k, t in enumerate(given)],
-                              *[stored[j] if j in stored else outputs[op.group.outputs.index(j)] for j in loaded])
-        ctx.loaded, ctx.shapes, ctx.space = loaded, [tuple(t.shape) for t in given], op.space(op._all(given))
-        ctx.state = len(inputs) - len(op.given)
-        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        ctx.save_for_backward(*[t if k in call.keep else None for k, t in enumerate(given)],
+                              *[stored[j] if j in stored else outputs[op.group.outputs.index(j)] for j in call.loaded])
+        if call.non_differentiable:
+            ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return tuple(outputs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        inputs, loaded = saved[:len(ctx.shapes)], dict(zip(ctx.loaded, saved[len(ctx.shapes):]))
-        needs = ctx.needs_input_grad[1:len(ctx.op.given) + 1]
-        return (None, *ctx.op.backward(inputs, grads, needs, loaded, ctx.shapes, ctx.space), *[None] * ctx.state)
+        if torch.is_grad_enabled():  # create_graph: the gradients are not differentiable again
+            return _once_backward(ctx, *grads)
+        return _backward(ctx, grads)
+
+
+def _backward(ctx, grads) -> tuple:
+    call = ctx.call
+    saved = ctx.saved_tensors
+    inputs, loaded = saved[:call.count], dict(zip(call.loaded, saved[call.count:]))
+    needs = ctx.needs_input_grad[1:call.count + 1]
+    return (None, *call.backward(inputs, grads, needs, loaded), *[None] * call.state)
+
+
+@once_differentiable
+def _once_backward(ctx, *grads):
+    return _backward(ctx, grads)
+
+
+class _RowCall:
+    """One input signature of a FusedRowOp, bound: where it runs, its rows, what its backward
+    keeps, the forward launch; its _RowBackwards by gradient signature."""
+
+    def __init__(self, op: "FusedRowOp", inputs, autograd: bool):
+        self.op, self.autograd = op, autograd
+        self.count = len(op.given)
+        self.state = len(inputs) - self.count
+        given = inputs[:self.count]
+        self.device = group_device(given)
+        self.cpu, self.interpreted = self.device.type == "cpu", interpreting()
+        self.mode = mode_of(given, self.device)
+        self.space = op.space(op._all(given))
+        self.shapes = [tuple(t.shape) for t in given]
+        if autograd:
+            self.keep, self.loaded = op.kept_for_backward(self.mode, [t.requires_grad for t in given])
+        else:
+            self.keep, self.loaded = set(range(self.count)), ()
+        self.extra = tuple(j for j in self.loaded if j not in op.group.outputs)
+        self.group = op._storing(self.extra) if self.extra else op.group
+        self.non_differentiable = any(not op.group.dtypes[j].is_floating_point for j in op.group.outputs[:op.returned])
+        self.checks = tuple((k, i.ignore) for k, i in enumerate(op.group.inputs) if i.ignore is not None) \
+            if self.mode == "reference" or (self.mode == "kernel" and self.cpu) else ()
+        self.backwards: dict = {}
+        self.launch = None
+        if self.mode == "reference":
+            self.run = self._reference
+            return
+        self.forward = RowForward(self.group, op._all(given), space=self.space, orders=op.orders)
+        if self.mode == "kernel" and self.forward.launch is not None:
+            rows = self.forward.launch
+            self.launch = bind(rows.kernel(), rows.grid, rows.scalars, dict(rows.constexprs), self.device)
+        self.run = self._kernel
+
+    def __call__(self, inputs):
+        if self.op.draws:  # a dropout's mask has the rows' shape
+            given = inputs[:len(self.op.given) - inserted(self.op.draws)]
+            inputs = with_masks(given, self.op.draws, self.space.shape, self.device) + inputs[len(given):]
+        outputs = _RowFunction.apply(self, *inputs) if self.autograd else self.run(inputs)[:self.op.returned]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _kernel(self, inputs) -> list:
+        """The outputs the graph takes; then, for each step kept that is no output, its value (the
+        kernel stores it for the backward)."""
+        op = self.op
+        enter()
+        try:
+            everything = op._all(inputs[:self.count])
+            if self.checks:
+                self._check(everything)
+            rows = self.forward.allocate(self.device)
+            if self.launch is not None:
+                self.launch(*self.forward.pointers(everything, rows))
+            if self.mode != "fake":
+                STATS["launches"] += 1
+                if op.updates:
+                    op.update(rows, inputs[self.count:], self.space)
+            finished = [op.finished(o, f, everything) for o, f in zip(rows[:op.returned], op.finish)]
+            return finished + rows[len(op.group.outputs):]
+        finally:
+            leave()
+
+    def _reference(self, inputs) -> list:
+        op = self.op
+        enter()
+        try:
+            everything = op._all(inputs[:self.count])
+            self._check(everything)
+            with torch.no_grad():
+                values = row_reference(op.group, everything, self.space)
+            rows = [empty_like_order(v.shape, op.orders[i] if i < len(op.orders) else None, op.group.dtypes[j],
+                                     self.device).copy_(v) for i, (v, j) in enumerate(zip(values, op.group.outputs))]
+            STATS["launches"] += 1
+            if op.updates:
+                op.update(rows, inputs[self.count:], self.space)
+            return [op.finished(o, f, everything) for o, f in zip(rows[:op.returned], op.finish)]
+        finally:
+            leave()
+
+    def _check(self, everything) -> None:
+        """Step 4 off CUDA: each class index a column or the ignored value, checked by torch."""
+        for k, ignore in self.checks:
+            target = everything[k]
+            ok = ((target >= 0) & (target < self.space.columns)) | (target == ignore)
+            try:
+                torch._assert_async(ok.all(), "class index out of range")
+            except RuntimeError:
+                raise IndexError(f"Target {int(target[~ok][0])} is out of bounds: cross_entropy over "
+                                 f"{self.space.columns} classes takes class indices in [0, classes) or "
+                                 "ignore_index") from None
+
+    def backward(self, inputs, grads, needs, loaded: dict) -> list:
+        """The given inputs' gradients (the state gets none); inputs the backward does not read are
+        None, loaded holds the outputs it reads instead of recomputing them."""
+        op = self.op
+        grads = list(grads[:op.returned]) + [None] * (len(op.group.outputs) - op.returned)
+        if all(g is None for g in grads):
+            return [None] * self.count
+        key = (tuple(needs), *[None if g is None else (g.__class__, g.dtype, g.shape, g.stride()) for g in grads])
+        call = self.backwards.get(key)
+        everything = op._all(inputs)
+        rows = [None if g is None else op.rows_of(g, f, everything)
+                for g, f in zip(grads, op.finish + (None,) * (len(grads) - len(op.finish)))]
+        if call is None:
+            if len(self.backwards) >= MAX_PLANS:
+                self.backwards.clear()
+            call = self.backwards[key] = _RowBackward(self, everything, rows, needs, loaded)
+        return call.run(everything, rows, loaded)
+
+
+class _RowBackward:
+    """One signature of a _RowCall's incoming gradients, bound: the codegen's RowBackward and its launch."""
+
+    def __init__(self, call: _RowCall, everything, rows, needs, loaded):
+        self.call = call
+        op = call.op
+        wants = [bool(w) for w in op._all(needs)]
+        self.mode = "fake" if call.mode == "meta" else call.mode
+        if self.mode == "kernel" and mode_of([g for g in rows if g is not None], call.device) != "kernel":
+            self.mode = "fake"
+        self.wants, self.launch = wants, None
+        if self.mode == "reference":
+            self.run = self._reference
+            return
+        self.backward = RowBackward(op.group, everything, rows, wants, space=call.space, loaded=loaded,
+                                    shapes=op._all(call.shapes))
+        if self.mode == "kernel" and self.backward.launch is not None:
+            launch = self.backward.launch
+            self.launch = bind(launch.kernel(), launch.grid, launch.scalars, dict(launch.constexprs), call.device)
+        self.run = self._kernel
+
+    def _kernel(self, everything, rows, loaded) -> list:
+        enter()
+        try:
+            device, backward = self.call.device, self.backward
+            buffers = backward.allocate(device)
+            if self.launch is not None:
+                self.launch(*backward.pointers(everything, loaded, rows, buffers))
+            if self.mode != "fake":
+                STATS["launches"] += 1
+            result = backward.gradients(buffers, device)
+            return [result[k] for k in self.call.op.given]
+        finally:
+            leave()
+
+    def _reference(self, everything, rows, loaded) -> list:
+        op = self.call.op
+        enter()
+        try:
+            STATS["launches"] += 1
+            wanted = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(everything, self.wants)]
+            with torch.enable_grad():
+                outs = row_reference(op.group, wanted, self.call.space)
+            pairs = [(o, g) for o, g in zip(outs, rows) if g is not None]
+            found = iter(torch.autograd.grad([o for o, _ in pairs], [t for t, n in zip(wanted, self.wants) if n],
+                                             [g for _, g in pairs], allow_unused=True))
+            result = []
+            for t, need in zip(everything, self.wants):
+                g = next(found) if need else None
+                result.append(torch.zeros_like(t) if need and g is None else g)
+            return [result[k] for k in op.given]
+        finally:
+            leave()
 
 
 class FusedRowOp:
@@ -117,9 +300,12 @@ class FusedRowOp:
         self.finish = tuple(finish) or (None,) * self.returned
         self.orders, self.col_dims = tuple(orders), col_dims
         self.given = [k for k in range(len(group.inputs)) if not group.is_index(k)]
+        self.taken = len(self.given) - inserted(self.draws) + self._state_count()
         self.loaded = self._choose_loaded()
         self._extended: dict[tuple, RowGroup] = {}
         self._spaces: dict[tuple, RowSpace] = {}  # input shapes -> the call's rows (space())
+        self._memo: dict = {}  # (grad mode, input signature) -> _RowCall
+        self._generation = _GENERATION[0]
         self.__name__ = self.__qualname__ = "fused_row_" + group.describe().replace(" -> ", "_")[:80]
 
     def __getstate__(self):
@@ -152,18 +338,29 @@ class FusedRowOp:
         return f"FusedRowOp({self.group.describe()})"
 
     def __call__(self, *inputs):
-        taken = len(self.given) - inserted(self.draws) + self._state_count()
-        if len(inputs) != taken:
-            raise TypeError(f"{self.__name__} takes {taken} tensors, got {len(inputs)}")
-        if self.draws:  # a dropout's mask has the rows' shape
+        if len(inputs) != self.taken:
+            raise TypeError(f"{self.__name__} takes {self.taken} tensors, got {len(inputs)}")
+        try:
+            key = (torch.is_grad_enabled(), signature_key(inputs))
+        except AttributeError:
+            raise TypeError(f"{self.__name__}: its inputs are tensors, got "
+                            f"{', '.join(type(t).__name__ for t in inputs)}") from None
+        call = self._memo.get(key)
+        if call is None or (call.cpu and call.interpreted != interpreting()) or self._generation != _GENERATION[0]:
+            call = self._bind(key, inputs)
+        return call(inputs)
+
+    def _bind(self, key, inputs) -> _RowCall:
+        if self._generation != _GENERATION[0] or len(self._memo) >= MAX_PLANS:
+            self._memo.clear()
+            self._generation = _GENERATION[0]
+        if self.draws:  # the masks' stand-ins: nothing is drawn to bind
             given = inputs[:len(self.given) - inserted(self.draws)]
             space = self.space(self._all(holes(given, self.draws)))
-            inputs = with_masks(given, self.draws, space.shape, _device(given)) + inputs[len(given):]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            outputs = _RowFunction.apply(self, *inputs)
-        else:
-            outputs = tuple(self.forward(inputs))
-        return outputs[0] if len(outputs) == 1 else outputs
+            inputs = with_stand_ins(given, self.draws, space.shape, group_device(given)) + inputs[len(given):]
+        autograd = key[0] and any(t.requires_grad for t in inputs)
+        call = self._memo[key] = _RowCall(self, inputs, autograd)
+        return call
 
     def _state_count(self) -> int:
         return max((max(k for k in u[2:5] if k is not None) + 1 for u in self.updates), default=0)
@@ -175,31 +372,20 @@ class FusedRowOp:
             full[k] = t
         return full
 
-    def forward(self, inputs, kept: tuple = ()) -> list[torch.Tensor]:
-        """The outputs the graph takes; then, for each step in kept that is no output, its value
-        (the kernel stores it for the backward)."""
-        inputs, state = inputs[:len(self.given)], inputs[len(self.given):]
-        fake, device = _shape_only(inputs), _device(inputs)
-        everything = self._all(inputs)
-        space = self.space(everything)
-        extra = tuple(j for j in kept if j not in self.group.outputs)
-        group = self._storing(extra) if extra else self.group
-        if not fake:
-            self.check_classes(everything)
-        with _inside():
-            STATS["launches"] += not fake
-            if fake or _runs_kernel(device):
-                rows = row_forward(group, everything, launch=not fake, space=space, orders=self.orders)
-                release_interpreted_arguments()
-            else:
-                with torch.no_grad():
-                    values = row_reference(self.group, everything, space)
-                rows = [empty_like_order(v.shape, self.orders[i] if i < len(self.orders) else None, group.dtypes[j],
-                                         device).copy_(v) for i, (v, j) in enumerate(zip(values, self.group.outputs))]
-            if not fake:
-                self._update(rows, state, space)
-            finished = [self._finished(o, f, everything) for o, f in zip(rows[:self.returned], self.finish)]
-            return finished + rows[len(self.group.outputs):]
+    def forward(self, inputs) -> list[torch.Tensor]:
+        """The outputs the graph takes, outside autograd (a chunked head's rows)."""
+        return self._call(inputs).run(inputs)[:self.returned]
+
+    def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
+        """The given inputs' gradients for these outputs' gradients, every input read (a chunked head's rows)."""
+        return self._call(inputs).backward(inputs, grads, needs, {})
+
+    def _call(self, inputs) -> _RowCall:
+        key = (False, signature_key(inputs))
+        call = self._memo.get(key)
+        if call is None or (call.cpu and call.interpreted != interpreting()) or self._generation != _GENERATION[0]:
+            call = self._bind(key, inputs)
+        return call
 
     def _storing(self, extra: tuple) -> RowGroup:
         """The group with the steps the backward reads as outputs too: one object per choice, whose programs
@@ -209,7 +395,7 @@ class FusedRowOp:
             self._extended[extra] = RowGroup(g.inputs, g.steps, g.outputs + extra, g.origin, g.dtypes, g.fp32_terms)
         return self._extended[extra]
 
-    def _update(self, rows, state, space: RowSpace) -> None:
+    def update(self, rows, state, space: RowSpace) -> None:
         """A batch norm's running statistics, as eager's batch norm updates them (the variance
         unbiased), and its batch count."""
         n = space.columns
@@ -223,13 +409,13 @@ class FusedRowOp:
                 if count_at is not None:
                     state[count_at].add_(1)
 
-    def kept_for_backward(self, inputs, needs) -> tuple[set[int], tuple]:
+    def kept_for_backward(self, mode: str, needs) -> tuple[set[int], tuple]:
         """(the given inputs the backward reads, the steps whose outputs it reads instead of
-        recomputing them), for the given inputs that need a gradient: with the kernels, what
-        backward_reads says for self.loaded; the torch path recomputes everything from every input."""
-        device = _device(inputs)
-        if not (_shape_only(inputs) or _runs_kernel(device)):
-            return set(range(len(inputs))), ()
+        recomputing them), for the given inputs that need a gradient: with the kernels (or on
+        tensors without data), what backward_reads says for self.loaded; the torch path recomputes
+        everything from every input."""
+        if mode == "reference":
+            return set(range(len(needs))), ()
         has = [True] * self.returned + [False] * (len(self.group.outputs) - self.returned)
         read, loaded = backward_reads(self.group, has, [bool(n) for n in self._all(needs)], self.loaded)
         return {i for i, k in enumerate(self.given) if k in read}, tuple(sorted(loaded))
@@ -254,46 +440,9 @@ class FusedRowOp:
                     -len(steps & outputs))
         return min([frozenset(), outputs, *(frozenset({j}) for j in full)], key=kept)
 
-    def backward(self, inputs, grads, needs, loaded: dict, shapes: list, space: RowSpace) -> list[torch.Tensor | None]:
-        """The gradients of the given inputs (the state gets none); inputs the backward does not
-        read are None, loaded holds the outputs it reads instead of recomputing them."""
-        grads = list(grads[:self.returned]) + [None] * (len(self.group.outputs) - self.returned)
-        if all(g is None for g in grads):
-            return [None] * len(inputs)
-        present = [t for t in [*inputs, *loaded.values()] if t is not None]
-        given = [g for g in grads if g is not None]
-        # a group of adds reads nothing back: the gradients tell the device
-        fake, device = _shape_only(present + given), _device(present or given)
-        everything = self._all(inputs)
-        grads = [None if g is None else self._rows_of(g, f, everything)
-                 for g, f in zip(grads, self.finish + (None,) * (len(grads) - len(self.finish)))]
-        wants, all_shapes = self._all(needs), self._all(shapes)
-        with _inside():
-            STATS["launches"] += not fake
-            if fake or _runs_kernel(device):
-                result = row_backward(self.group, everything, grads, [bool(w) for w in wants], launch=not fake,
-                                      space=space, loaded=loaded, shapes=all_shapes)
-                release_interpreted_arguments()
-            else:
-                result = self._reference_backward(everything, grads, [bool(w) for w in wants])
-        return [result[k] for k in self.given]
-
-    def _reference_backward(self, inputs, grads, needs):
-        wanted = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
-        with torch.enable_grad():
-            outs = row_reference(self.group, wanted, self.space(inputs))
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], [t for t, n in zip(wanted, needs) if n],
-                                         [g for _, g in pairs], allow_unused=True))
-        result = []
-        for t, need in zip(inputs, needs):
-            g = next(found) if need else None
-            result.append(torch.zeros_like(t) if need and g is None else g)
-        return result
-
     # a cross entropy's rows of losses and the node's value
 
-    def _finished(self, rows: torch.Tensor, finish, inputs) -> torch.Tensor:
+    def finished(self, rows: torch.Tensor, finish, inputs) -> torch.Tensor:
         if finish is None:
             return rows
         reduction, k, ignore = finish
@@ -302,7 +451,7 @@ class FusedRowOp:
         total = rows.sum()
         return total / (inputs[k] != ignore).sum() if reduction == "mean" else total
 
-    def _rows_of(self, grad: torch.Tensor, finish, inputs) -> torch.Tensor:
+    def rows_of(self, grad: torch.Tensor, finish, inputs) -> torch.Tensor:
         """The gradient of an output's rows, from the gradient of the node's value."""
         if finish is None:
             return grad
@@ -312,21 +461,3 @@ class FusedRowOp:
             return grad.reshape(rows)
         scale = grad / (inputs[k] != ignore).sum() if reduction == "mean" else grad
         return scale.expand(rows)
-
-    def check_classes(self, inputs, classes: int | None = None) -> None:
-        """A class index out of range is an error in eager; the kernel would pick no logit. inputs:
-        the group's (None for the column index); classes: the logits' columns, where inputs has
-        no logits (a chunked head makes them)."""
-        if any(isinstance(t, torch.Tensor) and _shape_only([t]) for t in inputs):
-            return
-        for finish in self.finish:
-            if finish is None:
-                continue
-            _, k, ignore = finish
-            target = inputs[k]
-            if classes is None:
-                classes = next(t for j, t in enumerate(inputs) if t is not None and self.group.input_kind(j) == FULL).shape[-1]
-            bad = ((target < 0) | (target >= classes)) & (target != ignore)
-            if bool(bad.any()):
-                raise IndexError(f"Target {int(target[bad][0])} is out of bounds: cross_entropy over {classes} "
-                                 "classes takes class indices in [0, classes) or ignore_index")

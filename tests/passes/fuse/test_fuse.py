@@ -316,8 +316,8 @@ def test_the_zoo_gpt_fuses_each_residual_add_into_the_layer_norm_after_it(train)
 
 def test_a_fused_group_keeps_for_backward_only_the_inputs_its_backward_reads():
     """drop-path's x * mask + residual: the gradient of x reads the mask, nothing reads x or the
-    residual (the mask wants no gradient): the call keeps the mask, and meta tensors of the shapes
-    of the others (no memory), where it kept all three."""
+    residual (the mask wants no gradient): the call saves the mask alone (the others' shapes are
+    its bound call's), where it kept all three."""
     def fn(m, x, mask):
         h = m.a(x)
         return m.b(h * mask + x).sum()
@@ -330,7 +330,6 @@ def test_a_fused_group_keeps_for_backward_only_the_inputs_its_backward_reads():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = opt(*args)
     fused_saves = [t for t in saved if t.device.type == "meta" or tuple(t.shape) == (16, 1)]
-    assert sorted((t.device.type, tuple(t.shape)) for t in fused_saves) == [("cpu", (16, 1)), ("meta", (16, 32)),
-                                                                         ("meta", (16, 32))]
+    assert [(t.device.type, tuple(t.shape)) for t in fused_saves] == [("cpu", (16, 1))]
     loss.backward()
     assert_same_step(model, opt, args, {}, exact=False)
