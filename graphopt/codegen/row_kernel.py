@@ -409,6 +409,11 @@ class RowForward:
     def allocate(self, device) -> list[torch.Tensor]:
         return [empty_like_order(shape, order, dtype, device) for shape, order, dtype in self.outputs]
 
+    def layouts(self) -> tuple:
+        """(shape, strides, dtype) of each output: what allocating one needs, worked out once."""
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            return tuple((tuple(t.shape), t.stride(), t.dtype) for t in self.allocate(torch.device("meta")))
+
     def pointers(self, inputs, outputs) -> list:
         """The launch's tensors: inputs as given (a view of one shares its data), then outputs."""
         if self.reshaped:
@@ -457,7 +462,7 @@ class RowBackward:
         self.zeros = tuple((k, shape, inputs[k].dtype if inputs[k] is not None else group.inputs[k].dtype)
                            for k, shape in enumerate(self.shapes)
                            if needs[k] and k not in self.program.grads and shape is not None)
-        self.launch = None
+        self.launch, self._finishing = None, None
         if self.space.rows and self.space.columns and self.program.grads:
             tensors = {f"x{k}": t for k, t in enumerate(given) if t is not None}
             tensors.update({f"v{j}": t for j, t in loaded.items()})
@@ -484,18 +489,30 @@ class RowBackward:
         """The inputs' gradients from the filled buffers (a COL one's partial sums added up), each
         summed to its input's shape; zeros for one wanted without a path to an output with a gradient."""
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
-        space, group = self.space, self.group
-        for (k, _, _, _), buffer in zip(self.buffers, buffers):
-            kind = group.input_kind(k)
-            if kind == COL:  # the programs' partial sums added up
-                buffer = buffer.sum(0).reshape(space.col_shape()).to(group.inputs[k].dtype)
-            view = _view_shape(kind, self.shapes[k], space)
-            if tuple(buffer.shape) != view:
-                buffer = buffer.sum_to_size(view)
-            out[k] = buffer if view == self.shapes[k] else buffer.reshape(self.shapes[k])
+        for (k, partial, summed, shaped), buffer in zip(self.finishing, buffers):
+            if partial is not None:  # the programs' partial sums added up
+                buffer = buffer.sum(0).reshape(partial[0]).to(partial[1])
+            if summed is not None:
+                buffer = buffer.sum_to_size(summed)
+            out[k] = buffer if shaped is None else buffer.reshape(shaped)
         for k, shape, dtype in self.zeros:
             out[k] = torch.zeros(shape, device=device, dtype=dtype)
         return out
+
+    @property
+    def finishing(self) -> tuple:
+        """Per buffer: (its input, (col shape, dtype) where partial sums are added up, the shape
+        it is summed to, the shape it is given), None where nothing is to do."""
+        if self._finishing is None:
+            steps, space, group = [], self.space, self.group
+            for k, size, _, _ in self.buffers:
+                kind = group.input_kind(k)
+                partial = (space.col_shape(), group.inputs[k].dtype) if kind == COL else None
+                size = space.col_shape() if kind == COL else tuple(size)
+                view = _view_shape(kind, self.shapes[k], space)
+                steps.append((k, partial, None if size == view else view, None if view == self.shapes[k] else self.shapes[k]))
+            self._finishing = tuple(steps)
+        return self._finishing
 
 
 def row_backward(group: RowGroup, inputs, grads, needs, block: int | None = None, launch: bool = True,

@@ -42,7 +42,8 @@ class PassResult:
     compute_dtype: torch.dtype | None = None
     specialized: str | None = None
     # Checks a call of the optimized module must pass first, forward pre-hooks (with kwargs):
-    # a rewrite decided at the example's sizes that other sizes must confirm.
+    # a rewrite decided at the example's sizes that other sizes must confirm. Each is decided by
+    # the call's signature alone (structure, shapes, dtypes, devices): it runs once per signature.
     call_checks: list = field(default_factory=list)
     # A pass that planned memory for a budget: what it held the step to (train_step's fit check reads it).
     budget: BudgetFit | None = None

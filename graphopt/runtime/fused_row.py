@@ -86,43 +86,38 @@ class _RowFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a missing output gradient stays None: the kernel skips it
         ctx.call = call
         outputs = call.run(inputs)
-        op, given = call.op, inputs[:call.count]
-        stored = dict(zip(call.extra, outputs[op.returned:]))
-        outputs = outputs[:op.returned]
-        ctx.save_for_backward(*[t if k in call.keep else None for k, t in enumerate(given)],
-                              *[stored[j] if j in stored else outputs[op.group.outputs.index(j)] for j in call.loaded])
+        ctx.save_for_backward(*[t if kept else None for t, kept in zip(inputs, call.keep)],
+                              *[outputs[i] for i in call.saved_outputs])
+        returned = outputs[:call.op.returned]
         if call.non_differentiable:
-            ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
-        return tuple(outputs)
+            ctx.mark_non_differentiable(*[o for o in returned if not o.is_floating_point()])
+        return tuple(returned)
 
     @staticmethod
     def backward(ctx, *grads):
         if torch.is_grad_enabled():  # create_graph: the gradients are not differentiable again
             return _once_backward(ctx, *grads)
-        return _backward(ctx, grads)
-
-
-def _backward(ctx, grads) -> tuple:
-    call = ctx.call
-    saved = ctx.saved_tensors
-    inputs, loaded = saved[:call.count], dict(zip(call.loaded, saved[call.count:]))
-    needs = ctx.needs_input_grad[1:call.count + 1]
-    return (None, *call.backward(inputs, grads, needs, loaded), *[None] * call.state)
+        call = ctx.call
+        return (None, *call.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:call.count + 1]),
+                *call.no_state)
 
 
 @once_differentiable
 def _once_backward(ctx, *grads):
-    return _backward(ctx, grads)
+    call = ctx.call
+    return (None, *call.backward(ctx.saved_tensors, grads, ctx.needs_input_grad[1:call.count + 1]), *call.no_state)
 
 
 class _RowCall:
     """One input signature of a FusedRowOp, bound: where it runs, its rows, what its backward
-    keeps, the forward launch; its _RowBackwards by gradient signature."""
+    keeps, the forward launch; its _RowBackwards by gradient signature. A call's tensors sit in
+    one pool, (*inputs, *outputs), the launch's pointers at places worked out here."""
 
     def __init__(self, op: "FusedRowOp", inputs, autograd: bool):
         self.op, self.autograd = op, autograd
         self.count = len(op.given)
         self.state = len(inputs) - self.count
+        self.no_state = (None,) * self.state
         given = inputs[:self.count]
         self.device = group_device(given)
         self.cpu, self.interpreted = self.device.type == "cpu", interpreting()
@@ -130,24 +125,43 @@ class _RowCall:
         self.space = op.space(op._all(given))
         self.shapes = [tuple(t.shape) for t in given]
         if autograd:
-            self.keep, self.loaded = op.kept_for_backward(self.mode, [t.requires_grad for t in given])
+            keep, self.loaded = op.kept_for_backward(self.mode, [t.requires_grad for t in given])
         else:
-            self.keep, self.loaded = set(range(self.count)), ()
+            keep, self.loaded = set(range(self.count)), ()
+        self.keep = tuple(k in keep for k in range(self.count))
         self.extra = tuple(j for j in self.loaded if j not in op.group.outputs)
+        # what run() returns: the outputs the graph takes, then the extra steps stored for the backward
+        self.saved_outputs = tuple(op.returned + self.extra.index(j) if j in self.extra else op.group.outputs.index(j)
+                                   for j in self.loaded)
         self.group = op._storing(self.extra) if self.extra else op.group
         self.non_differentiable = any(not op.group.dtypes[j].is_floating_point for j in op.group.outputs[:op.returned])
-        self.checks = tuple((k, i.ignore) for k, i in enumerate(op.group.inputs) if i.ignore is not None) \
+        self.checks = tuple((op.given.index(k), i.ignore) for k, i in enumerate(op.group.inputs) if i.ignore is not None) \
             if self.mode == "reference" or (self.mode == "kernel" and self.cpu) else ()
+        # a cross entropy's reduction: (output, how, its class indices' place among the inputs, ignore_index)
+        self.finishes = tuple((i, f[0], op.given.index(f[1]), f[2]) for i, f in enumerate(op.finish) if f is not None)
+        outputs = len(self.group.outputs)
+        self.returns = None if outputs == op.returned else [*range(op.returned), *range(len(op.group.outputs), outputs)]
         self.backwards: dict = {}
         self.launch = None
         if self.mode == "reference":
             self.run = self._reference
             return
-        self.forward = RowForward(self.group, op._all(given), space=self.space, orders=op.orders)
-        if self.mode == "kernel" and self.forward.launch is not None:
-            rows = self.forward.launch
+        forward = RowForward(self.group, op._all(given), space=self.space, orders=op.orders)
+        self.layouts = forward.layouts()
+        if self.mode == "kernel" and forward.launch is not None:
+            rows = forward.launch
             self.launch = bind(rows.kernel(), rows.grid, rows.scalars, dict(rows.constexprs), self.device)
+            if forward.reshaped:  # an input whose view is a copy: made at each call
+                self.pointers = lambda inputs, outs: forward.pointers(op._all(inputs[:self.count]), outs)
+            else:
+                places = self._places(forward.places, len(op.group.inputs), len(inputs))
+                self.pointers = lambda inputs, outs: [(*inputs, *outs)[i] for i in places]
         self.run = self._kernel
+
+    def _places(self, places, group_inputs: int, inputs: int) -> tuple:
+        """The forward's places in (*the group's inputs, *outputs) as places in (*inputs, *outputs)."""
+        given = self.op.given
+        return tuple(given.index(p) if p < group_inputs else inputs + p - group_inputs for p in places)
 
     def __call__(self, inputs):
         if self.op.draws:  # a dropout's mask has the rows' shape
@@ -162,18 +176,20 @@ class _RowCall:
         op = self.op
         enter()
         try:
-            everything = op._all(inputs[:self.count])
             if self.checks:
-                self._check(everything)
-            rows = self.forward.allocate(self.device)
+                self._check(inputs)
+            device = self.device
+            rows = [torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                    for shape, strides, dtype in self.layouts]
             if self.launch is not None:
-                self.launch(*self.forward.pointers(everything, rows))
+                self.launch(*self.pointers(inputs, rows))
             if self.mode != "fake":
                 STATS["launches"] += 1
                 if op.updates:
                     op.update(rows, inputs[self.count:], self.space)
-            finished = [op.finished(o, f, everything) for o, f in zip(rows[:op.returned], op.finish)]
-            return finished + rows[len(op.group.outputs):]
+            for i, how, at, ignore in self.finishes:
+                rows[i] = finished(rows[i], how, inputs[at], ignore)
+            return rows if self.returns is None else [rows[i] for i in self.returns]
         finally:
             leave()
 
@@ -181,8 +197,8 @@ class _RowCall:
         op = self.op
         enter()
         try:
+            self._check(inputs)
             everything = op._all(inputs[:self.count])
-            self._check(everything)
             with torch.no_grad():
                 values = row_reference(op.group, everything, self.space)
             rows = [empty_like_order(v.shape, op.orders[i] if i < len(op.orders) else None, op.group.dtypes[j],
@@ -190,14 +206,16 @@ class _RowCall:
             STATS["launches"] += 1
             if op.updates:
                 op.update(rows, inputs[self.count:], self.space)
-            return [op.finished(o, f, everything) for o, f in zip(rows[:op.returned], op.finish)]
+            for i, how, at, ignore in self.finishes:
+                rows[i] = finished(rows[i], how, inputs[at], ignore)
+            return rows[:op.returned]
         finally:
             leave()
 
-    def _check(self, everything) -> None:
+    def _check(self, inputs) -> None:
         """Step 4 off CUDA: each class index a column or the ignored value, checked by torch."""
-        for k, ignore in self.checks:
-            target = everything[k]
+        for at, ignore in self.checks:
+            target = inputs[at]
             ok = ((target >= 0) & (target < self.space.columns)) | (target == ignore)
             try:
                 torch._assert_async(ok.all(), "class index out of range")
@@ -206,69 +224,104 @@ class _RowCall:
                                  f"{self.space.columns} classes takes class indices in [0, classes) or "
                                  "ignore_index") from None
 
-    def backward(self, inputs, grads, needs, loaded: dict) -> list:
-        """The given inputs' gradients (the state gets none); inputs the backward does not read are
-        None, loaded holds the outputs it reads instead of recomputing them."""
+    def backward(self, saved, grads, needs) -> list:
+        """The given inputs' gradients (the state gets none). saved: the given inputs (None where
+        the backward does not read one), then the steps it reads instead of recomputing them."""
         op = self.op
-        grads = list(grads[:op.returned]) + [None] * (len(op.group.outputs) - op.returned)
+        if len(grads) != len(op.group.outputs):
+            grads = (*grads[:op.returned], *[None] * (len(op.group.outputs) - op.returned))
         if all(g is None for g in grads):
             return [None] * self.count
-        key = (tuple(needs), *[None if g is None else (g.__class__, g.dtype, g.shape, g.stride()) for g in grads])
+        key = (needs, *[None if g is None else (g.__class__, g.dtype, g.shape, g.stride()) for g in grads])
+        if self.finishes:
+            grads = list(grads)
+            for i, how, at, ignore in self.finishes:
+                if grads[i] is not None:
+                    grads[i] = rows_of(grads[i], how, saved[at], ignore)
         call = self.backwards.get(key)
-        everything = op._all(inputs)
-        rows = [None if g is None else op.rows_of(g, f, everything)
-                for g, f in zip(grads, op.finish + (None,) * (len(grads) - len(op.finish)))]
         if call is None:
             if len(self.backwards) >= MAX_PLANS:
                 self.backwards.clear()
-            call = self.backwards[key] = _RowBackward(self, everything, rows, needs, loaded)
-        return call.run(everything, rows, loaded)
+            call = self.backwards[key] = _RowBackward(self, saved, grads, needs)
+        return call.run(saved, grads)
+
+
+def finished(rows: torch.Tensor, how: str, target: torch.Tensor, ignore: int) -> torch.Tensor:
+    """A cross entropy's value from its rows' losses: reduced as F.cross_entropy reduces them."""
+    if how == "none":
+        return rows.reshape(rows.shape[:-1])
+    total = rows.sum()
+    return total / (target != ignore).sum() if how == "mean" else total
+
+
+def rows_of(grad: torch.Tensor, how: str, target: torch.Tensor, ignore: int) -> torch.Tensor:
+    """The gradient of a cross entropy's rows of losses, from the gradient of its value."""
+    rows = target.shape + (1,)
+    if how == "none":
+        return grad.reshape(rows)
+    scale = grad / (target != ignore).sum() if how == "mean" else grad
+    return scale.expand(rows)
 
 
 class _RowBackward:
-    """One signature of a _RowCall's incoming gradients, bound: the codegen's RowBackward and its launch."""
+    """One signature of a _RowCall's incoming gradients, bound: the codegen's RowBackward and its
+    launch. A call's tensors sit in one pool, (*saved, *the gradients of the group's outputs,
+    *buffers)."""
 
-    def __init__(self, call: _RowCall, everything, rows, needs, loaded):
+    def __init__(self, call: _RowCall, saved, grads, needs):
         self.call = call
         op = call.op
+        inputs, loaded = saved[:call.count], dict(zip(call.loaded, saved[call.count:]))
+        everything = op._all(inputs)
         wants = [bool(w) for w in op._all(needs)]
         self.mode = "fake" if call.mode == "meta" else call.mode
-        if self.mode == "kernel" and mode_of([g for g in rows if g is not None], call.device) != "kernel":
+        if self.mode == "kernel" and mode_of([g for g in grads if g is not None], call.device) != "kernel":
             self.mode = "fake"
         self.wants, self.launch = wants, None
+        self.given = tuple(op.given)
         if self.mode == "reference":
             self.run = self._reference
             return
-        self.backward = RowBackward(op.group, everything, rows, wants, space=call.space, loaded=loaded,
-                                    shapes=op._all(call.shapes))
-        if self.mode == "kernel" and self.backward.launch is not None:
-            launch = self.backward.launch
+        backward = self.backward = RowBackward(op.group, everything, grads, wants, space=call.space, loaded=loaded,
+                                               shapes=op._all(call.shapes))
+        if self.mode == "kernel" and backward.launch is not None:
+            launch = backward.launch
             self.launch = bind(launch.kernel(), launch.grid, launch.scalars, dict(launch.constexprs), call.device)
+            if backward.reshaped:
+                self.pointers = lambda saved, grads, buffers: backward.pointers(
+                    op._all(saved[:call.count]), dict(zip(call.loaded, saved[call.count:])), grads, buffers)
+            else:
+                group_inputs = len(op.group.inputs)
+                places = tuple(op.given.index(p) if p < group_inputs else call.count + p - group_inputs
+                               for p in backward.places)
+                self.pointers = lambda saved, grads, buffers: [(*saved, *grads, *buffers)[i] for i in places]
         self.run = self._kernel
 
-    def _kernel(self, everything, rows, loaded) -> list:
+    def _kernel(self, saved, grads) -> list:
         enter()
         try:
             device, backward = self.call.device, self.backward
             buffers = backward.allocate(device)
             if self.launch is not None:
-                self.launch(*backward.pointers(everything, loaded, rows, buffers))
+                self.launch(*self.pointers(saved, grads, buffers))
             if self.mode != "fake":
                 STATS["launches"] += 1
             result = backward.gradients(buffers, device)
-            return [result[k] for k in self.call.op.given]
+            return [result[k] for k in self.given]
         finally:
             leave()
 
-    def _reference(self, everything, rows, loaded) -> list:
-        op = self.call.op
+    def _reference(self, saved, grads) -> list:
+        call = self.call
+        op = call.op
         enter()
         try:
             STATS["launches"] += 1
+            everything = op._all(saved[:call.count])
             wanted = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(everything, self.wants)]
             with torch.enable_grad():
-                outs = row_reference(op.group, wanted, self.call.space)
-            pairs = [(o, g) for o, g in zip(outs, rows) if g is not None]
+                outs = row_reference(op.group, wanted, call.space)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
             found = iter(torch.autograd.grad([o for o, _ in pairs], [t for t, n in zip(wanted, self.wants) if n],
                                              [g for _, g in pairs], allow_unused=True))
             result = []
@@ -378,7 +431,7 @@ class FusedRowOp:
 
     def backward(self, inputs, grads, needs) -> list[torch.Tensor | None]:
         """The given inputs' gradients for these outputs' gradients, every input read (a chunked head's rows)."""
-        return self._call(inputs).backward(inputs, grads, needs, {})
+        return self._call(inputs).backward(tuple(inputs), tuple(grads), tuple(needs))
 
     def _call(self, inputs) -> _RowCall:
         key = (False, signature_key(inputs))
@@ -439,25 +492,3 @@ class FusedRowOp:
             return (sum(group.input_kind(k) == FULL for k in read) + len(steps), len(loaded - set(group.outputs)),
                     -len(steps & outputs))
         return min([frozenset(), outputs, *(frozenset({j}) for j in full)], key=kept)
-
-    # a cross entropy's rows of losses and the node's value
-
-    def finished(self, rows: torch.Tensor, finish, inputs) -> torch.Tensor:
-        if finish is None:
-            return rows
-        reduction, k, ignore = finish
-        if reduction == "none":
-            return rows.reshape(rows.shape[:-1])
-        total = rows.sum()
-        return total / (inputs[k] != ignore).sum() if reduction == "mean" else total
-
-    def rows_of(self, grad: torch.Tensor, finish, inputs) -> torch.Tensor:
-        """The gradient of an output's rows, from the gradient of the node's value."""
-        if finish is None:
-            return grad
-        reduction, k, ignore = finish
-        rows = inputs[k].shape + (1,)
-        if reduction == "none":
-            return grad.reshape(rows)
-        scale = grad / (inputs[k] != ignore).sum() if reduction == "mean" else grad
-        return scale.expand(rows)

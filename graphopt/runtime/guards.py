@@ -3,6 +3,13 @@
 Tracing bakes the module's train/eval mode into the graph (dropout, BatchNorm, any
 `if self.training:`), and some passes plan for the example shapes. A call that does not
 match what the graph was built for raises instead of computing something else.
+
+The checks are bound once per call signature, as the fused calls are: install_guards ends by
+gathering every pre-call check into one forward pre-hook (CallGuards) that runs the checks a
+call's signature alone decides (by_signature: its arguments' kinds, shapes, export's own input
+checks, the passes' budget and causal-mask checks) once per signature and skips them for a
+signature that passed, and runs the others (the modules' mode, inputs that share storage) at
+every call.
 """
 from __future__ import annotations
 
@@ -37,6 +44,79 @@ def refusal(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | N
         except GraphoptError as e:
             return e
     return None
+
+
+_BY_SIGNATURE = "graphopt_by_signature"
+_SCALARS = (bool, int, float, str)
+
+
+def by_signature(hook):
+    """Mark a pre-call check whose outcome (passing, raising, the call it hands on) the call's
+    signature decides alone: CallGuards runs it once per signature."""
+    setattr(hook, _BY_SIGNATURE, True)
+    return hook
+
+
+def _decided_by_signature(hook) -> bool:
+    from torch.export import _unlift  # noqa: PLC0415  (export's own check of its inputs' spec and sizes)
+
+    return getattr(hook, _BY_SIGNATURE, False) or hook is getattr(_unlift, "_check_input_constraints_pre_hook", None)
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple | None:
+    """A call's signature, made fast: per argument its tensor's shape, dtype and device, or the
+    value of a None, bool, int, float or str; None for a call with any other argument (a
+    container: its checks run every time)."""
+    parts = [len(args)]
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            parts.append((value.shape, value.dtype, value.device))
+        elif value is None or type(value) in _SCALARS:
+            parts.append((type(value), value))
+        else:
+            return None
+    parts.extend(kwargs)
+    return tuple(parts)
+
+
+class CallGuards:
+    """Every pre-call check of a module as one forward pre-hook, in the order they were installed
+    (hooks: (hook, with_kwargs)); the ones by_signature marks run once per call signature."""
+
+    def __init__(self, hooks: list):
+        self.hooks = [(hook, with_kwargs, _decided_by_signature(hook)) for hook, with_kwargs in hooks]
+        self.passed: set = set()  # call_keys that passed every check by_signature marks
+
+    def __call__(self, module, args: tuple, kwargs: dict):
+        key = call_key(args, kwargs)
+        known = key is not None and key in self.passed
+        changed = rewritten = False
+        for hook, with_kwargs, decided in self.hooks:
+            if known and decided:
+                continue
+            result = hook(module, args, kwargs) if with_kwargs else _positional(hook(module, args), kwargs)
+            if result is not None:
+                args, kwargs = result
+                changed = True
+                rewritten = rewritten or decided  # what such a check hands on is this call's own
+        if key is not None and not known and not rewritten:
+            self.passed.add(key)
+        return (args, kwargs) if changed else None
+
+
+def _positional(result, kwargs):
+    """A hook without kwargs returns the new positional arguments, a tuple or one value."""
+    return None if result is None else ((result if isinstance(result, tuple) else (result,)), kwargs)
+
+
+def gather_guards(module: torch.nn.Module) -> CallGuards:
+    """Replace the module's forward pre-hooks by one CallGuards running them in their order."""
+    hooks = [(hook, key in module._forward_pre_hooks_with_kwargs) for key, hook in module._forward_pre_hooks.items()]
+    module._forward_pre_hooks.clear()
+    module._forward_pre_hooks_with_kwargs.clear()
+    guards = CallGuards(hooks)
+    module.register_forward_pre_hook(guards, with_kwargs=True)
+    return guards
 
 
 def install_mode_guard(gm: torch.fx.GraphModule, training: bool) -> None:
@@ -98,6 +178,7 @@ def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, rea
         expected.add(signature(*also))
         shapes += f" (or {describe(*also)})"
 
+    @by_signature
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) not in expected:
             raise UsageError(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
@@ -120,12 +201,14 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
                           f"(torch.export traced it so), and got {describe(call_args, call_kwargs)}: {why}; "
                           f"{REPLAN}")
 
+    @by_signature
     def check(module, call_args, call_kwargs):
         call = pytree.tree_leaves((call_args, call_kwargs))
         why = sizes.why_not(example, call) if len(call) == len(example) else "another structure of inputs"
         if why is not None:
             raise refuse(call_args, call_kwargs, why)
 
+    @by_signature
     def related(module, call_args, call_kwargs):
         why = guards_failure(gm, call_args, call_kwargs)
         if why is not None:
@@ -218,6 +301,7 @@ def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: t
     constants = set(was) if export else baked
     example = _kinds(was, constants)
 
+    @by_signature
     def check(module, call_args, call_kwargs):
         try:
             got, named = bound(call_args, call_kwargs)
@@ -276,7 +360,8 @@ def install_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, given: tupl
     else:
         runs_at = _shapes(gm, example, specialized)
     for check in call_checks:
-        gm.register_forward_pre_hook(check, with_kwargs=True)
+        gm.register_forward_pre_hook(by_signature(check), with_kwargs=True)
+    gather_guards(gm)
     return runs_at
 
 
