@@ -27,8 +27,10 @@ from .trace import FRONTENDS, check_inputs, trace
 
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from,
 # then those that pay without being asked; each says where it does not (Pass.skip_by_default:
-# fuse off CUDA, inplace beside a budget), and the report says so.
-DEFAULT_PASSES = ("normalize", "cse", "dce", "inplace", "fuse")
+# fuse off CUDA, inplace beside a budget), and the report says so. fuse before inplace: an op
+# written in place joins no group, so groups take their ops whole and what stays eager is written
+# in place.
+DEFAULT_PASSES = ("normalize", "cse", "dce", "fuse", "inplace")
 
 
 def build_pipeline(passes=None, args: OptimizeArguments = OptimizeArguments()) -> list[Pass]:

@@ -49,6 +49,14 @@ from .saved import params_read
 
 
 @dataclass(frozen=True)
+class CallCost:
+    """Host time of one call: its forward, and its forward and backward (a training step's share)."""
+
+    forward_s: float
+    step_s: float
+
+
+@dataclass(frozen=True)
 class Rates:
     flops_per_s: float         # matmuls, convolutions and attention
     vector_flops_per_s: float  # every other op's arithmetic: norms, pooling, activations
@@ -57,11 +65,23 @@ class Rates:
     view_s: float       # one view or metadata op
     segment_s: float    # one checkpointed segment, forward and rerun
     policy_op_s: float  # each aten call in a selective segment, through its policy's dispatch mode
+    # Host time of an eager elementwise op and of graphopt's fused calls, launches included: what
+    # decides whether a group pays on a device (passes/fuse/profit.py). Measured with kernels left
+    # out (`python bench/host_time.py --calls`), plus a launch per kernel on CUDA.
+    eager_op: CallCost = CallCost(2.3e-6, 9e-6)
+    fused: CallCost = CallCost(1.5e-5, 4e-5)         # an elementwise group (runtime/fused.py)
+    fused_rows: CallCost = CallCost(1.5e-5, 6.2e-5)  # a row group (runtime/fused_row.py)
 
 
+LAUNCH_S = 3e-6  # one CUDA kernel launch's host time, from ATen or from a bound Triton launcher
 RATES = {
     "cpu": Rates(flops_per_s=1e11, vector_flops_per_s=3.4e9, bytes_per_s=1.3e10, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=4e-5),
-    "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=4e-5),
+    # on CUDA an eager op launches a kernel forward and one backward, as a fused call does (and a
+    # row call a third: its weights' partial sums added up)
+    "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=4e-5,
+                  eager_op=CallCost(2.3e-6 + LAUNCH_S, 9e-6 + 2 * LAUNCH_S),
+                  fused=CallCost(1.5e-5 + LAUNCH_S, 4e-5 + 2 * LAUNCH_S),
+                  fused_rows=CallCost(1.5e-5 + LAUNCH_S, 6.2e-5 + 3 * LAUNCH_S)),
 }
 
 

@@ -490,8 +490,10 @@ class RowBackward:
         summed to its input's shape; zeros for one wanted without a path to an output with a gradient."""
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
         for (k, partial, summed, shaped), buffer in zip(self.finishing, buffers):
-            if partial is not None:  # the programs' partial sums added up
-                buffer = buffer.sum(0).reshape(partial[0]).to(partial[1])
+            if partial is not None:  # the programs' partial sums added up (in fp32), in the input's dtype
+                buffer = buffer.sum(0).reshape(partial[0])
+                if partial[1] != torch.float32:
+                    buffer = buffer.to(partial[1])
             if summed is not None:
                 buffer = buffer.sum_to_size(summed)
             out[k] = buffer if shaped is None else buffer.reshape(shaped)

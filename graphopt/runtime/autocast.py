@@ -9,6 +9,8 @@ reproduces eager autocast exactly.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -17,15 +19,30 @@ class UnderAutocast:
 
     target is a function, a method name (called on the first argument), or None: the first
     argument is a module (a get_attr node), so the module stays where state_dict finds it.
+    The autocast context is made once per thread (making one checks the device and dtype, which
+    costs a step more than entering it; entering keeps the state it restores on the context).
     """
 
     def __init__(self, target, device: str, dtype: torch.dtype):
         self.target, self.device, self.dtype = target, device, dtype
         name = target if isinstance(target, str) else getattr(target, "__name__", "module")
         self.__name__ = self.__qualname__ = f"autocast_{name}"
+        self._contexts = threading.local()
+
+    def __getstate__(self):
+        return {"target": self.target, "device": self.device, "dtype": self.dtype}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def _context(self) -> torch.autocast:
+        context = getattr(self._contexts, "autocast", None)
+        if context is None:
+            context = self._contexts.autocast = torch.autocast(self.device, dtype=self.dtype)
+        return context
 
     def __call__(self, *args, **kwargs):
-        with torch.autocast(self.device, dtype=self.dtype):
+        with self._context():
             if self.target is None:
                 return args[0](*args[1:], **kwargs)
             if isinstance(self.target, str):

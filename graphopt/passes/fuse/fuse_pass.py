@@ -11,7 +11,9 @@ Algorithm:
      ops and reductions over the last dim that keep the graph acyclic and that codegen accepts)
      and why their neighbours stay out. Kernels run on CUDA, or in Triton's interpreter (how
      the tests check them on CPU); on another device a group would run as torch ops, slower than
-     eager's and keeping more memory, so the pass looks for none and reports that reason.
+     eager's and keeping more memory, so the pass looks for none and reports that reason. On CUDA
+     a group whose call would be slower than its eager ops at these sizes, host time included,
+     stays eager (profit.py step 3; the report counts them: left_eager).
   2. Place each group: its node must come after every input and before every outside use of an
      output. Members are removed, so that is the spot after the last member, or else just before
      the first outside use; when an input is only computed after that use, the group is left
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 import torch.fx
 
 from ... import ops
+from ...analysis.cost import rates
 from ...analysis.effects import written_values
 from ...analysis.memory import estimate_peak
 from ...analysis.meta import KEY, gather, graph_device
@@ -59,6 +62,7 @@ from .dropout_members import DrawnMask
 from .epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
 from .fusion import FusionGroup, candidates, find_groups, memory_bound, traffic
 from .head_loss import chunk_heads
+from .profit import slower_than_eager
 from .row_members import StateInput, as_state, info_of
 from .views import lift_views
 
@@ -181,6 +185,8 @@ def _report(stats: dict) -> str:
         lines.append(f"## computed in one shape {r['shape']} across reshapes: {', '.join(r['nodes'])}\n")
     for d in declined:
         lines.append(f"## declined: {', '.join(d['nodes'])}\n{d['reason']}\n")
+    for d in stats.get("slower_than_eager", ()):
+        lines.append(f"## slower than eager: {', '.join(d['nodes'])}\n{d['reason']}\n")
     for h in stats.get("chunked_heads", ()):
         also = ", which also returns the logits" if h["returns_logits"] else ""
         lines.append(f"## {h['name']}: the linear head {h['head']} and the loss {h['loss']} over chunks of rows{also}\n")
@@ -240,10 +246,14 @@ class Fuse(Pass):
             annotate(gm, ctx.flat_inputs(gm))
         # Step 1
         fusion = find_groups(gm)
-        declined = list(fusion.declined)
+        declined, slower = list(fusion.declined), []
         done, files = [], {}
         replaced: dict = {}  # a member of a group already fused -> the node that now gives its value
         for found in fusion.groups:
+            why = slower_than_eager(found, rates(device), ctx.train) if device == "cuda" else None
+            if why is not None:  # where kernels run for speed; the interpreter's are there to be checked
+                slower.append({"nodes": [n.name for n in found.nodes], "ops": found.ops(), "reason": why})
+                continue
             # an input (or an alias's target) a group fused earlier computed now comes from its node
             group = dataclasses.replace(found, inputs=[_replaced(v, replaced) for v in found.inputs],
                                         aliases={a: replaced.get(t, t) for a, t in found.aliases.items()})
@@ -266,6 +276,9 @@ class Fuse(Pass):
         heads, unchunked = chunk_heads(gm, lambda module: estimate_peak(module, ctx.flat_inputs(module),
                                                                         train=ctx.train).peak_bytes)
         by_name = {n.name: n for n in gm.graph.nodes}
+        for group in slower:
+            for name in group["nodes"]:
+                note(by_name[name], "fuse", f"not fused: {group['reason']}")
         for reasons in [g["not_fused"] for g in done] + list(fusion.alone.values()):
             for name, reason in reasons.items():
                 if name in by_name:
@@ -279,9 +292,10 @@ class Fuse(Pass):
                  "memory_bound_traffic_after": sum(sum(traffic(n)) for n in bound_after)
                  + sum(g["bytes_read"] + g["bytes_written"] for g in done),
                  "groups": done, "declined": declined, "alone": fusion.alone,
+                 "left_eager": len(slower), "slower_than_eager": slower,
                  "chunked_heads": heads, "heads_not_chunked": unchunked}
         stats["view_regions"] = [{"nodes": [n.name for n in r.nodes], "shape": list(r.shape)} for r in regions]
-        if done or declined or fusion.alone:
+        if done or declined or slower or fusion.alone:
             files["fusion.md"] = _report(stats)
         specialized = "fused groups compute across reshapes at the example's sizes" if regions else None
         return PassResult(gm, bool(done) or bool(regions), stats, files, specialized=specialized)
