@@ -2,8 +2,10 @@
 
     python bench/gpu_all.py [--out DIR] [--budget-s 480]
 
-Runs, most telling first: gpu_fuse.py (elementwise chains), gpu_rows.py (row kernels), both
-against eager and torch.compile; gpu_recompute.py (the recompute figures at GPU sizes);
+Runs, most telling first: gpu_step_time.py (whole training steps against eager, autocast,
+torch.compile and its reduce-overhead mode, graphopt with CUDA graphs; then, its --memory all,
+the memory promise on five corpus models, each in a process of its own), gpu_fuse.py
+(elementwise chains), gpu_rows.py (row kernels), both against eager and torch.compile; gpu_recompute.py (the recompute figures at GPU sizes);
 gpu_precision.py (bf16 against float32 and autocast); head_loss.py (an LM head and its loss:
 step peaks); recompute_sweep.py on the corpus's GPT-2 (predicted against measured peak from
 graphopt's least budget to eager); gpu_memory_gap.py (CUDA only: each zoo model's estimate
@@ -67,23 +69,30 @@ class Benchmark:
 
 
 BENCHMARKS = [
+    Benchmark("step_time", "training steps of GPT-2 124M, the corpus GPT-2 and a small Llama: eager, autocast, "
+              "torch.compile (and reduce-overhead), graphopt, graphopt bf16, graphopt with CUDA graphs",
+              ["bench/gpu_step_time.py", "--out", "{folder}", "--seconds", "{seconds}"], 190,
+              cpu_args=["--steps", "2"]),
+    Benchmark("memory_promise", "five corpus models, each in a process of its own: predicted against measured "
+              "peak, budgets held", ["bench/gpu_step_time.py", "--memory", "all", "--out", "{folder}", "--seconds",
+                                     "{seconds}"], 45, cuda_only=True),
     Benchmark("fuse", "elementwise chains: eager, graphopt, torch.compile; first training step",
-              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 130),
+              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 60),
     Benchmark("rows", "norms, softmax, cross-entropy, batch norm, LM head: eager, graphopt, torch.compile, Liger",
-              ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 125),
+              ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 60),
     Benchmark("recompute", "recompute at f = 0.3, 0.5, 0.7 on the zoo MLP, CNN and GPT; estimate error; solver time",
-              ["bench/gpu_recompute.py", "--out", "{folder}"], 75,
+              ["bench/gpu_recompute.py", "--out", "{folder}"], 40,
               cpu_args=["--models", "mlp", "--steps", "3"]),
     Benchmark("precision", "GPT step in float32, graphopt bf16 and torch.autocast bf16",
-              ["bench/gpu_precision.py", "--out", "{folder}"], 55, cpu_args=["--steps", "3"]),
+              ["bench/gpu_precision.py", "--out", "{folder}"], 35, cpu_args=["--steps", "3"]),
     Benchmark("head_loss", "LM head + cross-entropy: step peak, eager against fused and chunked",
-              ["bench/head_loss.py", "--out", "{folder}/head_loss.md"], 40, cpu_args=["--size", "256,64,8000"],
+              ["bench/head_loss.py", "--out", "{folder}/head_loss.md"], 20, cpu_args=["--size", "256,64,8000"],
               cpu_env={"TRITON_INTERPRET": "1"}),
     Benchmark("recompute_sweep", "corpus GPT-2: predicted and measured peak and step time, least budget to eager",
               ["bench/recompute_sweep.py", "--device", "{device}", "--models", "hf_gpt2", "--out",
-               "{folder}/recompute_sweep"], 45, cpu_args=["--points", "2"], gpu_args=["--points", "5"]),
+               "{folder}/recompute_sweep"], 15, cpu_args=["--points", "2"], gpu_args=["--points", "5"]),
     Benchmark("memory_gap", "zoo models: estimated against measured step peak, the allocator's snapshot of each step",
-              ["bench/gpu_memory_gap.py", "--out", "{folder}/memory_gap"], 30, cuda_only=True),
+              ["bench/gpu_memory_gap.py", "--out", "{folder}/memory_gap"], 15, cuda_only=True),
 ]
 DEFAULT_BUDGET_S = 480
 RESERVE_S = 10  # the runner's own work: finding the device, the index, packing

@@ -20,6 +20,7 @@ from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .report import Report
+from .runtime.cuda_graphs import capture, check_cuda_graphs
 from .runtime.guards import install_guards
 from .runtime.input_writes import WriteAliasCheck
 from .runtime.microbatch import first_microbatch
@@ -88,6 +89,7 @@ def optimize(
     batch_norm: str = "warn",
     shard: str | None = None,
     world_size: int | None = None,
+    cuda_graphs: bool = False,
 ):
     """Rewrite `model` through a pass pipeline and return a drop-in replacement.
 
@@ -129,6 +131,12 @@ def optimize(
     batch_norm: with stages in training, where a BatchNorm would normalize each microbatch by its
       own statistics: "warn" (default: a MicrobatchWarning, as for random ops and the loss's
       reduction) or "refuse" (a UsageError naming the modules).
+    cuda_graphs: capture the optimized training step's forward and backward as CUDA graphs at the
+      example's signature, replayed by every call of that signature (others run uncaptured):
+      what a step costs the host becomes a few copies and two replays. Needs the model and the
+      example inputs on CUDA, a training step, example inputs, and a step that never waits on the
+      device (no .item()); with budget_gb the plan leaves room for what the graphs hold. Outputs
+      live in the graphs' buffers, overwritten by the next call (runtime/cuda_graphs.py).
     """
     if not isinstance(model, torch.nn.Module):
         check_inputs(model, example_inputs, example_kwargs)  # raises the UsageError
@@ -136,6 +144,8 @@ def optimize(
         raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
     if train is not None and not isinstance(train, bool):
         raise OptionError(f"train must be True, False or None, got {train!r}.")
+    check_cuda_graphs(cuda_graphs, example_inputs is None and example_kwargs is None, stages, shard,
+                      model.training if train is None else train)
     pipeline = build_pipeline(passes, OptimizeArguments(
         budget_gb=budget_gb, precision=precision, stages=stages, profile=profile, calibrate=calibrate,
         precision_policy=precision_policy, optimizer=optimizer, accumulate=accumulate, shard=shard,
@@ -145,7 +155,8 @@ def optimize(
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None
     if dump_dir is not None:
         check_dump_dir(dump_dir)
-    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, batch_norm=check_batch_norm(batch_norm))
+    settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, batch_norm=check_batch_norm(batch_norm),
+                    cuda_graphs=cuda_graphs)
     if train is not None:
         model.train(train)
     if example_inputs is None and example_kwargs is None:
@@ -153,7 +164,8 @@ def optimize(
     return optimize_now(model, example_inputs, example_kwargs, **settings, dump_dir=dump_dir)
 
 
-def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir, batch_norm="warn"):
+def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir, batch_norm="warn",
+                 cuda_graphs=False):
     """Trace `model` in its current mode and run `pipeline` over it."""
     given = check_inputs(model, example_inputs, example_kwargs)
     args, kwargs = distinct(*given)  # what the passes plan for is what the frontend traced
@@ -180,7 +192,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     report.notes += announce(report.batch_wide, microbatches or 1, batch_norm,
                              f"the staged graph ({microbatches} microbatches)")
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
-                      microbatches=microbatches)
+                      microbatches=microbatches, cuda_graphs=cuda_graphs)
     dumper = Dumper(dump_dir) if dump_dir else None
     gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
     gm.train(model.training)  # modules a pass made (the pipeline's stages) start in training mode
@@ -188,6 +200,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         dumper.svg(gm)
     report.runs_at = install_guards(gm, model, given, (args, kwargs), batch, microbatches, ctx.specialized,
                                     ctx.call_checks, writes, the_loss(report.batch_wide))
+    if cuda_graphs:
+        report.cuda_graphs = capture(gm, *given, ctx)
     gm.graphopt_report = report
     return gm
 

@@ -55,6 +55,8 @@ class Report:
     microbatches: int = 1
     # what of the traced graph depends on the batch as a whole (analysis/batch_wide.py): in eval, its loss's reduction
     batch_wide: BatchWide | None = None
+    # with cuda_graphs=True: the signature captured and the bytes its graphs hold beyond the step
+    cuda_graphs: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # batch_wide's loss counters are small graphs: their facts, not the graphs
@@ -103,6 +105,7 @@ class Report:
         idle = idle_budget(record.budget) if record is not None and self.microbatches == 1 else None
         lines = [idle] if idle else []
         lines += [f"runs at: {self.runs_at}"] if self.runs_at else []
+        lines += [f"cuda graphs: {self.cuda_graphs}"] if self.cuda_graphs else []
         ran = [r.name for r in self.passes if r.by_default]
         if not ran and not self.skipped:
             return lines + self.notes

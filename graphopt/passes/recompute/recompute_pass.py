@@ -8,7 +8,8 @@ Algorithm:
      largest chunk of rows that fits (head_loss_chunks.py). Within budget: nothing more to do,
      and where the step as traced was already within it, a BudgetWarning (a budget in the
      wrong unit?). In inference only the forward runs and recompute cannot help: over budget
-     is an error.
+     is an error. With cuda_graphs, the target leaves room for what the captured step's graphs
+     hold beyond the step (analysis/cuda_graphs.graphs_reserve).
   2. Per node (node_facts.py), from one recorded FakeTensor forward (analysis/saved.py): the
      bytes it keeps for backward, the bytes live across it, whether it may run twice
      (rewrite.recomputable; why not is noted on it for the dumps), what a selective segment
@@ -66,6 +67,7 @@ import torch.fx
 from ... import ops
 from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
+from ...analysis.cuda_graphs import graphs_reserve
 from ...analysis.memory import Estimate, below_least, budget_bytes, estimate_peak, measure_step
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
@@ -154,9 +156,11 @@ class Recompute(Pass):
         self.headroom = self.settings.headroom
         if self.headroom is None:
             self.headroom = CUDA_HEADROOM if graph_device(gm) == "cuda" else 0.0
-        target = int(limit * (1 - self.headroom))
         optimizer = self.settings.optimizer
         self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
+        # a step captured as CUDA graphs holds more than the step itself: planned for that much less
+        self.reserve = graphs_reserve(gm, ctx.flat_inputs(gm), self.optimizer) if ctx.cuda_graphs and ctx.train else 0
+        target = int(limit * (1 - self.headroom)) - self.reserve
         # Step 1 (with step 2's tidying first, so that one estimate serves the search too)
         self.accumulate = self.settings.accumulate and ctx.train
         tidied = ctx.train and bool(attributes_first(gm) + hoist_state_writes(gm))
@@ -168,6 +172,8 @@ class Recompute(Pass):
         # Per rank (world_size): the search plans one device's step, for the target that puts a rank's at
         # it; calls at other sizes are held to that target too (the call check)
         ranks = self.settings.world_size if ctx.train else None
+        if self.reserve:
+            stats["cuda_graphs_reserve_bytes"] = self.reserve
         if ranks:
             rank_before = self._rank_peak(gm, ctx)
             fit = functools.partial(BudgetFit, limit, target, rank_before)
@@ -365,7 +371,7 @@ class Recompute(Pass):
 
     def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
                measured: bool = False) -> BudgetError:
-        minimum = int(minimum / (1 - self.headroom))
+        minimum = int((minimum + self.reserve) / (1 - self.headroom))
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         ranks = self.settings.world_size
         if ranks and not inference:
