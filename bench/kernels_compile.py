@@ -126,9 +126,11 @@ def compile_all(launches: list, arch: int, gpu_block: int) -> list[dict]:
         module = modules.get(path) or modules.setdefault(path, compiled_module(path))
         started = time.perf_counter()
         row = {"kernel": name, "file": Path(path).name, "constexprs": dict(constexprs)}
+        kernel = getattr(module, name)
+        options = {"debug": True} if getattr(kernel, "debug", False) else None  # its device assertions built too
         try:
-            done = triton.compile(ASTSource(getattr(module, name), signature=dict(signature),
-                                            constexprs=dict(constexprs)), target=target)
+            done = triton.compile(ASTSource(kernel, signature=dict(signature), constexprs=dict(constexprs)),
+                                  target=target, options=options)
             row |= {"ok": True, "registers": done.n_regs if hasattr(done, "n_regs") else None,
                     "spills": getattr(done, "n_spills", None), "warps": done.metadata.num_warps}
         except Exception as error:  # the point of the check: a kernel that does not build is reported, all of them

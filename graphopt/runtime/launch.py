@@ -61,7 +61,7 @@ def release_interpreted_arguments() -> None:
 def bind(kernel, grid: tuple, scalars: tuple, constexprs: dict, device: torch.device) -> Callable[..., None]:
     """The launch of `kernel` over `grid` with these integer arguments after its pointers and these
     constexprs; it takes the pointer tensors, in the kernel's parameter order."""
-    if device.type != "cuda":
+    if device.type != "cuda" or interpreting():
         def interpreted(*pointers):
             if _LAUNCHING[0]:
                 kernel[grid](*pointers, *scalars, **constexprs)
@@ -92,9 +92,9 @@ def _cuda_launch(kernel, grid, scalars, constexprs, device):
     def first(*pointers):
         if not _LAUNCHING[0]:
             return
-        with torch.cuda.device(device):
+        with torch.cuda.device(device):  # the compiled kernel's module is loaded for the tensors' device
             compiled = kernel.warmup(*pointers, *scalars, grid=grid, **constexprs)
-        fast = _bound(kernel, compiled, grid, scalars, constexprs, device, pointers)
+            fast = _bound(kernel, compiled, grid, scalars, constexprs, device, pointers)
         state["launch"] = fast or slow
         state["launch"](*pointers)
 
@@ -102,16 +102,26 @@ def _cuda_launch(kernel, grid, scalars, constexprs, device):
     return lambda *pointers: state["launch"](*pointers)
 
 
-def _hooks_set() -> bool:
-    from triton import knobs  # noqa: PLC0415  (Triton 3.4 and newer keep the launch hooks there)
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+def _launch_hooks() -> tuple:
+    """Triton's launch hooks as JITFunction.run passes them: (enter, exit); a profiler's hooks
+    are in them (Triton 3.4 and newer keep them in knobs, a HookChain from 3.5 on)."""
+    from triton import knobs  # noqa: PLC0415
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+def _set(hook) -> bool:
+    """Whether a launch hook would call anything (a HookChain holds its calls)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _bound(kernel, compiled, grid, scalars, constexprs, device, pointers):
-    """The compiled kernel's launcher with grid, function and metadata bound, or None where this
-    Triton's compiled kernel does not offer what that needs."""
+    """The compiled kernel's launcher with grid, function, metadata and hooks bound, or None where
+    this Triton's compiled kernel does not offer what that needs, or a launch hook is set (a
+    profiler's: it is given each launch's metadata, which the bound launch does not make)."""
     try:
-        if _hooks_set():
+        hooks = _launch_hooks()
+        if any(_set(h) for h in hooks):
             return None
         run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
         names = list(kernel.arg_names)
@@ -121,7 +131,7 @@ def _bound(kernel, compiled, grid, scalars, constexprs, device, pointers):
     given = dict(zip(names, [*pointers, *scalars]))
     given.update(constexprs)
     # what JITFunction.run passes: every argument its compiled source's signature names (constexprs
-    # too, from Triton 3.2 on), in parameter order; the pointers are the first parameters
+    # too, from Triton 3.3 on), in parameter order; the pointers are the first parameters
     wanted = [names[k] if isinstance(k, int) else k for k in signature]
     if set(wanted) - set(given) or wanted[:len(pointers)] != names[:len(pointers)]:
         return None
@@ -130,14 +140,16 @@ def _bound(kernel, compiled, grid, scalars, constexprs, device, pointers):
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     index = device.index if device.index is not None else torch.cuda.current_device()
     raw_stream, current = torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice
+    enter, leave = hooks
+    added = [getattr(h, "calls", None) for h in hooks if getattr(h, "calls", None) is not None]  # live lists
     slow = _jit_launch(kernel, grid, scalars, constexprs, device)
 
     def launch(*tensors):
         if not _LAUNCHING[0]:
             return
-        if current() != index or any(tensors[i].data_ptr() % 16 for i in aligned):
-            slow(*tensors)  # on the tensors' device, or compiled by Triton for this alignment
+        if current() != index or any(tensors[i].data_ptr() % 16 for i in aligned) or any(added):
+            slow(*tensors)  # on the tensors' device; compiled by Triton for this alignment; a hook added since
             return
-        run(g0, g1, g2, raw_stream(index), function, metadata, None, None, None, *tensors, *rest)
+        run(g0, g1, g2, raw_stream(index), function, metadata, None, enter, leave, *tensors, *rest)
 
     return launch
