@@ -14,9 +14,9 @@ Rows, each graphopt against its baseline measured in the same process:
   forward+backward, against eager's two ops.
 - rms_norm: gpu_rows.py's RMSNorm (8 x 64 after a residual add) forward+backward, passes="fuse",
   against eager's.
-- calls: one eager elementwise op, one fused elementwise call and one fused row call (4 x 16),
-  forward and forward+backward net of the harness: what analysis/cost.Rates holds for the fuse
-  pass's profit (--calls prints these alone).
+- calls (--calls, alone in a fresh process: after the models a process's Python runs slower): one
+  eager elementwise op, one fused elementwise call and one fused row call (4 x 16), forward and
+  forward+backward net of the harness: what analysis/cost.Rates holds for the fuse pass's profit.
 
 Time is the measuring thread's CPU time (time.thread_time): with torch.set_num_threads(1) the
 whole CPU step, backward included, runs on it, and a shared machine's other work is left out.
@@ -219,10 +219,7 @@ def run(quick: bool = False, only_calls: bool = False) -> list[Row]:
         for name in ("llama",) if quick else ("llama", "gpt2"):
             for dtype in (torch.float32, torch.bfloat16):
                 rows += step_rows(name, dtype, calls, rounds)
-        rows += chain_rows(calls * 10, rounds) + rms_norm_rows(calls * 10, rounds)
-        if not quick:
-            rows += call_rows(calls * 10, rounds)
-        return rows
+        return rows + chain_rows(calls * 10, rounds) + rms_norm_rows(calls * 10, rounds)
 
 
 def markdown(rows: list[Row]) -> str:
