@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 from ..codegen.group import Step
 from ..codegen.program import forward_expr, name
 from ..codegen.row_group import COL, FULL, ROW, RowGroup, Softmax
-from ..codegen.row_kernel import RowBackward, RowForward
+from ..codegen.row_launch import RowBackward, RowForward
 from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
 from ..ops.shim import tl

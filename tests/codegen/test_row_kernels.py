@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from graphopt.codegen import Step, Unsupported
 from graphopt.codegen import row_group as G
-from graphopt.codegen.row_kernel import LOOP_BLOCK, MAX_PERSISTENT, layout, row_call, source
+from graphopt.codegen.row_kernel import LOOP_BLOCK, MAX_PERSISTENT, source
+from graphopt.codegen.row_launch import layout, row_call
 from graphopt.codegen.row_program import forward_program
 from hypothesis_profiles import examples
 
@@ -179,7 +180,7 @@ def test_strided_and_broadcast_inputs_are_read_in_place_and_outputs_laid_out_as_
     """softmax(scores + mask) over a transposed score tensor and a mask broadcast over heads: the
     kernel reads both where they are (no copies), writes the output in the scores' dim order, and
     the mask's gradient is summed over the heads it was broadcast to."""
-    from graphopt.codegen.row_kernel import row_backward, row_forward
+    from graphopt.codegen.row_launch import row_backward, row_forward
     from graphopt.codegen.row_space import RowSpace, dim_order
 
     b = G.Builder([("scores", G.FULL), ("mask", G.FULL)])

@@ -48,8 +48,8 @@ from ...analysis.effects import written_values
 from ...analysis.memory import estimate_peak
 from ...analysis.meta import KEY, gather, graph_device
 from ...codegen.row_group import RowGroup
-from ...codegen.row_kernel import layout as row_layout
 from ...codegen.row_kernel import source as row_source
+from ...codegen.row_launch import layout as row_layout
 from ...codegen.row_program import backward_program, forward_program
 from ...dump import note
 from ...runtime import FusedOp, repro_script, source

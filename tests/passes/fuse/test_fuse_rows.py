@@ -49,13 +49,13 @@ def test_hf_rms_norm_is_one_row_kernel():
 
 
 def test_a_row_kernel_s_programs_and_text_are_built_once_not_per_call(monkeypatch):
-    from graphopt.codegen import row_kernel, row_program
+    from graphopt.codegen import row_launch, row_program
 
     opt, _ = fuse(hf_rms_norm, torch.randn(2, 5, 48, requires_grad=True), weight=torch.nn.Parameter(torch.randn(48)))
     x = torch.randn(2, 5, 48, requires_grad=True)
     opt(x).sum().backward()
     built = []
-    for module_, name in ((row_program, "_forward_program"), (row_program, "_backward_program"), (row_kernel, "source")):
+    for module_, name in ((row_program, "_forward_program"), (row_program, "_backward_program"), (row_launch, "source")):
         real = getattr(module_, name)
         monkeypatch.setattr(module_, name, lambda *a, real=real, name=name, **k: built.append(name) or real(*a, **k))
     opt(x).sum().backward()
