@@ -5,7 +5,8 @@
 Runs, most telling first: gpu_step_time.py (whole training steps against eager, autocast,
 torch.compile and its reduce-overhead mode, graphopt with CUDA graphs; then, its --memory all,
 the memory promise on five corpus models, each in a process of its own), gpu_fuse.py
-(elementwise chains), gpu_rows.py (row kernels), both against eager and torch.compile; gpu_recompute.py (the recompute figures at GPU sizes);
+(elementwise chains), gpu_rows.py (row kernels), both against eager and torch.compile;
+gpu_recompute.py (the recompute figures at GPU sizes);
 gpu_precision.py (bf16 against float32 and autocast); head_loss.py (an LM head and its loss:
 step peaks); recompute_sweep.py on the corpus's GPT-2 (predicted against measured peak from
 graphopt's least budget to eager); gpu_memory_gap.py (CUDA only: each zoo model's estimate

@@ -148,8 +148,8 @@ def chain_rows(calls: int, rounds: int) -> list[Row]:
     opt = gpu_fuse.fuse(eager, x, b)
     rows = []
     for backward, label in ((False, "chain forward"), (True, "chain forward+backward")):
-        ratio, mine, theirs = compare(gpu_fuse.runner(opt, x, b, g, backward), gpu_fuse.runner(eager, x, b, g, backward),
-                                      calls, rounds)
+        fused, plain = gpu_fuse.runner(opt, x, b, g, backward), gpu_fuse.runner(eager, x, b, g, backward)
+        ratio, mine, theirs = compare(fused, plain, calls, rounds)
         rows.append(Row(label, mine, theirs, ratio))
     return rows
 

@@ -78,7 +78,8 @@ RATES = {
     "cpu": Rates(flops_per_s=1e11, vector_flops_per_s=3.4e9, bytes_per_s=1.3e10, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=4e-5),
     # on CUDA an eager op launches a kernel forward and one backward, as a fused call does (and a
     # row call a third: its weights' partial sums added up)
-    "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6, segment_s=1.1e-4, policy_op_s=4e-5,
+    "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6,
+                  segment_s=1.1e-4, policy_op_s=4e-5,
                   eager_op=CallCost(2.3e-6 + LAUNCH_S, 9e-6 + 2 * LAUNCH_S),
                   fused=CallCost(1.5e-5 + LAUNCH_S, 4e-5 + 2 * LAUNCH_S),
                   fused_rows=CallCost(1.5e-5 + LAUNCH_S, 6.2e-5 + 3 * LAUNCH_S)),

@@ -154,7 +154,8 @@ def _persistent(program: RowProgram, dims: tuple[int, int], shifts: dict, checks
     head = [f"{s.value}_acc = tl.zeros([1, BLOCK], dtype=tl.float32)" for s in partial]
     body = _tile_rows(dims, pointers, shifts) + _columns("", dims, pointers, shifts)
     for line in program.lines:
-        body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce else _assign(line, kinds, shifts, checks))
+        body.append(f"{line.target} = {_reduced(line)}  # {line.comment}" if line.reduce
+                    else _assign(line, kinds, shifts, checks))
     body += [_store(s.pointer, s.kind, s.value, shifts, s.dtype) for s in program.stores if s.kind != COL]
     body += [f"{s.value}_acc = {s.value}_acc + {_partial_sum(s)}" for s in partial]
     loop = ["for first in range(pid * ROWS, tl.minimum(pid * ROWS + ROWS, R), RB):"] + [INDENT + b for b in body]
@@ -198,7 +199,8 @@ def _looped(program: RowProgram, dims: tuple[int, int], shifts: dict, checks: di
         reduces = [line for line in program.lines if line.reduce and after[line.target] == p]
         body.append(f"# pass {p}: {', '.join(line.target for line in reduces)}")
         body += [f"{line.target}_acc = tl.full([RB, BLOCK], {NEUTRAL[line.reduce]}, tl.float32)" for line in reduces]
-        inner = [_assign(line, kinds, shifts, checks) for line in _closure(program, [r for line in reduces for r in line.reads])]
+        read = [r for line in reduces for r in line.reads]
+        inner = [_assign(line, kinds, shifts, checks) for line in _closure(program, read)]
         for line in reduces:
             value = f"tl.where(mask, {line.expr}, {NEUTRAL[line.reduce]})"
             inner.append(f"{line.target}_acc = {line.target}_acc + {value}" if line.reduce == "sum"

@@ -275,7 +275,8 @@ class RowBackward:
                 partial = (space.col_shape(), group.inputs[k].dtype) if kind == COL else None
                 size = space.col_shape() if kind == COL else tuple(size)
                 view = _view_shape(kind, self.shapes[k], space)
-                steps.append((k, partial, None if size == view else view, None if view == self.shapes[k] else self.shapes[k]))
+                shaped = None if view == self.shapes[k] else self.shapes[k]
+                steps.append((k, partial, None if size == view else view, shaped))
             self._finishing = tuple(steps)
         return self._finishing
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -50,7 +49,7 @@ from ..codegen.layout import MAX_BLOCK, contiguous_strides
 from ..codegen.reference import reference_source
 from ..codegen.spec import LaunchPlan, plan_backward, plan_forward
 from .dropout_masks import inserted, with_masks, with_stand_ins
-from .launch import bind, interpreting, release_interpreted_arguments
+from .launch import bind, interpreting
 
 GPU_BLOCK = 1024
 MAX_PLANS = 64  # input signatures each FusedOp remembers (then it starts over)
@@ -255,7 +254,8 @@ class _Forward:
             module = self.op.reference(self.plan, None)
             values = module.reference_forward(*inputs)
             STATS["launches"] += 1
-            return tuple([torch.empty(s, dtype=d, device=self.device).copy_(v) for v, (s, d) in zip(values, self.outputs)])
+            return tuple([torch.empty(s, dtype=d, device=self.device).copy_(v)
+                          for v, (s, d) in zip(values, self.outputs)])
         finally:
             leave()
 

@@ -135,8 +135,9 @@ class _RowCall:
                                    for j in self.loaded)
         self.group = op._storing(self.extra) if self.extra else op.group
         self.non_differentiable = any(not op.group.dtypes[j].is_floating_point for j in op.group.outputs[:op.returned])
-        self.checks = tuple((op.given.index(k), i.ignore) for k, i in enumerate(op.group.inputs) if i.ignore is not None) \
-            if self.mode == "reference" or (self.mode == "kernel" and self.cpu) else ()
+        checked = self.mode == "reference" or (self.mode == "kernel" and self.cpu)  # on CUDA the kernel checks
+        self.checks = tuple((op.given.index(k), i.ignore) for k, i in enumerate(op.group.inputs)
+                            if i.ignore is not None) if checked else ()
         # a cross entropy's reduction: (output, how, its class indices' place among the inputs, ignore_index)
         self.finishes = tuple((i, f[0], op.given.index(f[1]), f[2]) for i, f in enumerate(op.finish) if f is not None)
         outputs = len(self.group.outputs)

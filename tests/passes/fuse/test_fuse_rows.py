@@ -55,7 +55,8 @@ def test_a_row_kernel_s_programs_and_text_are_built_once_not_per_call(monkeypatc
     x = torch.randn(2, 5, 48, requires_grad=True)
     opt(x).sum().backward()
     built = []
-    for module_, name in ((row_program, "_forward_program"), (row_program, "_backward_program"), (row_launch, "source")):
+    for module_, name in ((row_program, "_forward_program"), (row_program, "_backward_program"),
+                          (row_launch, "source")):
         real = getattr(module_, name)
         monkeypatch.setattr(module_, name, lambda *a, real=real, name=name, **k: built.append(name) or real(*a, **k))
     opt(x).sum().backward()
