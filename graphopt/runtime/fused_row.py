@@ -156,7 +156,7 @@ class _RowCall:
                 self.pointers = lambda inputs, outs: forward.pointers(op._all(inputs[:self.count]), outs)
             else:
                 places = self._places(forward.places, len(op.group.inputs), len(inputs))
-                self.pointers = lambda inputs, outs: [(*inputs, *outs)[i] for i in places]
+                self.pointers = lambda inputs, outs: _pick((*inputs, *outs), places)
         self.run = self._kernel
 
     def _places(self, places, group_inputs: int, inputs: int) -> tuple:
@@ -247,6 +247,10 @@ class _RowCall:
         return call.run(saved, grads)
 
 
+def _pick(pool: tuple, places: tuple) -> list:
+    return [pool[i] for i in places]
+
+
 def finished(rows: torch.Tensor, how: str, target: torch.Tensor, ignore: int) -> torch.Tensor:
     """A cross entropy's value from its rows' losses: reduced as F.cross_entropy reduces them."""
     if how == "none":
@@ -295,7 +299,7 @@ class _RowBackward:
                 group_inputs = len(op.group.inputs)
                 places = tuple(op.given.index(p) if p < group_inputs else call.count + p - group_inputs
                                for p in backward.places)
-                self.pointers = lambda saved, grads, buffers: [(*saved, *grads, *buffers)[i] for i in places]
+                self.pointers = lambda saved, grads, buffers: _pick((*saved, *grads, *buffers), places)
         self.run = self._kernel
 
     def _kernel(self, saved, grads) -> list:
