@@ -46,7 +46,9 @@ def host_syncs(gm: torch.fx.GraphModule) -> dict[str, str]:
         if node.op not in CALLS:
             continue
         name = _name(node)
-        if name in _SYNCING or (node.op == "call_function" and node.target in _TRUTH):
+        truth = node.op == "call_function" and node.target in _TRUTH and any(
+            isinstance(tensor_info(v), TensorInfo) for v in node.all_input_nodes)  # bool(t), int(t), float(t)
+        if name in _SYNCING or truth:
             found[node.name] = f"{name} reads a value back to the host"
         elif _to_host(node):
             found[node.name] = f"{name} copies a CUDA tensor to the CPU"
