@@ -1,6 +1,6 @@
 """Launching a generated Triton kernel with everything but its tensors bound once.
 
-1. bind(kernel, grid, scalars, constexprs, pointers) is called at the first call of a fused op's
+1. bind(kernel, grid, scalars, constexprs, device) is called at the first call of a fused op's
    input signature; the launch it returns takes the pointer tensors alone. The grid, the integer
    arguments (sizes, strides: fixed by the signature) and the constexprs are bound.
 2. On CUDA the kernel is compiled through Triton's own JITFunction (warmup: it specializes on the
@@ -8,9 +8,10 @@
    kernel's launcher directly with its function, metadata and grid bound, as Inductor's generated
    launchers do, not JITFunction.run, which binds, specializes and hashes its arguments again at
    every call. The launcher is given what JITFunction.run gives it: the arguments its compiled
-   source's signature names, in the kernel's parameter order. Where it cannot be bound so (a
-   launch hook set, a Triton whose compiled kernel lacks what that needs), or where a later call's
-   pointers are not aligned as the first call's were, the launch goes through JITFunction.run.
+   source's signature names, in the kernel's parameter order, and Triton's launch hooks. Where it
+   cannot be bound so (a launch hook set, a Triton whose compiled kernel lacks what that needs),
+   or where a later call's pointers are not aligned as the first call's were, is on another
+   device, or a hook was set since, the launch goes through JITFunction.run.
 3. Under Triton's interpreter (CPU tensors, TRITON_INTERPRET=1: how tests run the kernels) each
    launch goes through the interpreter, and the reference cycle it leaves holding the tensors is
    collected (release_interpreted_arguments).
@@ -44,10 +45,6 @@ def no_kernel_launches():
         yield
     finally:
         _LAUNCHING[0] = before
-
-
-def launching() -> bool:
-    return _LAUNCHING[0]
 
 
 def release_interpreted_arguments() -> None:
