@@ -1,4 +1,5 @@
-"""FakeTensor kernels for ATen ops whose own fake kernel refuses inputs their real kernel takes.
+"""FakeTensor kernels for ATen ops whose own fake kernel refuses inputs their real kernel takes, or
+lays out its output otherwise than the real kernel does.
 
 `torch._grouped_mm`, the grouped matmul that transformers' mixture-of-experts layers run
 their experts through, has a fake (meta) kernel that takes bfloat16 only, while the kernel
@@ -7,6 +8,18 @@ float16; its fake also lays the output out contiguously where the real kernel pa
 16 bytes. A float32 MoE model trains eagerly, yet graphopt's FakeTensor forward before export
 (which runs that eager path: under export transformers hands non-bf16 experts to its own op)
 failed on it, and a bf16 one's graph got row strides the real step does not have.
+
+Batch norm's real kernels (CPU's batch_norm_cpu, CUDA's native and cuDNN ones) lay their output,
+and the backward its input's gradient, out in the input's suggested memory format: contiguous,
+or channels-last for a channels-last 4-d or 5-d input. Their fakes (torch's decompositions) keep
+the input's strides. A batch norm over a transposed tensor (PatchTST normalizes its patches so,
+and transposes back) then reads as contiguous after the transpose in the fake step, where the
+real one copies it before the next matmul: the estimate missed that copy and the lifetimes after
+it (-11% on PatchTST's step). Losses that ATen reduces in the buffer of their elementwise values
+(mse_loss, smooth_l1_loss, soft_margin_loss; on CPU binary_cross_entropy too) return their mean or
+sum as a 0-dim tensor over that whole buffer, which lives as long as the loss does (through the
+backward): their fakes hold 4 bytes. `Fakes`, the FakeTensorMode graphopt's analyses run in,
+gives both outputs the real kernel's layout and storage, after the op's own fake ran.
 
 `active()` puts a fake that mirrors the real kernel's checks and output layout in place while
 graphopt traces and runs its FakeTensor analyses, and takes it out again on exit: the user's
@@ -19,7 +32,7 @@ import threading
 
 import torch
 from torch._subclasses import fake_impls
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 _GROUPED_MM = torch.ops.aten._grouped_mm.default
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,6 +105,48 @@ def _grouped_mm_fake(fake_mode: FakeTensorMode, func, mat_a, mat_b, offs=None, b
 
 
 _FAKES = {_GROUPED_MM: _grouped_mm_fake}
+_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
+_BATCH_NORMS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+                torch.ops.aten._native_batch_norm_legit.no_stats, torch.ops.aten._native_batch_norm_legit_functional.default,
+                torch.ops.aten._native_batch_norm_legit_no_training.default, _BATCH_NORM_BACKWARD}
+
+
+def suggested_format(x: torch.Tensor) -> torch.memory_format:
+    """The memory format ATen's suggest_memory_format gives x: channels-last where x is laid out
+    so (and is not also contiguous), else contiguous."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+# each loss reduced in its elementwise buffer: the place of its reduction argument
+_REDUCED_IN_PLACE = {torch.ops.aten.mse_loss.default: 2, torch.ops.aten.smooth_l1_loss.default: 2,
+                     torch.ops.aten.soft_margin_loss.default: 2}
+_REDUCED_IN_PLACE_ON_CPU = {torch.ops.aten.binary_cross_entropy.default: 3}
+
+
+class Fakes(FakeTensorMode):
+    """The FakeTensorMode of graphopt's analyses: torch's, with outputs laid out and held as the real
+    kernels lay out and hold them where torch's fakes do otherwise (a batch norm's, a reduced loss's)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _BATCH_NORMS:
+            layout = suggested_format(args[1] if func is _BATCH_NORM_BACKWARD else args[0])
+            first = out[0]
+            if isinstance(first, FakeTensor) and not first.is_contiguous(memory_format=layout):
+                # a fake's memory is its layout alone: a new one laid out so stands for the real output
+                out = (torch.empty_like(first, memory_format=layout), *out[1:])
+        elif isinstance(out, FakeTensor) and out.dim() == 0 and (
+                func in _REDUCED_IN_PLACE or (func in _REDUCED_IN_PLACE_ON_CPU and out.device.type == "cpu")):
+            at = _REDUCED_IN_PLACE.get(func, _REDUCED_IN_PLACE_ON_CPU.get(func))
+            reduction = args[at] if len(args) > at else (kwargs or {}).get("reduction", 1)
+            if reduction:  # mean or sum: the scalar over the buffer of the elementwise losses
+                whole = torch.broadcast_shapes(args[0].shape, args[1].shape)
+                out = args[0].new_empty(whole, dtype=out.dtype).as_strided((), ())
+        return out
 _lock = threading.Lock()
 _depth = 0
 _saved: dict = {}

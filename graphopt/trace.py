@@ -24,8 +24,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import custom_functions, export_batch, fake_kernels
+from . import custom_functions, export_batch, fake_kernels, ops
 from .analysis import meta
+from .analysis.dispatched import DISPATCHED, recording, summary
 from .analysis.fake_state import fake_run
 from .analysis.planning_device import meta_literals_on_cpu, planning_device
 from .errors import TraceError, UsageError
@@ -246,10 +247,16 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> l
 
 class _Annotator(FakeTensorProp):
     """FakeTensorProp, recording each node's TensorInfo from its live result: meta["val"] is a
-    detached snapshot, which would say no tensor requires grad."""
+    detached snapshot, which would say no tensor requires grad. A call the registry does not list
+    runs while the operators it dispatches are recorded (analysis/dispatched.py)."""
 
     def run_node(self, n: torch.fx.Node):
-        result = super().run_node(n)
+        if n.op in ("call_function", "call_method", "call_module") and ops.lookup(n, self.module) is None:
+            with recording() as recorder:
+                result = super().run_node(n)
+            n.meta[DISPATCHED] = summary(recorder)
+        else:
+            result = super().run_node(n)
         meta.record(n, result)
         n.meta[meta.ANNOTATED] = True
         return result

@@ -14,16 +14,25 @@ from torch.fx.operator_schemas import normalize_function
 
 from .. import ops
 from .aliases import Aliases
+from .dispatched import dispatched
 from .meta import TensorInfo, tensor_info
 
 CALLS = ("call_function", "call_method", "call_module")
 
 
 def state_effect(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
-    """Why running the call node changes state beyond its result; None when it does not."""
+    """Why running the call node changes state beyond its result; None when it does not. A call
+    the registry does not list is judged by the operators it dispatched (dispatched.py)."""
     op = ops.lookup(node, gm)
     if op is None:
-        return "opaque op (the registry does not know it): it may have side effects"
+        facts = dispatched(node)
+        if facts is None:
+            return "opaque op (the registry does not know it, and no annotation ran it): it may have side effects"
+        if facts.unread:
+            return f"opaque call: it reaches {facts.unread}, whose effects no schema says"
+        if facts.writes:
+            return f"opaque call: it dispatches {facts.writes}"
+        return f"opaque call: it dispatches {facts.draws}, which draws random numbers" if facts.draws else None
     if op.is_check:
         return None
     if op.mutates or op.side_effect:
@@ -95,7 +104,7 @@ def pure_op(node: torch.fx.Node, gm: torch.fx.GraphModule):
     if node.op not in CALLS or state_effect(node, gm) is not None:
         return None
     op = ops.lookup(node, gm)
-    return None if op.random else op
+    return None if op is None or op.random else op
 
 
 def may_draw(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
@@ -103,8 +112,9 @@ def may_draw(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if node.op not in CALLS or reads_attribute(node):
         return False
     op = ops.lookup(node, gm)
-    if op is None:  # any unknown call may, but Python arithmetic on sizes
-        return not size_arithmetic(node)
+    if op is None:  # by what it dispatched; without that record any unknown call may, but Python arithmetic on sizes
+        facts = dispatched(node)
+        return facts.draws is not None or facts.unread is not None if facts is not None else not size_arithmetic(node)
     return op.random
 
 
@@ -180,6 +190,9 @@ def may_write(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     op = ops.lookup(node, gm)
     if op is not None:
         return op.mutates
+    facts = dispatched(node)
+    if facts is not None:
+        return facts.writes is not None or facts.unread is not None
     return any(tensor_info(v) is not None for v in node.all_input_nodes)  # Python arithmetic on sizes: no
 
 

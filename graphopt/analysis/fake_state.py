@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
+from ..fake_kernels import Fakes
 from ..fake_kernels import active as fake_kernels_active
 from .planning_device import planning_device
 from .segments import SegmentCall, segment_modules
@@ -45,7 +46,7 @@ def faker(mode: FakeTensorMode):
 def fake_run(module: torch.nn.Module, inputs):
     """Open a FakeTensor run of `module`: yields (mode, inputs with every tensor a fake of that
     mode, in the same structure). The mode is not entered: callers enter it around what runs."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = Fakes(allow_non_fake_inputs=True)
     fake = faker(mode)
     with fake_kernels_active(), fake_state(module, mode, fake):
         yield mode, pytree.tree_map_only(torch.Tensor, fake, inputs)
