@@ -15,11 +15,15 @@ or channels-last for a channels-last 4-d or 5-d input. Their fakes (torch's deco
 the input's strides. A batch norm over a transposed tensor (PatchTST normalizes its patches so,
 and transposes back) then reads as contiguous after the transpose in the fake step, where the
 real one copies it before the next matmul: the estimate missed that copy and the lifetimes after
-it (-11% on PatchTST's step). Losses that ATen reduces in the buffer of their elementwise values
-(mse_loss, smooth_l1_loss, soft_margin_loss; on CPU binary_cross_entropy too) return their mean or
-sum as a 0-dim tensor over that whole buffer, which lives as long as the loss does (through the
+it (-11% on PatchTST's step). Some losses' backwards allocate their gradient contiguous whatever
+their input's layout (mse_loss, smooth_l1_loss, huber_loss), and some CPU kernels lay theirs out
+as their input is laid out, or contiguous, where their fakes follow TensorIterator's rules
+(_LAYOUTS). Losses that ATen reduces in the buffer of their elementwise values (mse_loss,
+smooth_l1_loss, soft_margin_loss; on CPU binary_cross_entropy too) return their mean or sum as a
+0-dim tensor over that whole buffer, which lives as long as the loss does (through the
 backward): their fakes hold 4 bytes. `Fakes`, the FakeTensorMode graphopt's analyses run in,
-gives both outputs the real kernel's layout and storage, after the op's own fake ran.
+gives such outputs the real kernel's layout and storage after the op's own fake ran.
+tests/test_fake_kernels.py holds each against the real kernel on CPU.
 
 `active()` puts a fake that mirrors the real kernel's checks and output layout in place while
 graphopt traces and runs its FakeTensor analyses, and takes it out again on exit: the user's
@@ -105,10 +109,26 @@ def _grouped_mm_fake(fake_mode: FakeTensorMode, func, mat_a, mat_b, offs=None, b
 
 
 _FAKES = {_GROUPED_MM: _grouped_mm_fake}
-_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
-_BATCH_NORMS = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
-                torch.ops.aten._native_batch_norm_legit.no_stats, torch.ops.aten._native_batch_norm_legit_functional.default,
-                torch.ops.aten._native_batch_norm_legit_no_training.default, _BATCH_NORM_BACKWARD}
+aten = torch.ops.aten
+# Where a real kernel lays its first output out otherwise than its fake: (the rule, the devices
+# whose kernel does so; None: every device). "suggested": the suggested memory format of the input
+# it reads (a batch norm's, its backward's second argument); "contiguous": contiguous whatever the
+# inputs (ATen's legacy-contiguous allocations); "input": as its input is laid out.
+_LAYOUTS = {
+    aten.native_batch_norm.default: ("suggested", None),
+    aten._native_batch_norm_legit.default: ("suggested", None),
+    aten._native_batch_norm_legit.no_stats: ("suggested", None),
+    aten._native_batch_norm_legit_functional.default: ("suggested", None),
+    aten._native_batch_norm_legit_no_training.default: ("suggested", None),
+    aten.native_batch_norm_backward.default: ("suggested", None),
+    aten.mse_loss_backward.default: ("contiguous", None),
+    aten.smooth_l1_loss_backward.default: ("contiguous", None),
+    aten.huber_loss_backward.default: ("contiguous", None),
+    aten.log_sigmoid_forward.default: ("contiguous", {"cpu"}),
+    aten.binary_cross_entropy.default: ("input", {"cpu"}),  # reduction="none"; reduced: _REDUCED_IN_PLACE_ON_CPU
+    aten.binary_cross_entropy_backward.default: ("input", {"cpu"}),
+}
+_READS_SECOND = {aten.native_batch_norm_backward.default, aten.binary_cross_entropy_backward.default}
 
 
 def suggested_format(x: torch.Tensor) -> torch.memory_format:
@@ -119,6 +139,20 @@ def suggested_format(x: torch.Tensor) -> torch.memory_format:
     if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
         return torch.channels_last_3d
     return torch.contiguous_format
+
+
+def _laid_out(func, args, first: FakeTensor) -> FakeTensor:
+    """The op's first output as the real kernel lays it out (_LAYOUTS): a new fake where it differs
+    (a fake's memory is its layout alone)."""
+    rule, devices = _LAYOUTS[func]
+    if devices is not None and first.device.type not in devices:
+        return first
+    source = args[1] if func in _READS_SECOND else args[0]
+    if rule == "input":
+        same = first.shape != source.shape or first.stride() == source.stride()  # a reduced loss: not this rule's
+        return first if same else first.new_empty_strided(source.shape, source.stride())
+    layout = suggested_format(source) if rule == "suggested" else torch.contiguous_format
+    return first if first.is_contiguous(memory_format=layout) else torch.empty_like(first, memory_format=layout)
 
 
 # each loss reduced in its elementwise buffer: the place of its reduction argument
@@ -133,13 +167,13 @@ class Fakes(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func in _BATCH_NORMS:
-            layout = suggested_format(args[1] if func is _BATCH_NORM_BACKWARD else args[0])
-            first = out[0]
-            if isinstance(first, FakeTensor) and not first.is_contiguous(memory_format=layout):
-                # a fake's memory is its layout alone: a new one laid out so stands for the real output
-                out = (torch.empty_like(first, memory_format=layout), *out[1:])
-        elif isinstance(out, FakeTensor) and out.dim() == 0 and (
+        if func in _LAYOUTS:
+            several = isinstance(out, (tuple, list))
+            first = out[0] if several else out
+            if isinstance(first, FakeTensor):
+                first = _laid_out(func, args, first)
+                out = (first, *out[1:]) if several else first
+        if isinstance(out, FakeTensor) and out.dim() == 0 and (
                 func in _REDUCED_IN_PLACE or (func in _REDUCED_IN_PLACE_ON_CPU and out.device.type == "cpu")):
             at = _REDUCED_IN_PLACE.get(func, _REDUCED_IN_PLACE_ON_CPU.get(func))
             reduction = args[at] if len(args) > at else (kwargs or {}).get("reduction", 1)

@@ -133,34 +133,42 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
     """
 
     with fake_run(gm, flat_inputs) as (mode, inputs):
-        params = list(gm.parameters())
-        tracker = _StepTracker(recomputing, threads=2 if train else 1)
-        tracker.add(params, "parameters")
-        with mode:
-            tracker.add(_set_gradients(params, present=accumulate and train), "parameter gradients")
-        tracker.add(list(gm.buffers()), "buffers")
-        tracker.add([v for v in inputs if isinstance(v, torch.Tensor)], "inputs")
-        if optimizer is not None:
-            tracker.add_bytes("optimizer state", optimizer.state_bytes, "optimizer state")
-        hooks = [p.register_post_accumulate_grad_hook(tracker.parameter_gradient)
-                 for p in params if p.requires_grad] if train else []
-        try:
-            with mode, tracker, torch.set_grad_enabled(train):
-                # Only the roots outlive the forward, as in `model(x).loss.backward()`.
-                out = _Forward(gm, tracker).run(*inputs)
-                roots = backward_roots(out) if train else []
-                del out
-                tracker.log.forward_end = tracker.changes
-                if roots:
-                    tracker.phase = "backward"
-                    torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
-                if roots and optimizer is not None:
-                    tracker.add_bytes("optimizer step", optimizer.step_bytes, "optimizer step")
-                    tracker.add_bytes("optimizer step", -optimizer.step_bytes, "optimizer step done")
-        finally:
-            for h in hooks:
-                h.remove()
+        tracker = traced_step(gm, inputs, mode, train=train, optimizer=optimizer, accumulate=accumulate)
     return Estimate(tracker.peak, tracker.at_peak, tracker.timeline, tracker.work, tracker.step_log())
+
+
+def traced_step(gm: torch.fx.GraphModule, inputs: list, mode, *, train: bool = True,
+                optimizer: OptimizerMemory | None = None, accumulate: bool = False) -> "_StepTracker":
+    """estimate_peak's step of gm on `inputs` under `mode` (a fake_run's FakeTensorMode, or a
+    null context for a real step), in its instrument, which it returns."""
+    params = list(gm.parameters())
+    tracker = _StepTracker(recomputing, threads=2 if train else 1)
+    tracker.add(params, "parameters")
+    with mode:
+        tracker.add(_set_gradients(params, present=accumulate and train), "parameter gradients")
+    tracker.add(list(gm.buffers()), "buffers")
+    tracker.add([v for v in inputs if isinstance(v, torch.Tensor)], "inputs")
+    if optimizer is not None:
+        tracker.add_bytes("optimizer state", optimizer.state_bytes, "optimizer state")
+    hooks = [p.register_post_accumulate_grad_hook(tracker.parameter_gradient)
+             for p in params if p.requires_grad] if train else []
+    try:
+        with mode, tracker, torch.set_grad_enabled(train):
+            # Only the roots outlive the forward, as in `model(x).loss.backward()`.
+            out = _Forward(gm, tracker).run(*inputs)
+            roots = backward_roots(out) if train else []
+            del out
+            tracker.log.forward_end = tracker.changes
+            if roots:
+                tracker.phase = "backward"
+                torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+            if roots and optimizer is not None:
+                tracker.add_bytes("optimizer step", optimizer.step_bytes, "optimizer step")
+                tracker.add_bytes("optimizer step", -optimizer.step_bytes, "optimizer step done")
+    finally:
+        for h in hooks:
+            h.remove()
+    return tracker
 
 
 def predict_peak(run, mode, resident: list, optimizer: OptimizerMemory | None = None) -> int:
