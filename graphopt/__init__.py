@@ -1,13 +1,16 @@
 """graphopt: graph-rewriting passes that make PyTorch training fit and run faster.
 
     print(graphopt.measure_step(model, (x,), {"labels": y}))     # the step's peak and time
+    print(graphopt.check_estimate(model, (x,), {"labels": y}))   # budget_gb's estimate against a real step
     opt = graphopt.optimize(model, (x,), example_kwargs={"labels": y}, budget_gb=8, dump_dir="dump")
     opt(x, labels=y).loss.backward()
 
 See README.md to start, and docs/ for the passes, the dumps and the architecture.
 """
 from .analysis.meta import TensorInfo, tensor_info
+from .analysis.estimate_check import Divergence, EstimateCheck
 from .api import DEFAULT_PASSES, optimize
+from .check_estimate import check_estimate
 from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning, MicrobatchWarning, ModeError,
                      OptionError, TraceError, UsageError, VerifyError)
 from .passes import available as available_passes
@@ -20,8 +23,8 @@ from .train_step import TrainStep, train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "train_step", "TrainStep", "plan", "StepPlan", "measure_step", "StepMeasure", "trace", "available_passes",
-    "DEFAULT_PASSES",
+    "optimize", "train_step", "TrainStep", "plan", "StepPlan", "measure_step", "StepMeasure", "check_estimate", "EstimateCheck",
+    "Divergence", "trace", "available_passes", "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
     "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "ModeError",
     "GraphoptWarning", "BudgetWarning", "MicrobatchWarning",

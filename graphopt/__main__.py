@@ -1,5 +1,5 @@
-"""Command line: `python -m graphopt demo`, `python -m graphopt optimize pkg.module:factory` and
-`python -m graphopt plan pkg.module:factory`."""
+"""Command line: `python -m graphopt demo`, `python -m graphopt optimize pkg.module:factory`,
+`python -m graphopt plan pkg.module:factory` and `python -m graphopt check-estimate pkg.module:factory`."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ import torch
 from .analysis.memory import budget_bytes, size_text
 from .api import DEFAULT_PASSES, optimize
 from .before_after import measure
+from .check_estimate import check_estimate
 from .cli_text import cli_text, graphopt_warnings
 from .demo import dumps_line, record_markdown, run_demo
 from .errors import GraphoptError, UsageError
@@ -116,6 +117,18 @@ def _plan(args) -> int:
     return 0 if args.budget_gb is None or found.fits else 1
 
 
+def _check_estimate(args) -> int:
+    """The step's estimate against a real step; 1 where they part."""
+    model, inputs, kwargs = _built(args, "torch.randn(8, 64)")
+    if args.mode:
+        model.train(args.mode == "train")
+    with graphopt_warnings():
+        check = check_estimate(model, inputs, kwargs or None, optimizer=args.optimizer, accumulate=args.accumulate,
+                               frontend=args.frontend)
+    print(cli_text(str(check)))
+    return 0 if check.divergence is None else 1
+
+
 def _measure(args, model, inputs, kwargs, options) -> int:
     """The model's step against the optimized one's, as the demo measures them."""
     if args.stages:
@@ -217,6 +230,20 @@ def main(argv=None) -> int:
     planned.add_argument("--loss", default=None, help="pkg.module:function(output, *args, **kwargs) returning the "
                          "scalar loss (default: the output's .loss, or the output when it is a scalar)")
     planned.set_defaults(run=_plan)
+
+    checked = sub.add_parser(
+        "check-estimate", help="the step's memory estimate (what budgets are planned by) against a real step, storage "
+                               "by storage: where they first part",
+        description="Example: python -m graphopt check-estimate mypkg.models:build --inputs 'torch.randn(8, 64)'. "
+                    "Exits 1 where the estimate and the real step part.")
+    checked.add_argument("model", help="pkg.module:factory; the factory returns a model or (model, args, kwargs)")
+    checked.add_argument("--inputs", help="Python expression for the example inputs (torch is in scope)")
+    checked.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "momentum"], default=None,
+                         help="count this optimizer's state and step")
+    checked.add_argument("--accumulate", action="store_true", help="gradients resident from the start, added into")
+    checked.add_argument("--mode", choices=["train", "eval"], default=None, help="(default: the model's mode)")
+    checked.add_argument("--frontend", choices=["auto", "fx", "export"], default="auto")
+    checked.set_defaults(run=_check_estimate)
 
     args = parser.parse_args(argv)
     try:

@@ -14,12 +14,13 @@ from .batch import batch_rows, splits_evenly
 from .dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .input_aliases import distinct
-from .lazy import LazyOptimized
+from .lazy import MAX_GRAPHS, LazyOptimized
 from .microbatch_semantics import announce, check_batch_norm
 from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .report import Report
+from .runtime.batch_graphs import install_batch_graphs
 from .runtime.cuda_graphs import capture, check_cuda_graphs
 from .runtime.guards import install_guards
 from .runtime.input_writes import WriteAliasCheck
@@ -161,12 +162,13 @@ def optimize(
         model.train(train)
     if example_inputs is None and example_kwargs is None:
         return LazyOptimized(model, functools.partial(optimize_now, **settings), dump_dir)
-    return optimize_now(model, example_inputs, example_kwargs, **settings, dump_dir=dump_dir)
+    return optimize_now(model, example_inputs, example_kwargs, **settings, dump_dir=dump_dir, other_batches=True)
 
 
 def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir, batch_norm="warn",
-                 cuda_graphs=False):
-    """Trace `model` in its current mode and run `pipeline` over it."""
+                 cuda_graphs=False, other_batches=False):
+    """Trace `model` in its current mode and run `pipeline` over it. other_batches: a call at a batch
+    size the graph does not take builds a graph for it (runtime/batch_graphs.py)."""
     given = check_inputs(model, example_inputs, example_kwargs)
     args, kwargs = distinct(*given)  # what the passes plan for is what the frontend traced
     rows = batch_rows(args, kwargs)
@@ -202,6 +204,17 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
                                     ctx.call_checks, writes, the_loss(report.batch_wide))
     if cuda_graphs:
         report.cuda_graphs = capture(gm, *given, ctx)
+    if other_batches and rows is not None and not microbatches:
+        settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, batch_norm=batch_norm,
+                        cuda_graphs=cuda_graphs)
+
+        def build(args, kwargs, training, dump_dir):
+            model.train(training)
+            return optimize_now(model, args, kwargs, **settings, dump_dir=dump_dir)
+
+        install_batch_graphs(gm, build, rows, dump_dir and str(dump_dir), MAX_GRAPHS)
+        if ctx.specialized or (gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is None):
+            report.runs_at += "; at another batch size, a graph built for it at its first call"
     gm.graphopt_report = report
     return gm
 

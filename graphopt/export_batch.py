@@ -12,7 +12,8 @@ The sizes and their ranges are what the result accepts (runtime/guards.install_s
 Not Dim("batch", min=1): measured on torch 2.13, export then traces `if x.shape[0] == 1:` as
 false with no guard, and the graph is silently wrong at batch 1. An example batch of one row
 keeps its batch static (sizes 0 and 1 are taken as constants), its lengths dynamic. Where
-export fails with the lengths dynamic, the batch alone is tried, then none, with the reason.
+export fails with sizes dynamic, for any reason, fewer are tried: the batch alone, the lengths
+alone, then none, and the reason says which went static and why.
 """
 from __future__ import annotations
 
@@ -123,31 +124,71 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, batch: bo
 
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict):
-    """(ExportedProgram, DynamicSizes or None, why the batch is static: "" when it is not)."""
+    """(ExportedProgram, DynamicSizes or None, why the batch is static: "" when it is not).
+
+    Tried in turn, each where the one before failed: the batch and the lengths, the batch alone,
+    the lengths alone, then no size dynamic; the reason names each try that failed and why."""
     rows = batch_rows(args, kwargs)
     static = "export made the batch static: the model's code depends on its size"
-    failed = ""
+    failures: list[str] = []
     if rows is None:
         tries, why = [], "no tensor input has a batch dimension that forward() names"
     elif rows < 2:  # sizes 0 and 1 are export's constants: the lengths alone
         tries, why = [(False, True)], "an example batch of one row: export takes sizes 0 and 1 as constants"
     else:
-        tries, why = [(True, True), (True, False)], ""
+        tries, why = [(True, True), (True, False), (False, True)], ""
+    tried = set()
     for batch, lengths in tries:
         shapes = _dynamic_shapes(model, args, kwargs, batch, lengths)
         if shapes is None:
             why = why or "no tensor input has a batch dimension that forward() names"
             break
-        try:
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
-        except Exception as e:  # noqa: BLE001 (export's reason is the note; the next try decides)
-            failed = f"export with a dynamic batch failed: {_first_line(e)}"
+        if _no_dynamic(shapes) or repr(shapes) in tried:  # an image model's lengths: nothing to try
             continue
-        found = dynamic_sizes(ep, args, kwargs)
-        if found is not None:
-            return ep, found, "" if found.batch is not None else why or static
-        failed = static
-    return torch.export.export(model, args, kwargs, strict=False), None, why or failed
+        tried.add(repr(shapes))
+        try:
+            with _marks_kept(args, kwargs):
+                ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+        except Exception as e:  # noqa: BLE001 (export's reason is the note; the next try decides)
+            failures.append(f"export with {_dynamic_text(batch, lengths)} dynamic failed: {_first_line(e)}")
+            continue
+        found = dynamic_sizes(ep, args, kwargs)  # None: export made every size static, its program is the static one
+        static_why = why or "; ".join(failures) or static
+        return ep, found, "" if found is not None and found.batch is not None else static_why
+    with _marks_kept(args, kwargs):
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    return ep, None, why or "; ".join(failures) or static
+
+
+def _dynamic_text(batch: bool, lengths: bool) -> str:
+    return "the batch and the lengths" if batch and lengths else "the batch" if batch else "the lengths"
+
+
+def _no_dynamic(shapes: dict) -> bool:
+    return all(spec is None for spec in pytree.tree_leaves(shapes, is_leaf=lambda v: isinstance(v, dict) and (
+        not v or all(isinstance(k, int) for k in v))))
+
+
+# torch.export marks the inputs it is given a dynamic size on (Dim.AUTO sets the dims' weak-dynamic
+# marks) and a failed export leaves the marks: the next export, asked for no dynamic size, then
+# traces those dims symbolically anyway. Each try starts and ends with the inputs' own marks.
+_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices", "_dynamo_dynamic_range",
+          "_dynamo_static_indices", "_dynamo_unbacked_indices", "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
+def _marks_kept(args: tuple, kwargs: dict):
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    saved = [{k: v for k, v in vars(t).items() if k in _MARKS} for t in tensors]
+    try:
+        yield
+    finally:
+        for t, marks in zip(tensors, saved):
+            for k in _MARKS:
+                if k in marks:
+                    setattr(t, k, marks[k])
+                elif k in vars(t):
+                    delattr(t, k)
 
 
 def _first_line(e: Exception) -> str:

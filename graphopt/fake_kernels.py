@@ -38,7 +38,8 @@ import torch
 from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-_GROUPED_MM = torch.ops.aten._grouped_mm.default
+aten = torch.ops.aten
+_GROUPED_MM = aten._grouped_mm.default
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NAMES = {torch.float32: "Float32", torch.bfloat16: "BFloat16", torch.float16: "Float16"}
 
@@ -108,8 +109,23 @@ def _grouped_mm_fake(fake_mode: FakeTensorMode, func, mat_a, mat_b, offs=None, b
         return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
-_FAKES = {_GROUPED_MM: _grouped_mm_fake}
-aten = torch.ops.aten
+# torch.rand(size, generator=None) and its kin dispatch to the `generator` overloads, whose kernel
+# on the meta device, which their fakes run, takes concrete sizes only: exported with a dynamic
+# batch, diffusers' latent sampling (randn_tensor) failed. Their output is the plain overload's.
+_WITHOUT_GENERATOR = {
+    aten.rand.generator: aten.rand.default,
+    aten.randn.generator: aten.randn.default,
+    aten.randint.generator: aten.randint.default,
+    aten.randint.low_generator: aten.randint.low,
+}
+
+
+def _random_fake(fake_mode: FakeTensorMode, func, *args, generator=None, **kwargs):
+    with fake_mode:
+        return _WITHOUT_GENERATOR[func](*args, **kwargs)
+
+
+_FAKES = {_GROUPED_MM: _grouped_mm_fake, **{op: _random_fake for op in _WITHOUT_GENERATOR}}
 # Where a real kernel lays its first output out otherwise than its fake: (the rule, the devices
 # whose kernel does so; None: every device). "suggested": the suggested memory format of the input
 # it reads (a batch norm's, its backward's second argument); "contiguous": contiguous whatever the

@@ -28,6 +28,11 @@ from ..export_batch import guards_failure
 from .microbatch_call import install_microbatch_split
 
 
+class SizesRefused(UsageError):
+    """A call at sizes the graph does not take (its shape or sizes guard refused it before running
+    anything): what runtime/batch_graphs.py builds another graph on, for another batch."""
+
+
 def refusal(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | None:
     """The error module's checks before a call (its forward pre-hooks: every guard here, and the
     passes' call checks) raise for this call, without running it; None when they pass."""
@@ -181,7 +186,7 @@ def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, rea
     @by_signature
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) not in expected:
-            raise UsageError(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
+            raise SizesRefused(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
                              f"{describe(call_args, call_kwargs)} ({changes((args, kwargs), (call_args, call_kwargs))}); "
                              f"{advice}")
 
@@ -197,7 +202,7 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     shapes = describe(args, kwargs)
 
     def refuse(call_args, call_kwargs, why):
-        return UsageError(f"this graphopt module runs at {sizes}, other sizes as in the example inputs {shapes} "
+        return SizesRefused(f"this graphopt module runs at {sizes}, other sizes as in the example inputs {shapes} "
                           f"(torch.export traced it so), and got {describe(call_args, call_kwargs)}: {why}; "
                           f"{REPLAN}")
 
@@ -399,7 +404,9 @@ def _shapes(gm: torch.fx.GraphModule, example: tuple[tuple, dict], specialized: 
         return "any shapes the model takes (torch.fx)"
     if gm.meta["graphopt_sizes"] is not None:
         install_sizes_guard(gm, args, kwargs, gm.meta["graphopt_sizes"])
-        return f"{gm.meta['graphopt_sizes']} (torch.export, dynamic sizes)"
+        sizes = gm.meta["graphopt_sizes"]
+        static = f"; {gm.meta['graphopt_static_why']}" if sizes.batch is None else ""
+        return f"{sizes} (torch.export, dynamic sizes{static})"
     install_shape_guard(
         gm, args, kwargs, "torch.export traced it for those shapes",
         "call it with inputs of those shapes, use graphopt.optimize(model) without example inputs, which "
