@@ -210,11 +210,11 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
 
         def build(args, kwargs, training, dump_dir):
             model.train(training)
-            return optimize_now(model, args, kwargs, **settings, dump_dir=dump_dir)
+            return optimize_now(model, args, kwargs or None, **settings, dump_dir=dump_dir)
 
-        install_batch_graphs(gm, build, rows, dump_dir and str(dump_dir), MAX_GRAPHS)
-        if ctx.specialized or (gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is None):
-            report.runs_at += "; at another batch size, a graph built for it at its first call"
+        install_batch_graphs(gm, build, (args, kwargs), dump_dir and str(dump_dir), MAX_GRAPHS)
+        if ctx.specialized or gm.meta["graphopt_frontend"] == "export":
+            report.runs_at += "; at a batch size it does not take, a graph built for it at its first call"
     gm.graphopt_report = report
     return gm
 

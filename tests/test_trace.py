@@ -8,6 +8,7 @@ import torch.nn as nn
 import graphopt
 from graphopt.errors import TraceError
 from graphopt.analysis.meta import TensorInfo, tensor_info
+from graphopt.runtime.guards import refusal
 from graphopt.testing import zoo
 
 from conftest import FX_ZOO
@@ -169,7 +170,8 @@ def test_an_export_graph_runs_at_any_batch_size_and_length_export_proved():
     opt = graphopt.optimize(model, (ids,), example_kwargs=kwargs)
     assert opt.meta["graphopt_frontend"] == "export"
     # the attention mask's length is the ids' (export proved them one size): one name for both
-    assert opt.graphopt_report.runs_at == "batch 2 and up; dim 1 of argument 1: 2 to 64 (torch.export, dynamic sizes)"
+    assert opt.graphopt_report.runs_at == ("batch 2 and up; dim 1 of argument 1: 2 to 64 (torch.export, dynamic sizes); "
+                                           "at a batch size it does not take, a graph built for it at its first call")
     for rows, length in ((2, 16), (8, 16), (4, 8), (2, 40)):
         other = ids.repeat(2, 3)[:rows, :length]
         more = {k: v.repeat(2, 3)[:rows, :length] for k, v in kwargs.items()}
@@ -198,8 +200,11 @@ def test_an_export_graph_keeps_to_the_batch_sizes_export_proved(branch, proved, 
     for rows in (2, 4):
         if branch(rows) == branch(4):
             assert torch.equal(opt(torch.ones(rows, 8)), model(torch.ones(rows, 8)))
-    with pytest.raises(graphopt.UsageError, match="torch.export traced it so"):
-        opt(torch.ones(refused, 8))
+    assert not opt.graphopt_batch_graphs.graphs
+    assert "torch.export traced it so" in str(refusal(opt, (torch.ones(refused, 8),), {}))  # the graph itself
+    # called, it runs on a graph built for that batch, which takes the other branch as eager does
+    assert torch.equal(opt(torch.ones(refused, 8)), model(torch.ones(refused, 8)))
+    assert list(opt.graphopt_batch_graphs.graphs) == [refused]
 
 
 def test_a_batch_the_model_depends_on_or_of_one_row_stays_static():
@@ -209,8 +214,9 @@ def test_a_batch_the_model_depends_on_or_of_one_row_stays_static():
     one = graphopt.optimize(model, (x[:1],), frontend="export")  # an example of one row shows no batch
     assert one.meta["graphopt_batch"] is None and "one row" in one.graphopt_report.runs_at
     assert torch.equal(one(x[:1]), model(x[:1]))
-    with pytest.raises(graphopt.UsageError, match="torch.export traced it for those shapes"):
-        one(x)
+    assert isinstance(refusal(one, (x,), {}), graphopt.UsageError)
+    assert torch.equal(one(x), model(x))  # on a graph built for 4 rows
+    assert list(one.graphopt_batch_graphs.graphs) == [4]
 
 
 class CachingAttention(nn.Module):

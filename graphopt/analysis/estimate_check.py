@@ -74,17 +74,22 @@ def _first_divergence(fake, fakes: list, real, reals: list) -> Divergence | None
     for a, b in zip(fakes, reals):
         if (a.event, str(a.op), a.nbytes) != (b.event, str(b.op), b.nbytes):
             where = a.event if a.event == b.event else f"{a.event} (the real step: {b.event})"
-            return Divergence(where, f"made {size_text(a.nbytes)} with {a.op}", f"made {size_text(b.nbytes)} with {b.op}")
+            return Divergence(where, f"made {_bytes(a.nbytes)} with {a.op}", f"made {_bytes(b.nbytes)} with {b.op}")
     if len(fakes) != len(reals):
         extra, steps = (fakes, "estimate's") if len(fakes) > len(reals) else (reals, "real")
         s = extra[min(len(fakes), len(reals))]
-        return Divergence(s.event, "ends" if steps == "real" else f"made {size_text(s.nbytes)} with {s.op} more",
-                          f"made {size_text(s.nbytes)} with {s.op} more" if steps == "real" else "ends")
+        return Divergence(s.event, "ends" if steps == "real" else f"made {_bytes(s.nbytes)} with {s.op} more",
+                          f"made {_bytes(s.nbytes)} with {s.op} more" if steps == "real" else "ends")
     for a, b in zip(fakes, reals):
         kept, held = _until(fake, a), _until(real, b)
         if kept != held:
-            return Divergence(a.event, f"keeps {a.op}'s {size_text(a.nbytes)} {kept}", f"keeps it {held}")
+            return Divergence(a.event, f"keeps {a.op}'s {_bytes(a.nbytes)} {kept}", f"keeps it {held}")
     return None
+
+
+def _bytes(n: int) -> str:
+    """Exact: storages that part may differ by a few bytes."""
+    return f"{n:,} bytes"
 
 
 def _until(tracker, stored) -> str:

@@ -105,6 +105,35 @@ def _same_result(fn, args, kwargs, node) -> bool:
     return _same_meta(got, expected)
 
 
+def _differentiable(fn, args, kwargs, node) -> bool:
+    """Whether autograd differentiates fn's call where gradients flow through the node: some
+    out-of-place twins have no derivative (aten.copy, copy_'s twin, which export spells where
+    a batch of one row lets a slice assignment write a whole tensor), and their forward runs
+    and records a grad_fn that raises only in backward."""
+    info = meta.tensor_info(node)
+    if not any(i.requires_grad for i in meta.leaves(info)):
+        return True
+
+    def tracked(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(tracked(v) for v in value)
+        fake = _fake(value)
+        if isinstance(value, torch.fx.Node) and isinstance(fake, torch.Tensor) and fake.is_floating_point() and any(
+                i.requires_grad for i in meta.leaves(meta.tensor_info(value))):
+            return fake.detach().requires_grad_(True)
+        return fake
+
+    expected = node.meta.get("val")
+    first = expected[0] if isinstance(expected, (tuple, list)) and expected else expected
+    try:
+        with first.fake_mode, torch.enable_grad():
+            got = fn(*tracked(tuple(args)), **{k: tracked(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: BLE001 (a call that does not take grad-tracked operands is not taken)
+        return False
+    outs = got if isinstance(got, (tuple, list)) else (got,)
+    return not any(isinstance(o, torch.Tensor) and type(o.grad_fn).__name__ == "NotImplemented" for o in outs)
+
+
 def _same_meta(got, expected) -> bool:
     if isinstance(expected, (tuple, list)):
         return (isinstance(got, (tuple, list)) and len(got) == len(expected)
@@ -158,6 +187,8 @@ def _functionalize(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
         why = aliases.why_not_private(x, node)
         if why is None and not _same_result(target, args, kwargs, node):
             why = "its out-of-place form gives another shape, dtype or strides"
+        if why is None and not _differentiable(target, args, kwargs, node):
+            why = f"autograd has no derivative for its out-of-place form, {target}"
         if why is not None:
             kept[node.name] = why
             continue

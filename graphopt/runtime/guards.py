@@ -28,9 +28,13 @@ from ..export_batch import guards_failure
 from .microbatch_call import install_microbatch_split
 
 
-class SizesRefused(UsageError):
-    """A call at sizes the graph does not take (its shape or sizes guard refused it before running
-    anything): what runtime/batch_graphs.py builds another graph on, for another batch."""
+def sizes_refused(message: str) -> UsageError:
+    """The UsageError of a call at sizes the graph does not take (its shape or sizes guard refused
+    it before running anything), marked so: runtime/batch_graphs.py builds another graph on it,
+    for another batch. The user sees a UsageError like any other."""
+    error = UsageError(message)
+    error.sizes_refused = True
+    return error
 
 
 def refusal(module: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | None:
@@ -186,7 +190,7 @@ def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, rea
     @by_signature
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) not in expected:
-            raise SizesRefused(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
+            raise sizes_refused(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
                              f"{describe(call_args, call_kwargs)} ({changes((args, kwargs), (call_args, call_kwargs))}); "
                              f"{advice}")
 
@@ -202,7 +206,7 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     shapes = describe(args, kwargs)
 
     def refuse(call_args, call_kwargs, why):
-        return SizesRefused(f"this graphopt module runs at {sizes}, other sizes as in the example inputs {shapes} "
+        return sizes_refused(f"this graphopt module runs at {sizes}, other sizes as in the example inputs {shapes} "
                           f"(torch.export traced it so), and got {describe(call_args, call_kwargs)}: {why}; "
                           f"{REPLAN}")
 

@@ -132,6 +132,8 @@ def classify(node: torch.fx.Node, gm: torch.fx.GraphModule, written: dict) -> Me
     effect = None if op is not None and op.name in BATCH_NORMS else state_effect(node, gm)
     if effect is not None:
         return effect
+    if op is None:  # pure by what it dispatches (analysis/dispatched.py), yet no template computes it
+        return "opaque op (the registry does not know it): no fused kernel computes it"
     bound = ops.bind(node, gm)
     row = row_member(node, gm, op, bound) or channel_layer_norm(node, gm, op)
     if row is not None:
