@@ -17,19 +17,19 @@ from typing import Callable
 
 import torch
 
-from . import timm_models, torchvision_models, transformers_models
+from . import diffusers_models, handwritten_models, timm_models, torchvision_models, transformers_models
 from .case import Case
 
 
 @dataclass(frozen=True)
 class CorpusModel:
     name: str
-    library: str  # transformers, timm, torchvision
+    library: str  # transformers, timm, torchvision, diffusers, handwritten
     build: Callable[[], Case]
 
 
 CORPUS: dict[str, CorpusModel] = {}
-for module in (transformers_models, timm_models, torchvision_models):
+for module in (transformers_models, timm_models, torchvision_models, diffusers_models, handwritten_models):
     for name, build in module.BUILDERS.items():
         CORPUS[name] = CorpusModel(name, module.LIBRARY, build)
 

@@ -69,6 +69,16 @@ class Normal:
         return torch.randn(like.shape, dtype=like.dtype)
 
 
+@dataclass(frozen=True)
+class Uniform:
+    """Values drawn uniformly in [0, high): a diffusion model's timesteps."""
+
+    high: float
+
+    def draw(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.rand(like.shape, dtype=like.dtype) * self.high
+
+
 IGNORE_INDEX = -100
 SECOND_SEEDS = (1, 2, 3)  # the second batch every check draws, and the next where float32 cannot decide
 
@@ -153,7 +163,10 @@ class Case:
 
 
 def own_loss(out) -> torch.Tensor:
-    """The loss a model with labels computes itself (transformers' ModelOutput.loss)."""
+    """The loss a model with labels computes itself (transformers' ModelOutput.loss), or the scalar
+    a training module returns."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
     return out["loss"] if isinstance(out, dict) else out.loss
 
 

@@ -29,6 +29,7 @@ MODELS = {
     "vit_tiny_patch16_224": {"img_size": 64},
     "swin_tiny_patch4_window7_224": {"img_size": 64, "window_size": 4, "embed_dim": 32, "depths": (2, 2),
                                      "num_heads": (2, 4)},
+    "mvitv2_tiny": {"img_size": 64},
 }
 
 

@@ -285,8 +285,42 @@ def vision_encoder_decoder():
     return Case(VisionEncoderDecoderModel(config), (torch.randn(BATCH, 3, 32, 32),), {"labels": labels},
                 kinds={0: Normal(), "labels": Labels(VOCAB)})
 
+def patchtst():
+    """Time-series forecasting: a series cut into patches (unfold), a standard-deviation scaler,
+    BatchNorm over patches, a positional encoding that does not train, an MSE loss on the future."""
+    from transformers import PatchTSTConfig, PatchTSTForPrediction
+    config = PatchTSTConfig(num_input_channels=4, context_length=64, prediction_length=16, patch_length=8,
+                            patch_stride=8, d_model=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128)
+    return Case(PatchTSTForPrediction(config), (torch.randn(BATCH, 64, 4),),
+                {"future_values": torch.randn(BATCH, 16, 4)}, kinds={0: Normal(), "future_values": Normal()})
+
+
+def clip():
+    """A contrastive two-tower model: a text and a vision transformer, CLIP's loss over the batch
+    (its targets are torch.arange of the batch's size)."""
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+    text = CLIPTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                          pad_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=32, patch_size=8)
+    config = CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=16)
+    return Case(CLIPModel(config), (), {"input_ids": _tokens(seq=16), "pixel_values": torch.randn(BATCH, 3, 32, 32),
+                                        "return_loss": True},
+                kinds={"input_ids": Tokens(VOCAB), "pixel_values": Normal()})
+
+
+def videomae():
+    """Video classification: tubelets of frames embedded by a 3-d convolution, a ViT over them."""
+    from transformers import VideoMAEConfig, VideoMAEForVideoClassification
+    config = VideoMAEConfig(image_size=32, patch_size=8, num_channels=3, num_frames=4, tubelet_size=2, hidden_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=5)
+    return Case(VideoMAEForVideoClassification(config), (torch.randn(BATCH, 4, 3, 32, 32),),
+                {"labels": torch.randint(0, 5, (BATCH,))}, kinds={0: Normal(), "labels": Classes(5)})
+
+
 BUILDERS = {f"hf_{f.__name__}": f for f in (llama, mistral, qwen2, gpt_neox, phi, gpt2, bert, roberta, distilbert,
                                              t5, bart, vit, convnext, bert_classifier, t5_padded, deberta_v2,
                                              mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss,
                                              falcon, gptj, bloom, whisper, wav2vec2, mamba, segformer,
-                                             vision_encoder_decoder)}
+                                             vision_encoder_decoder, patchtst, clip, videomae)}
