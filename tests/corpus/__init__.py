@@ -1,4 +1,5 @@
-"""The real-model corpus: models nobody on the project wrote, built the way their users build them.
+"""The real-model corpus: models nobody on the project wrote (and one written by hand, as torchtitan
+writes its decoder), built the way their users build them.
 
 Each entry is a CorpusModel: a name, the library it comes from, and a builder returning a
 Case (model, example args and kwargs, and the loss a user would train with: the model's own
