@@ -30,7 +30,8 @@ Algorithm:
      result replaces the node's. Nodes keep their metadata: an in-place result has the
      shape, dtype and strides it had.
   4. Report the rewritten ops, the estimated peak before and after (memory.estimate_peak),
-     and each candidate left alone with its reason.
+     and each candidate left alone with its reason. Where the writes raise the estimated peak
+     (autograd copying around a write, as in 2c, where no rule foresaw it), none is made.
 """
 from __future__ import annotations
 
@@ -175,8 +176,25 @@ class Inplace(Pass):
             return PassResult(gm, False, {"rewritten": {}, "skipped": skipped})
         before = ctx.analysis(estimate_peak, gm, train=ctx.train).peak_bytes
         # Step 3
+        kept = _copy(gm.graph)
         done = write_in_place(gm, rewrites)
         # Step 4
         after = ctx.analysis(estimate_peak, gm, train=ctx.train).peak_bytes
+        if after > before:  # the writes raise the peak (autograd copies around them): not made
+            gm.graph = kept
+            gm.recompile()
+            skipped = {**skipped, **{name: f"written in place with the others, they raise the estimated peak from "
+                                           f"{before} to {after} bytes" for name in done}}
+            return PassResult(gm, False, {"rewritten": {}, "skipped": skipped, "peak_before_bytes": before,
+                                          "saved_bytes": 0})
         return PassResult(gm, True, {"rewritten": done, "skipped": skipped, "peak_before_bytes": before,
                                      "saved_bytes": before - after}, peak_bytes=after)
+
+
+def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """The graph as it is, nodes' names and metadata kept, to go back to."""
+    copied = torch.fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    copied._codegen = graph._codegen
+    output = copied.graph_copy(graph, {})
+    copied.output(output)
+    return copied
