@@ -28,6 +28,8 @@ EXACT = 1e-5
 QUICK_CORPUS = ("hf_gpt2",)  # fits in microbatches
 CORPUS_REPEAT = 4  # the corpus batch of 2 rows, 8 rows here: room for microbatches
 CORPUS_F = 0.25
+# corpus models that draw random numbers as their function, not as dropout: a VAE samples its latents
+SAMPLES = {"diffusers_vae"}
 
 
 def pytest_generate_tests(metafunc):
@@ -436,6 +438,9 @@ def test_corpus_train_step_holds_a_quarter_budget(train_step_model):
         return
     _, want = eager_step(model, args, kwargs, loss_fn)
     _, again = eager_step(model, args, kwargs, loss_fn, seed=1)
+    if train_step_model in SAMPLES:  # its draws are its function: microbatches draw apart, as train_step warns
+        assert step.microbatches == 1 or any("draw from the RNG" in str(w.message) for w in caught)
+        return
     assert rel_error(again, want) == 0, "the model is not deterministic: no_dropout missed a dropout"
     _, got = train_step_grads(step, model, args, kwargs)
     # A gradient that is rounding noise in float32 eager itself (an attention key's bias: softmax
