@@ -13,6 +13,9 @@ Algorithm:
      and shape; or a row member (row_members.py: a reduction, norm, softmax,
      cross-entropy, batch norm or rotary rotation over rows, in float32). Every other node gets
      the reason it stays out.
+     A node computed from no input of the graph (a table the step rebuilds from arange: sinusoidal
+     frequencies) stays eager: its kernel saves no traffic worth a launch, and eager's rounding
+     of it is kept where a time step in the thousands multiplies it before a sin.
      An op that may return its input itself (a no-op cast, an identity dropout) stays out when a
      node that may write memory gets that tensor: the fused result is a copy.
   2. Walk the graph in order and merge each candidate's group with the groups of its candidate
@@ -471,8 +474,13 @@ def candidates(gm: torch.fx.GraphModule, written: dict | None = None) -> tuple[d
     """Step 1: (node -> Member for each candidate, node -> the reason for each other call node)."""
     written = written_values(gm) if written is None else written
     members, reasons = {}, {}
+    inputless = set()
     for node in gm.graph.nodes:
         if node.op not in CALLS:
+            continue
+        if all(i in inputless for i in node.all_input_nodes):
+            inputless.add(node)
+            reasons[node] = "computed from no input of the graph: a table eager makes with its own rounding"
             continue
         found = classify(node, gm, written)
         if isinstance(found, Member):

@@ -1,5 +1,6 @@
 """The fuse pass: which nodes group together and why others stay out, on hand-written graphs; whole
 models with fusion on (equal loss and gradients, fewer kernels per step); the kernels in the dumps."""
+import math
 import operator
 
 import pytest
@@ -128,6 +129,28 @@ def test_single_ops_are_left_alone():
     _, opt, stats = fuse(lambda m, x, w: torch.relu(x @ w) @ w, x, w)
     assert stats["kernels"] == 0 and not fused_nodes(opt)
     assert not opt.graphopt_report.passes[-1].changed
+
+
+def sinusoidal(m, t):
+    """diffusers' timestep embedding: a frequency table from arange, times steps in the thousands."""
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(64, dtype=torch.float32) / 64)
+    angles = t[:, None].float() * freqs[None]
+    return m.proj(torch.cat([angles.sin(), angles.cos()], dim=-1)).square().mean()
+
+
+def test_a_table_computed_from_no_input_stays_eager_and_the_step_follows_eager():
+    """torch.export keeps the table's arange and exp as nodes (fx folds them into a constant)."""
+    from graphopt.passes.fuse.fusion import candidates
+    t = torch.rand(4) * 1000
+    model = module(sinusoidal, 1, proj=nn.Linear(128, 8))
+    opt = graphopt.optimize(model, (t,), passes="fuse", frontend="export")
+    groups = [g["ops"] for g in opt.graphopt_report.passes[-1].stats["groups"]]
+    assert ["mul", "sin", "cos"] in [ops[-3:] for ops in groups] and not any("exp" in ops for ops in groups)
+    gm = graphopt.trace(model, (t,), frontend="export")
+    why = {n.name: why for n, why in candidates(gm)[1].items()}
+    assert why["exp"].startswith("computed from no input of the graph"), why
+    for steps in (t, torch.rand(4) * 1000):  # the example and a second batch
+        assert_same_step(model, opt, (steps,), {}, exact=False)
 
 
 def residual_dropout(m, x, y):
