@@ -16,7 +16,8 @@ from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning,
 from .passes import available as available_passes
 from .plan import StepPlan, plan
 from .report import PassRecord, Report
-from .runtime.step import StepMeasure, measure_step
+from .measure import measure_step
+from .runtime.step import StepMeasure
 from .trace import trace
 from .train_step import TrainStep, train_step
 

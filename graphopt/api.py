@@ -72,8 +72,8 @@ def build_pipeline(passes=None, args: OptimizeArguments = OptimizeArguments()) -
 def optimize(
     model: torch.nn.Module,
     example_inputs=None,
-    *,
     example_kwargs: dict | None = None,
+    *,
     budget_gb: float | None = None,
     passes=None,
     precision: str | None = None,
@@ -99,6 +99,10 @@ def optimize(
     (another train/eval mode or kind of input; sizes its graphs' guards or budget plan refuse).
     Either shares the model's Parameters and buffers and takes the same
     arguments; `.graphopt_report` holds the per-pass summary.
+
+    example_inputs: forward()'s positional arguments (a tensor or a tuple); example_kwargs: its
+      keyword arguments, a dict, given by name or positionally, as measure_step, plan and
+      train_step take them: `optimize(model, (x,), {"labels": y}, budget_gb=8)`.
 
     budget_gb: peak memory of one training step, in GB of 10**9 bytes (recompute pass); with
       stages, the memory cap of each stage (pipeline pass).

@@ -45,17 +45,9 @@ def check_optimizer(value):
 def optimizer_memory(optimizer, params: list[torch.Tensor]) -> OptimizerMemory:
     """State and step temporaries of `optimizer` (an instance: its class, settings and parameter
     groups; a name in NAMED: that optimizer over `params`, the trainable ones)."""
-    if isinstance(optimizer, str):
-        cls, settings = NAMED[optimizer]
-        groups = [{**settings, "params": [p for p in params if p.requires_grad]}]
-    else:
-        cls = type(optimizer)
-        groups = [dict(g) for g in optimizer.param_groups]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = {}
-    for g in groups:
-        g["params"] = [fakes.setdefault(id(p), _fake_parameter(mode, p)) for p in g["params"]]
-    fake_optimizer = _build(optimizer, cls, groups)
+    fake_optimizer = rebuilt(optimizer, params, lambda p: fakes.setdefault(id(p), _fake_parameter(mode, p)))
     resident = [t for p in fakes.values() for t in (p, p.grad)]
     with LiveStorage(resident):  # the first step makes the state
         fake_optimizer.step()
@@ -74,6 +66,22 @@ def optimizer_over(optimizer, params: list) -> torch.optim.Optimizer:
     else:
         cls, settings = type(optimizer), {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
     return _build(optimizer, cls, params, **settings)
+
+
+def rebuilt(optimizer, params: list[torch.Tensor], swap=lambda p: p) -> torch.optim.Optimizer:
+    """A new optimizer built as `optimizer` is (an instance: its class, settings and parameter
+    groups; a name in NAMED: that optimizer over the trainable `params`), over swap(p) for each
+    parameter p: stand-ins to measure it, or the same parameters to step them without touching
+    the user's optimizer's state."""
+    if isinstance(optimizer, str):
+        cls, settings = NAMED[optimizer]
+        groups = [{**settings, "params": [p for p in params if p.requires_grad]}]
+    else:
+        cls = type(optimizer)
+        groups = [dict(g) for g in optimizer.param_groups]
+    for g in groups:
+        g["params"] = [swap(p) for p in g["params"]]
+    return _build(optimizer, cls, groups)
 
 
 def _build(optimizer, cls, *args, **settings) -> torch.optim.Optimizer:

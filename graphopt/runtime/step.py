@@ -1,6 +1,6 @@
 """One training step as its user runs it (forward, the loss, backward), measured: peak bytes,
 live bytes over the step, wall time. What the demo, the command line and train_step report,
-what the corpus tests hold graphopt's predictions to, and `graphopt.measure_step`."""
+what the corpus tests hold graphopt's predictions to, and what `graphopt.measure_step` (measure.py) measures."""
 from __future__ import annotations
 
 import statistics
@@ -13,7 +13,6 @@ import torch
 from ..analysis.memory import GB, measure_peak, size_text
 from ..analysis.live_storage import LiveStorage
 from ..errors import UsageError
-from ..trial import trial_run
 
 
 def output_loss(output) -> torch.Tensor:
@@ -105,44 +104,3 @@ class StepMeasure:
 
     def __str__(self) -> str:
         return f"peak {size_text(self.peak_bytes)} ({self.peak_gb:.4g} GB), step {self.step_ms:.1f} ms"
-
-
-def measure_step(model: torch.nn.Module, args, kwargs: dict | None = None, loss_fn: Callable | None = None, *,
-                 repeats: int = 3) -> StepMeasure:
-    """Measure one training step of `model` (yours, or what `graphopt.optimize` returned): forward
-    on `args` and `kwargs`, the loss, backward, from `.grad` None, as `budget_gb` counts it.
-
-    The loss is `loss_fn(output, *args, **kwargs)` when given, else the output's `.loss` (or
-    `["loss"]`), or the output itself when it is a scalar. The peak is what `optimize(...,
-    budget_gb=)` is held to: on CPU the bytes of live tensor storages, on CUDA the allocator's
-    peak, parameters, buffers and inputs included. The time is the median of `repeats` steps
-    after a warm-up one. The model's gradients, buffers (BatchNorm statistics), RNG and inputs
-    are left as they were: measuring trains nothing.
-
-        m = graphopt.measure_step(model, (x,), {"labels": y})
-        m.peak_bytes, m.peak_gb, m.step_ms
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"measure_step needs a torch.nn.Module (the model, or what graphopt.optimize returned), "
-                         f"got {type(model).__name__}.")
-    if isinstance(args, torch.Tensor):
-        args = (args,)
-    if not isinstance(args, (tuple, list)):
-        raise UsageError(f"measure_step's args must be a tensor or a tuple of forward()'s positional arguments, got "
-                         f"{type(args).__name__}; give keyword arguments as kwargs={{...}}.")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise UsageError(f"measure_step's kwargs must be a dict of forward()'s keyword arguments, got "
-                         f"{type(kwargs).__name__}.")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise UsageError(f"measure_step's repeats must be a whole number of steps, 1 or more, got {repeats!r}.")
-    args, kwargs = tuple(args), dict(kwargs or {})
-
-    def step():
-        clear_grads(model)
-        run_step(model, args, kwargs, loss_fn)
-
-    with trial_run(model, (args, kwargs)):
-        # Timed first: the warm-up step also builds the graph of a lazy graphopt.optimize(model).
-        seconds = step_seconds({"step": step}, repeats)["step"]
-        peak = step_peak(model, model, args, kwargs, loss_fn)
-    return StepMeasure(peak_bytes=peak, step_ms=seconds * 1e3)
