@@ -213,7 +213,8 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     @by_signature
     def check(module, call_args, call_kwargs):
         call = pytree.tree_leaves((call_args, call_kwargs))
-        why = sizes.why_not(example, call) if len(call) == len(example) else "another structure of inputs"
+        why = sizes.why_not(example, call) if len(call) == len(example) else \
+            f"another structure of inputs ({changes((args, kwargs), (call_args, call_kwargs))})"
         if why is not None:
             raise refuse(call_args, call_kwargs, why)
 
