@@ -34,9 +34,11 @@ class BudgetError(GraphoptError):
     """No plan fits the memory budget; carries the smallest budget that would, in bytes, and as
     budget_gb reads it (min_budget_gb)."""
 
-    def __init__(self, message: str, min_budget_bytes: int | None = None, breakdown: dict | None = None):
+    def __init__(self, message: str, min_budget_bytes: int | None = None, breakdown: dict | None = None,
+                 headroom: float = 0.0):
         self.min_budget_bytes = min_budget_bytes
         self.breakdown = dict(breakdown or {})
+        self.headroom = headroom  # the fraction of a budget kept free, above the step's peak (CUDA's)
         super().__init__(message)
 
     @property

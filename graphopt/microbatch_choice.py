@@ -105,9 +105,10 @@ class MicrobatchChoice:
         accumulated = ", gradients accumulated" if k > 1 else ""
         if self.ranks:
             return below_least(self.budget_gb, least, f"one rank's training step under FSDP2 over {self.ranks} ranks "
-                               f"needs at least{where}{accumulated}, by the estimate", e.breakdown, RANK_ADVICE)
+                               f"needs at least{where}{accumulated}, by the estimate", e.breakdown, RANK_ADVICE,
+                               e.headroom)
         return below_least(self.budget_gb, least, f"one training step needs at least{where}{accumulated}, by the "
-                           "estimate", e.breakdown)
+                           "estimate", e.breakdown, headroom=e.headroom)
 
     def plan(self, k: int):
         """The optimized graph for microbatches of 1/k of the batch; BudgetError when its step

@@ -17,13 +17,14 @@ cuDNN's and the allocator's slack are what the headroom is for.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from .analysis.memory import budget_bytes, size_text
+from .analysis.memory import budget_bytes, headroom_text, size_text
 from .analysis.planning_device import planning_for
-from .errors import BudgetError, OptionError
+from .errors import BudgetError, BudgetWarning, OptionError
 from .export_batch import ExportCache, keeping_exports
 from .train_step import TrainStep
 from .trial import tensor_leaves
@@ -47,6 +48,8 @@ class StepPlan:
     recompute_overhead_pct: float = 0.0  # estimated recompute time, per cent of a step's
     notes: list[str] = field(default_factory=list)
     world_size: int | None = None      # with shard='fsdp': the bytes are one rank's under FSDP2 over so many
+    headroom: float = 0.0              # the fraction of a budget kept free above the step's peak (CUDA's)
+    refusal: str = ""                  # where the budget does not fit: why, with the least plan's parts
 
     @property
     def fits(self) -> bool:
@@ -54,17 +57,20 @@ class StepPlan:
 
     def __str__(self) -> str:
         step = f"one rank's step under FSDP2 over {self.world_size} ranks" if self.world_size else "one step"
-        lines = [f"device {self.device}: {step} needs at least {size_text(self.least_bytes)} "
-                 f"(the whole batch, recompute's least plan)"]
+        kept = headroom_text(self.least_bytes, self.headroom)
+        lines = [f"device {self.device}: {step} needs a budget of at least {size_text(self.least_bytes)} "
+                 f"(the whole batch, recompute's least plan{': ' + kept if kept else ''})"]
         if self.budget_bytes is not None:
             budget = f"budget {size_text(self.budget_bytes)}"
             if self.fits:
                 batch = "the whole batch" if self.microbatches == 1 else f"{self.microbatches} microbatches"
-                lines.append(f"{budget}: fits as {batch}, predicted peak {size_text(self.predicted_peak_bytes)}; "
-                             f"{self.segments} recompute segments, {self.recomputed_nodes} nodes rerun "
-                             f"(about {self.recompute_overhead_pct:g}% of a step)")
+                free = f", within the budget less the {self.headroom:.0%} kept free" if self.headroom else ""
+                rerun = (f"{self.segments} recompute segments, {self.recomputed_nodes} nodes rerun (about "
+                         f"{self.recompute_overhead_pct:g}% of a step)") if self.segments else "nothing recomputed"
+                lines.append(f"{budget}: fits as {batch}, predicted peak {size_text(self.predicted_peak_bytes)}{free}; "
+                             f"{rerun}")
             else:
-                lines.append(f"{budget}: does not fit in any number of equal microbatches")
+                lines.append(f"{budget}: does not fit in any number of equal microbatches: {self.refusal}")
         return "\n".join(lines + self.notes)
 
 
@@ -89,27 +95,32 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                           "under `with torch.device('meta'):` (nothing is allocated), or plan for its device.")
     options = dict(optimize_options, optimizer=optimizer)
     # the least's step and the budget's share one export (train_step keeps the one open)
-    with planning_for(device), keeping_exports(ExportCache()):
-        least = _least(model, example_inputs, example_kwargs, loss_fn, options)
+    # the least's step and the budget's share one export (train_step keeps the one open); a budget
+    # above the step's peak is an answer here ("nothing recomputed"), not a mistake to warn of
+    with planning_for(device), keeping_exports(ExportCache()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetWarning)
+        least, headroom = _least(model, example_inputs, example_kwargs, loss_fn, options)
         ranks = options.get("world_size")  # given without shard, optimize refuses it
         if budget_gb is None:
-            return StepPlan(device, None, least, world_size=ranks)
+            return StepPlan(device, None, least, world_size=ranks, headroom=headroom)
         budget = budget_bytes(budget_gb)
         try:
             step = TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=budget_gb, **options)
-        except BudgetError:
-            return StepPlan(device, budget, least, world_size=ranks)
+        except BudgetError as e:
+            return StepPlan(device, budget, least, world_size=ranks, headroom=headroom, refusal=str(e))
     record = step.report.recompute()
     stats = record.stats if record is not None else {}
     return StepPlan(device, budget, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
-                    stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size)
+                    stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
+                    headroom=headroom)
 
 
-def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:
+def _least(model, example_inputs, example_kwargs, loss_fn, options) -> tuple[int, float]:
+    """(The least budget of the whole batch's step, the headroom in it)."""
     try:
         TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=_PROBE_GB, microbatches=1,
                   **options)
     except BudgetError as e:
-        return e.min_budget_bytes
-    return 0  # a step that holds no tensor fits any budget
+        return e.min_budget_bytes, e.headroom
+    return 0, 0.0  # a step that holds no tensor fits any budget

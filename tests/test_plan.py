@@ -65,7 +65,7 @@ def test_a_rank_s_least_under_fsdp_plans_on_the_meta_device_as_on_the_real_model
     options = dict(shard="fsdp", world_size=2, optimizer="adamw")
     meta, args, kwargs = tiny_llama("meta", layers=2)
     planned = graphopt.plan(meta, args, kwargs, device="cpu", **options)
-    assert "one rank's step under FSDP2 over 2 ranks needs at least" in str(planned)
+    assert "one rank's step under FSDP2 over 2 ranks needs a budget of at least" in str(planned)
     real, rargs, rkwargs = tiny_llama("cpu", layers=2)
     with pytest.raises(graphopt.BudgetError, match="one rank's training step under FSDP2 over 2 ranks") as refused:
         graphopt.train_step(real, rargs, rkwargs, budget_gb=1e-9, microbatches=1, **options)
@@ -125,6 +125,21 @@ def test_cuda_rounds_blocks_and_keeps_its_headroom(monkeypatch):
     assert planned.fits and planned.predicted_peak_bytes <= budget_gb * GB * (1 - CUDA_HEADROOM) < unplanned
 
 
+def test_the_answer_says_the_headroom_and_why_a_budget_does_not_fit(recwarn):
+    meta, args, kwargs = tiny_llama("meta")
+    roomy = graphopt.plan(meta, args, kwargs, budget_gb=80, device="cuda")
+    assert not [w for w in recwarn if issubclass(w.category, graphopt.BudgetWarning)]  # the README's 80 GB
+    text = str(roomy)
+    assert roomy.headroom == CUDA_HEADROOM and "the 5% of the budget kept free" in text
+    assert "nothing recomputed" in text and "within the budget less the 5% kept free" in text
+    tight = graphopt.plan(meta, args, kwargs, budget_gb=0.5 * roomy.least_bytes / GB, device="cuda")
+    assert not tight.fits
+    # the refusal's own words: the least with its parts, and the ways down
+    assert "does not fit in any number of equal microbatches: budget_gb=" in str(tight)
+    assert "parameters" in tight.refusal and "precision='bf16'" in tight.refusal
+    assert "kept free" not in str(graphopt.plan(meta, args, kwargs, device="cpu"))
+
+
 def test_train_step_holds_a_cuda_plan_to_the_budget_less_its_headroom():
     """train_step's fit check reads recompute's headroom from the typed budget the recompute row
     carries (report.BudgetFit)."""
@@ -155,4 +170,4 @@ def test_the_command_line_plans_a_factory_on_the_meta_device(capsys, monkeypatch
     monkeypatch.syspath_prepend(os.path.dirname(__file__))
     assert main(["plan", "test_plan:tiny_llama", "--device", "cpu", "--budget-gb", "1"]) == 0
     out = capsys.readouterr().out
-    assert "device cpu: one step needs at least" in out and "fits as the whole batch" in out
+    assert "device cpu: one step needs a budget of at least" in out and "fits as the whole batch" in out

@@ -59,16 +59,28 @@ def budget_text(n: int) -> str:
 SMALLER_STEP = "halve activations with precision='bf16', or split the model over devices with stages=N"
 
 
-def below_least(budget_gb: float, least: int, needs: str, breakdown: dict, advice: str = SMALLER_STEP) -> BudgetError:
+def below_least(budget_gb: float, least: int, needs: str, breakdown: dict, advice: str = SMALLER_STEP,
+                headroom: float = 0.0) -> BudgetError:
     """The refusal of a budget under the least a step needs: the budget, the least and what needs
     it ("one training step needs at least, by the estimate"), its parts, the budget that works in
-    budget_gb's own unit, then advice: what else would fit."""
+    budget_gb's own unit, then advice: what else would fit. headroom: the fraction of the budget
+    kept free above the step's peak, in the least (CUDA's)."""
     parts = {k: v for k, v in breakdown.items() if v}
     detail = f" ({', '.join(f'{k} {size_text(v)}' for k, v in parts.items())})" if parts else ""
+    kept = headroom_text(least, headroom)
     return BudgetError(
         f"budget_gb={budget_gb:g} ({size_text(budget_bytes(budget_gb))}) is below the {size_text(least)} that "
-        f"{needs}{detail}. Raise budget_gb to {budget_text(least)} or more, {advice}.",
-        min_budget_bytes=least, breakdown=parts)
+        f"{needs}{detail}{', ' + kept if kept else ''}. Raise budget_gb to {budget_text(least)} or more, {advice}.",
+        min_budget_bytes=least, breakdown=parts, headroom=headroom)
+
+
+def headroom_text(budget: int, headroom: float) -> str:
+    """'a step of 1.234 GB and the 5% of the budget kept free for what the allocator holds beyond
+    the estimate', or "" without headroom."""
+    if not headroom:
+        return ""
+    return (f"a step of {size_text(int(budget * (1 - headroom)))} and the {headroom:.0%} of the budget kept free "
+            "for what the allocator holds beyond the estimate")
 
 
 @dataclass

@@ -376,14 +376,15 @@ class Recompute(Pass):
         ranks = self.settings.world_size
         if ranks and not inference:
             return below_least(budget_gb, minimum, f"one rank's training step under FSDP2 over {ranks} ranks needs at "
-                               f"least, {'as measured' if measured else 'by the estimate'}", breakdown, RANK_ADVICE)
+                               f"least, {'as measured' if measured else 'by the estimate'}", breakdown, RANK_ADVICE,
+                               self.headroom)
         how = "as measured" if measured else "by the estimate"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
         return below_least(budget_gb, minimum, f"{what} needs at least, {how}", breakdown,
                            f"halve activations with precision='bf16',{batch} or split the model over devices with "
-                           "stages=N")
+                           "stages=N", self.headroom)
 
 
 def _block_bounds(nodes: list[torch.fx.Node]) -> tuple[int, ...]:
