@@ -37,6 +37,7 @@ Algorithm:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import operator
 from dataclasses import dataclass
 
@@ -199,6 +200,14 @@ def _report(stats: dict) -> str:
     return "\n".join(lines)
 
 
+NO_TRITON = ("Triton is not installed: the fused kernels are Triton's (torch's Linux CUDA builds bring it; "
+             "elsewhere pip install triton)")
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 @dataclass(frozen=True)
 class FuseOptions:
     """The fuse pass's options."""
@@ -222,12 +231,17 @@ class Fuse(Pass):
         if device != "cuda":
             return (f"generated kernels pay on CUDA; on {device} each group would run its reference path, "
                     "slower than eager's ops")
-        return None
+        return NO_TRITON if not triton_installed() else None
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         bound_before = [n for n in gm.graph.nodes if memory_bound(n, gm)]
         traffic_before = sum(sum(traffic(n)) for n in bound_before)
         device = graph_device(gm)
+        if not triton_installed():
+            return PassResult(gm, False, {"kernels": 0, "not_run": NO_TRITON, "memory_bound_ops": len(bound_before),
+                                          "memory_bound_ops_unfused": len(bound_before),
+                                          "memory_bound_traffic_before": traffic_before,
+                                          "memory_bound_traffic_after": traffic_before})
         if device != "cuda" and not interpreting():  # no kernel runs here: no group is looked for
             return PassResult(gm, False, {
                 "kernels": 0, "not_run": f"fused kernels run on CUDA (or in Triton's interpreter); on {device} a "

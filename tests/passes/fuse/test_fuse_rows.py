@@ -192,6 +192,20 @@ def test_on_cpu_without_the_interpreter_groups_stay_and_the_report_says_so(monke
     assert "fused kernels run on CUDA" in stats["not_run"]
 
 
+def test_without_triton_groups_stay_and_the_report_says_how_to_install_it(monkeypatch):
+    from graphopt.passes.fuse import fuse_pass
+    from graphopt.analysis.planning_device import planning_for
+
+    monkeypatch.setattr(fuse_pass, "triton_installed", lambda: False)
+    model = module(hf_rms_norm, 1, weight=torch.nn.Parameter(torch.randn(8)))
+    opt = graphopt.optimize(model, (torch.randn(2, 8),), passes="fuse")
+    stats = opt.graphopt_report.passes[-1].stats
+    assert stats["kernels"] == 0 and not fused_nodes(opt) and "pip install triton" in stats["not_run"]
+    with planning_for("cuda"):  # the default pipeline on CUDA skips it, saying why
+        opt = graphopt.optimize(model, (torch.randn(2, 8),))
+    assert "pip install triton" in opt.graphopt_report.skipped["fuse"]
+
+
 @pytest.mark.parametrize("case", ["last dim", "channels"])
 def test_the_torch_path_equals_the_kernels(monkeypatch, case):
     """A fused graph called on CPU without the interpreter runs the group's steps as torch ops,
