@@ -25,6 +25,9 @@ _SPELLINGS = [
     (re.compile(rf"\b({_NAME})="), lambda m: FLAGS[m[1]]),
     (re.compile(rf"\b(leave|give) ({_NAME})\b"), lambda m: f"{m[1]} {FLAGS[m[2]]}"),
     (re.compile(r"(?<!['\w])(budget_gb|loss_fn|dump_dir)(?!['\w])"), lambda m: FLAGS[m[1]]),
+    # train_step is Python's; the command line's plan says how many microbatches fit
+    (re.compile(r"\bwith graphopt\.train_step \("), lambda m: "with graphopt.train_step in Python (`python -m graphopt "
+                                                               "plan MODEL --budget-gb B` says how many: "),
 ]
 
 

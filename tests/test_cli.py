@@ -154,6 +154,8 @@ def test_errors_speak_in_flags(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("graphopt: error: --budget-gb 1e-09 (") and "Raise --budget-gb to " in err
     assert "--precision bf16" in err and "--stages N" in err and "_gb" not in err and "=" not in err
+    # the library's advice of train_step, in the command line's terms: plan says how many microbatches fit
+    assert "graphopt.train_step in Python (`python -m graphopt plan MODEL --budget-gb B` says how many" in err
     assert main(["optimize", spec, "--profile"]) == 2
     assert "--profile refines what --budget-gb or --stages asks for: give one of them too." in capsys.readouterr().err
     assert cli_text("optimize(budget_gb=...): bad value -1.0") == "--budget-gb: bad value -1.0"
