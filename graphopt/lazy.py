@@ -19,9 +19,8 @@ from collections import OrderedDict
 import torch
 
 from .call_signature import signature
-from .errors import UsageError
 from .export_batch import ExportCache, keeping_exports
-from .runtime.guards import SAVE_ADVICE, refusal
+from .runtime.guards import refusal, refused_save
 
 MAX_GRAPHS = 8  # graphs kept; a plan holds no tensors, but each graph its generated code
 MAX_SIGNATURES = 1024  # signatures remembered, the least recently used forgotten first
@@ -85,7 +84,7 @@ class LazyOptimized(torch.nn.Module):
             self._built.popitem(last=False)
 
     def __reduce_ex__(self, protocol):
-        raise UsageError(SAVE_ADVICE)
+        raise refused_save()
 
     @property
     def graph_module(self) -> torch.fx.GraphModule | None:

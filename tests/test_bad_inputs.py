@@ -236,6 +236,17 @@ def test_verify_in_bf16_compares_with_autocast():
     assert against_eager.worst == "grad[0.bias]" and against_eager.max_rel > TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_refused_save_to_a_path_leaves_no_file(tmp_path, lazy):
+    opt = graphopt.optimize(mlp()) if lazy else graphopt.optimize(mlp(), (X,))
+    path = tmp_path / "opt.pt"
+    with pytest.raises(UsageError, match="state_dict"):
+        torch.save(opt, path)
+    with pytest.raises(UsageError, match="state_dict"):
+        torch.save(opt, str(path), _use_new_zipfile_serialization=False)
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
 def test_state_dict_and_optimize_again_is_the_way_to_save():
     model = mlp()
     opt = graphopt.optimize(model, (X,), passes="normalize,fuse")

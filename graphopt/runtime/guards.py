@@ -14,6 +14,8 @@ every call.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import inspect
 
 import torch
@@ -340,11 +342,24 @@ SAVE_ADVICE = ("graphopt modules cannot be pickled (torch.save, pickle): their g
                "model call graphopt.optimize again.")
 
 
+def refused_save() -> UsageError:
+    """The refusal to pickle a graphopt module, raised from inside pickling. Under torch.save to a
+    path the file is already open and partly written: it is removed first, so a refused save
+    leaves no file behind (the open writer goes on into an unlinked file, closed as it unwinds)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not torch.serialization.save.__code__:
+        frame = frame.f_back
+    path = frame.f_locals.get("f") if frame is not None else None
+    if isinstance(path, str) and os.path.isfile(path):
+        os.unlink(path)
+    return UsageError(SAVE_ADVICE)
+
+
 def refuse_pickling(module: torch.nn.Module) -> None:
     """Make pickling `module` raise UsageError with SAVE_ADVICE. A GraphModule has a class of its
     own (fx makes one per instance), so the refusal touches no other module."""
     def refuse(self, protocol=None):
-        raise UsageError(SAVE_ADVICE)
+        raise refused_save()
 
     type(module).__reduce_ex__ = refuse
     type(module).__reduce__ = refuse
