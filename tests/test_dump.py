@@ -174,6 +174,17 @@ def test_recompute_keeps_the_names_and_its_diff_shows_only_the_plan(planned):
     assert len(code) <= 2 * len(moved) + 2 * len(read) + 4 * len(calls) + 2 * len(written)
 
 
+def test_a_segment_is_labelled_by_the_source_line_it_starts_at(planned):
+    opt, directory, stem, _ = planned
+    code = (directory / f"{stem}.py").read_text().splitlines()
+    for call in [n for n in opt.graph.nodes if isinstance(n.target, SegmentCall)]:
+        first = next(n for n in call.target.module.graph.nodes if n.op.startswith("call_"))
+        line = next(i for i, text in enumerate(code) if text.strip().startswith(f"{call.name} = "))
+        # fx writes a source line above the first of the nodes that share it
+        label = next(text.strip() for text in reversed(code[:line]) if text.strip().startswith("# File:"))
+        assert label.endswith(first.meta["stack_trace"].strip().splitlines()[-1].strip())
+
+
 def test_the_diff_leaves_out_the_frees_a_moved_use_shifts():
     # fx frees a value after its last use (`;  x = None`); moving the use rewrites that line, not what it computes
     before = "    a = torch.relu(x)\n    b = a + 1;  a = None\n    return b\n"

@@ -150,6 +150,8 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
                 out.replace_all_uses_with(item, delete_user_cb=lambda user, inside=inside: user not in inside)
                 items[item] = out.name
         gather(call, outputs, single=False)  # it returns what its outputs made: no FakeTensor run needed
+        # the dumps label a segment by the source line it starts at, not its first output's
+        call.meta["stack_trace"] = next((n.meta["stack_trace"] for n in nodes if n.meta.get("stack_trace")), None)
         for n in reversed(nodes):
             gm.graph.erase_node(n)
         # the names are free only now that the segment's nodes are gone
