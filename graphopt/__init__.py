@@ -12,7 +12,7 @@ from .analysis.estimate_check import Divergence, EstimateCheck
 from .api import DEFAULT_PASSES, optimize
 from .check_estimate import check_estimate
 from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning, MicrobatchWarning, ModeError,
-                     OptionError, TraceError, UsageError, VerifyError)
+                     OptionError, SizeError, TraceError, UsageError, VerifyError)
 from .passes import available as available_passes
 from .plan import StepPlan, plan
 from .report import PassRecord, Report
@@ -27,6 +27,7 @@ __all__ = [
     "optimize", "train_step", "TrainStep", "plan", "StepPlan", "measure_step", "StepMeasure", "check_estimate", "EstimateCheck",
     "Divergence", "trace", "available_passes", "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
-    "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "ModeError",
+    "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "SizeError",
+    "ModeError",
     "GraphoptWarning", "BudgetWarning", "MicrobatchWarning",
 ]

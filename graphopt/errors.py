@@ -54,6 +54,11 @@ class UsageError(GraphoptError, TypeError):
     """An argument of the wrong kind: not a module, inputs that are not tensors, ..."""
 
 
+class SizeError(UsageError, IndexError):
+    """An input size past what the model's own code takes (a position table's rows): eager raises
+    IndexError there, and so does this, with the limit and its reason."""
+
+
 class ModeError(GraphoptError, RuntimeError):
     """The optimized graph was built for training (or inference) and is used in the other mode."""
 

@@ -27,22 +27,38 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
+from .analysis.position_limits import PositionLimit, position_limits
 from .batch import batch_rows
 from .call_signature import signature
+from .errors import SizeError
 
 
 @dataclass(frozen=True)
 class SizeRange:
-    """The sizes export proved one dimension for (inclusive; None: no upper bound)."""
+    """The sizes export proved one dimension for (inclusive; None: no upper bound); `limit`, where
+    the model's own code bounds it lower (analysis/position_limits.PositionLimit)."""
 
     low: int
     high: int | None
+    limit: PositionLimit | None = None
 
     def __contains__(self, size: int) -> bool:
         return self.low <= size and (self.high is None or size <= self.high)
 
     def __str__(self) -> str:
-        return f"{self.low} to {self.high}" if self.high is not None else f"{self.low} and up"
+        text = f"{self.low} to {self.high}" if self.high is not None else f"{self.low} and up"
+        return f"{text} ({self.limit})" if self.limit is not None else text
+
+    def within(self, limit: PositionLimit) -> SizeRange:
+        if self.high is not None and self.high <= limit.longest:
+            return self
+        return SizeRange(self.low, limit.longest, limit)
+
+    def both(self, other: SizeRange) -> SizeRange:
+        """The sizes both take."""
+        if other.high is None or (self.high is not None and self.high <= other.high):
+            return SizeRange(max(self.low, other.low), self.high, self.limit)
+        return SizeRange(max(self.low, other.low), other.high, other.limit)
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,24 @@ class DynamicSizes:
                    if size not in ranges[name]]
         return ", ".join(outside) if outside else None
 
+    def past_model(self, example: list, call: list) -> str | None:
+        """Where a call's size is past what the model's own code takes (a position table's rows),
+        what and why; None otherwise. No graph takes such a call, eager neither."""
+        for names, got in zip(self.names, call):
+            if names is None or not isinstance(got, torch.Tensor) or got.dim() != len(names):
+                continue
+            for name, now in zip(names, got.shape):
+                limit = dict(self.ranges)[name].limit if name is not None else None
+                if limit is not None and now > limit.longest:
+                    return past_limit(name, now, limit)
+        return None
+
+
+def past_limit(name: str, size: int, limit: PositionLimit) -> str:
+    return (f"{name} is {size}, past the model's own limit of {limit.longest}: {limit}, and eager raises "
+            f"IndexError past it. Give sequences of at most {limit.longest} (truncate or split them), or a model "
+            "with more positions")
+
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, batch: bool, lengths: bool) -> dict | None:
     """export's dynamic_shapes, by forward()'s parameter names: Dim.AUTO on dim 0 of each batched
@@ -152,12 +186,22 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict):
         except Exception as e:  # noqa: BLE001 (export's reason is the note; the next try decides)
             failures.append(f"export with {_dynamic_text(batch, lengths)} dynamic failed: {_first_line(e)}")
             continue
+        check_positions(ep)
         found = dynamic_sizes(ep, args, kwargs)  # None: export made every size static, its program is the static one
         static_why = why or "; ".join(failures) or static
         return ep, found, "" if found is not None and found.batch is not None else static_why
     with _marks_kept(args, kwargs):
         ep = torch.export.export(model, args, kwargs, strict=False)
+    check_positions(ep)
     return ep, None, why or "; ".join(failures) or static
+
+
+def check_positions(ep) -> None:
+    """Raise where the example itself is past a position table's rows (eager would raise IndexError)."""
+    for symbol, size, limit in position_limits(ep):
+        if size is not None and size > limit.longest:
+            name = "a sequence length of the example" if symbol is None else "the example's sequence length"
+            raise SizeError(past_limit(name, size, limit) + ".")
 
 
 def _dynamic_text(batch: bool, lengths: bool) -> str:
@@ -226,6 +270,10 @@ def dynamic_sizes(ep, args: tuple, kwargs: dict) -> DynamicSizes | None:
     if len(user_inputs) != len(leaves):
         return None
     names, by_symbol, ranges = [], {}, {}
+    limits = {}
+    for symbol, _, limit in position_limits(ep):
+        if symbol is not None and (symbol not in limits or limit.longest < limits[symbol].longest):
+            limits[symbol] = limit
     for (path, leaf), input_name in zip(leaves, user_inputs):
         val = placeholders[input_name].meta.get("val") if input_name in placeholders else None
         if not isinstance(leaf, torch.Tensor) or not isinstance(val, torch.Tensor):
@@ -238,11 +286,11 @@ def dynamic_sizes(ep, args: tuple, kwargs: dict) -> DynamicSizes | None:
             if found is None:
                 dims.append(None)
                 continue
+            if expr in limits:
+                found = found.within(limits[expr])
             name = BATCH if d == 0 else by_symbol.setdefault(expr, f"dim {d} of {_leaf_name(path)}")
             was = ranges.get(name)
-            ranges[name] = found if was is None else SizeRange(
-                max(was.low, found.low), found.high if was.high is None else was.high if found.high is None
-                else min(was.high, found.high))
+            ranges[name] = found if was is None else was.both(found)
             dims.append(name)
         names.append(tuple(dims))
     if not ranges:

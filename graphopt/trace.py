@@ -29,7 +29,7 @@ from .analysis import meta
 from .analysis.dispatched import DISPATCHED, recording, summary
 from .analysis.fake_state import fake_run
 from .analysis.planning_device import meta_literals_on_cpu, planning_device
-from .errors import TraceError, UsageError
+from .errors import SizeError, TraceError, UsageError
 from .fx_state import StateWatch, Unreplayable, check_write_backs
 from .input_aliases import distinct
 
@@ -308,6 +308,8 @@ def trace(
                     meta_literals_on_cpu(gm)
                 written = annotate(gm, placeholder_values(gm, args, kwargs))
             check_write_backs(gm)
+        except SizeError:  # the example itself is past the model's limit: no frontend takes it
+            raise
         except Exception as e:  # each frontend's failure is reported, the next one tried
             reasons[name] = str(e) if isinstance(e, TraceError) else _first_line(e)
             if isinstance(e, Unreplayable):

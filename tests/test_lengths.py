@@ -165,3 +165,39 @@ def test_a_bf16_plan_serves_a_shorter_length_as_the_bf16_graph_without_a_budget(
     want, got = step(plain, (ids,), {"labels": labels}), step(planned, (ids,), {"labels": labels})
     assert all(torch.equal(a, b) for a, b in zip(want[0], got[0]))
     assert want[1].keys() == got[1].keys() and all(torch.equal(want[1][k], got[1][k]) for k in want[1])
+
+
+class _LearnedPositions(torch.nn.Module):
+    """GPT-2's way: a learned position table looked up by arange(T), which export proves no bound for."""
+
+    def __init__(self, positions: int = 16, offset: int = 0):
+        super().__init__()
+        self.tok = torch.nn.Embedding(32, 8)
+        self.pos = torch.nn.Embedding(positions, 8)
+        self.head = torch.nn.Linear(8, 32)
+        self.offset = offset
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]) + self.offset
+        h = self.tok(ids) + self.pos(positions)[None]
+        return self.head(h).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_a_length_past_the_models_position_table_is_a_size_error_naming_it(offset):
+    torch.manual_seed(0)
+    model, longest = _LearnedPositions(offset=offset), 16 - offset
+    opt = graphopt.optimize(model, (torch.randint(0, 32, (2, 8)),), frontend="export")
+    assert f"dim 1 of argument 1: 2 to {longest} (pos.weight has 16 rows, looked up by position)" \
+        in opt.graphopt_report.runs_at
+    assert_same_step(model, opt, (torch.randint(0, 32, (3, longest)),), {})
+    with pytest.raises(IndexError):  # eager's error, and graphopt's is one too
+        model(torch.randint(0, 32, (2, longest + 1)))
+    with pytest.raises(graphopt.SizeError, match=f"is {longest + 1}, past the model's own limit of {longest}: "
+                       "pos.weight has 16 rows.*at most"):
+        opt(torch.randint(0, 32, (2, longest + 1)))
+    for lazy in (False, True):  # the example itself past it: no graph is built
+        with pytest.raises(graphopt.SizeError, match="the example's sequence length is 20, past"):
+            ids = torch.randint(0, 32, (2, 20))
+            graphopt.optimize(model, frontend="export")(ids) if lazy else \
+                graphopt.optimize(model, (ids,), frontend="export")

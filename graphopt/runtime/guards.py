@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from ..analysis.planning_device import seen_as
 from ..batch import batch_rows
 from ..call_signature import signature
-from ..errors import GraphoptError, ModeError, UsageError
+from ..errors import GraphoptError, ModeError, SizeError, UsageError
 from ..export_batch import guards_failure
 from .microbatch_call import install_microbatch_split
 
@@ -215,6 +215,9 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     @by_signature
     def check(module, call_args, call_kwargs):
         call = pytree.tree_leaves((call_args, call_kwargs))
+        past = sizes.past_model(example, call) if len(call) == len(example) else None
+        if past is not None:  # no graph takes it: not a sizes_refused for another graph to take
+            raise SizeError(f"this graphopt module got {describe(call_args, call_kwargs)}: {past}.")
         why = sizes.why_not(example, call) if len(call) == len(example) else \
             f"another structure of inputs ({changes((args, kwargs), (call_args, call_kwargs))})"
         if why is not None:
