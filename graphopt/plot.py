@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 
+from .analysis.live_storage import from_first_op
 from .analysis.memory import GB, Estimate
 
 
@@ -32,10 +33,12 @@ def memory_png(curves: dict[str, Estimate], budget_bytes: int | None = None) -> 
     """Predicted live memory through the step, one line per curve; None without matplotlib."""
     series = {}
     for label, estimate in curves.items():
+        live, folded = from_first_op([b for _, b in estimate.timeline], [e for e, _ in estimate.timeline])
+        start = backward_start(estimate.timeline)
         series[f"{label} (peak {estimate.peak_bytes / GB * 1e3:.2f} MB)"] = (
-            [b for _, b in estimate.timeline], backward_start(estimate.timeline))
+            live, None if start is None else start - folded)
     return _chart(series, budget_bytes, "predicted live memory (MB, 10^6 bytes)",
-                  "progress through the step: forward, then backward (dotted: backward starts)")
+                  "progress through the step from its first op: forward, then backward (dotted: backward starts)")
 
 
 def step_memory_png(timelines: dict[str, list[int]], budget_bytes: int | None = None) -> bytes:
@@ -43,7 +46,7 @@ def step_memory_png(timelines: dict[str, list[int]], budget_bytes: int | None = 
     matplotlib is a dependency of what calls this (the demo, --measure): it must be installed."""
     series = {f"{label} (peak {max(live) / GB * 1e3:.2f} MB)": (live, None) for label, live in timelines.items()}
     png = _chart(series, budget_bytes, "measured live memory (MB, 10^6 bytes)",
-                 "progress through the step: forward, loss, backward")
+                 "progress through the step from its first op: forward, loss, backward")
     if png is None:
         from .errors import UsageError
 
@@ -54,7 +57,8 @@ def step_memory_png(timelines: dict[str, list[int]], budget_bytes: int | None = 
 def _chart(series: dict[str, tuple[list[int], int | None]], budget_bytes: int | None, ylabel: str,
            xlabel: str) -> bytes | None:
     """Lines of bytes over progress (each spanning the same width: a step with recompute has more
-    events), a dotted mark at each line's given index, the budget dashed; None without matplotlib."""
+    events), each starting where its resident state is (shaded: what the lowest holds before the
+    first op), a dotted mark at each line's given index, the budget dashed; None without matplotlib."""
     try:
         import matplotlib
 
@@ -63,6 +67,10 @@ def _chart(series: dict[str, tuple[list[int], int | None]], budget_bytes: int | 
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    resident = min(live[0] for live, _ in series.values())
+    if resident:
+        ax.axhspan(0, resident / GB * 1e3, color="grey", alpha=0.15, linewidth=0,
+                   label=f"resident before the first op: parameters, buffers, inputs ({resident / GB * 1e3:.2f} MB)")
     for label, (live, mark) in series.items():
         x = [k / max(len(live) - 1, 1) for k in range(len(live))]
         line, = ax.plot(x, [b / GB * 1e3 for b in live], label=label, linewidth=1.2)

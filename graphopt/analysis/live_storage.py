@@ -26,6 +26,17 @@ from .planning_device import planning_device
 CUDA_BLOCK = 512
 
 
+# What a step's timeline counts before its first op: analysis/memory.py's categories, LiveStorage's default last
+RESIDENT_EVENTS = ("parameters", "parameter gradients", "buffers", "inputs", "optimizer state", "resident")
+
+
+def from_first_op(live: list[int], events: list[str]) -> tuple[list[int], int]:
+    """The curve from the resident state on (its first point: every resident storage counted, none
+    of them drawn as a climb from zero), and how many points were folded into that first one."""
+    k = next((i for i, e in enumerate(events) if e not in RESIDENT_EVENTS), len(events))
+    return ([0] if k == 0 else []) + live[max(k - 1, 0):], max(k - 1, 0) - (k == 0)
+
+
 @dataclass
 class Stored:
     """One storage of a step, with timeline=True: positions are counts of changes before it."""

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..analysis.memory import GB, measure_peak, size_text
-from ..analysis.live_storage import LiveStorage
+from ..analysis.live_storage import LiveStorage, from_first_op
 from ..errors import UsageError
 
 
@@ -61,15 +61,16 @@ def step_peak(module, model: torch.nn.Module, args: tuple, kwargs: dict | None =
 
 def step_timeline(module, model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
                   loss_fn: Callable | None = None) -> list[int]:
-    """Live bytes after every allocation and free of one step on CPU, parameters and buffers
-    of `model` and the inputs resident from the start (the curve whose maximum step_peak is)."""
+    """Live bytes after every allocation and free of one step on CPU, from the resident state
+    (parameters and buffers of `model` and the inputs, the first point) on: the curve whose
+    maximum step_peak is."""
     kwargs = kwargs or {}
     resident = [*model.parameters(), *model.buffers(), *args, *kwargs.values()]
     clear_grads(model)
     try:
         with LiveStorage([t for t in resident if isinstance(t, torch.Tensor)], timeline=True) as live:
             run_step(module, args, kwargs, loss_fn)
-        return [live_bytes for _, live_bytes in live.timeline]
+        return from_first_op([b for _, b in live.timeline], [event for event, _ in live.timeline])[0]
     finally:
         clear_grads(model)
 

@@ -1,0 +1,45 @@
+"""The memory pictures start where the step does: with its resident state counted, not climbing from zero."""
+import torch
+
+import graphopt
+from graphopt.analysis.live_storage import from_first_op
+from graphopt.analysis.memory import estimate_peak
+from graphopt.plot import memory_png
+from graphopt.runtime.step import step_timeline
+from graphopt.trace import placeholder_values
+
+
+class _Regressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 1))
+
+    def forward(self, x):
+        return self.net(x).square().mean()
+
+
+def _model():
+    torch.manual_seed(0)
+    return _Regressor()
+
+
+def _resident_bytes(model, x):
+    return sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
+
+
+def test_resident_events_fold_into_the_first_point():
+    live, folded = from_first_op([10, 30, 35, 60, 40], ["parameters", "parameters", "inputs", "", "free"])
+    assert (live, folded) == ([35, 60, 40], 2)
+    assert from_first_op([5, 0], ["", "free"]) == ([0, 5, 0], -1)  # nothing resident: from zero
+
+
+def test_the_measured_and_the_predicted_curve_start_at_parameters_and_inputs():
+    model, x = _model(), torch.randn(32, 64)
+    measured = step_timeline(model, model, (x,))
+    assert measured[0] == _resident_bytes(model, x) and max(measured) > measured[0]
+    gm = graphopt.trace(model, (x,))
+    estimate = estimate_peak(gm, placeholder_values(gm, (x,), {}))
+    predicted, _ = from_first_op([b for _, b in estimate.timeline], [e for e, _ in estimate.timeline])
+    assert predicted[0] == _resident_bytes(model, x)
+    png = memory_png({"eager": estimate}, budget_bytes=estimate.peak_bytes)
+    assert png is None or png.startswith(b"\x89PNG")  # None: matplotlib not installed
