@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# every plan made afresh (the plan cache is tested with its own directories)
+os.environ.setdefault("GRAPHOPT_PLAN_CACHE", "off")
 
 import pytest
 

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+os.environ.setdefault("GRAPHOPT_PLAN_CACHE", "off")  # planning time from cold: every plan made afresh
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]  # graphopt from this checkout
 

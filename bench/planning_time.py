@@ -28,6 +28,8 @@ import time
 
 import torch
 
+os.environ.setdefault("GRAPHOPT_PLAN_CACHE", "off")  # planning time from cold: every plan made afresh
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # graphopt from this checkout, and the corpus
 

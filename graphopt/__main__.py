@@ -1,5 +1,6 @@
 """Command line: `python -m graphopt demo`, `python -m graphopt optimize pkg.module:factory`,
-`python -m graphopt plan pkg.module:factory` and `python -m graphopt check-estimate pkg.module:factory`."""
+`python -m graphopt plan pkg.module:factory`, `python -m graphopt check-estimate pkg.module:factory`
+and `python -m graphopt cache {show,clear}`."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ from .demo import dumps_line, record_markdown, run_demo
 from .errors import GraphoptError, UsageError
 from .passes import available
 from .plan import plan
+from .plan_cache.store import PlanStore
 from .precisions import PRECISIONS
 from .runtime.step import output_loss
 from .trial import trial_run
@@ -115,6 +117,15 @@ def _plan(args) -> int:
                      optimizer=args.optimizer, loss_fn=loss_fn, passes=args.passes, precision=args.precision)
     print(cli_text(str(found)))
     return 0 if args.budget_gb is None or found.fits else 1
+
+
+def _cache(args) -> int:
+    store = PlanStore(args.dir)
+    if args.action == "clear":
+        print(f"removed {store.clear()} plans from {store.dir}")
+    else:
+        print(f"{len(store)} plans in {store.dir}")
+    return 0
 
 
 def _check_estimate(args) -> int:
@@ -244,6 +255,13 @@ def main(argv=None) -> int:
     checked.add_argument("--mode", choices=["train", "eval"], default=None, help="(default: the model's mode)")
     checked.add_argument("--frontend", choices=["auto", "fx", "export"], default="auto")
     checked.set_defaults(run=_check_estimate)
+
+    cache = sub.add_parser("cache", help="the plan cache: where it is and how many plans it holds, or empty it",
+                           description="Plans optimize() made for a budget, kept for later processes "
+                                       "($GRAPHOPT_CACHE_DIR, else ~/.cache/graphopt).")
+    cache.add_argument("action", choices=["show", "clear"])
+    cache.add_argument("--dir", default=None, help="a cache directory other than the default")
+    cache.set_defaults(run=_cache)
 
     args = parser.parse_args(argv)
     try:

@@ -19,6 +19,7 @@ from .microbatch_semantics import announce, check_batch_norm
 from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
+from .plan_cache.store import plan_store
 from .report import Report
 from .runtime.batch_graphs import install_batch_graphs
 from .runtime.cuda_graphs import capture, check_cuda_graphs
@@ -91,6 +92,7 @@ def optimize(
     shard: str | None = None,
     world_size: int | None = None,
     cuda_graphs: bool = False,
+    plan_cache: bool | str | os.PathLike = True,
 ):
     """Rewrite `model` through a pass pipeline and return a drop-in replacement.
 
@@ -142,6 +144,11 @@ def optimize(
       example inputs on CUDA, a training step, example inputs, and a step that never waits on the
       device (no .item()); with budget_gb the plan leaves room for what the graphs hold. Outputs
       live in the graphs' buffers, overwritten by the next call (runtime/cuda_graphs.py).
+    plan_cache: keep a budget's plan on disk and take it from there when the same graph is
+      planned again with the same settings, in a later process (plan_cache/): True (default) in
+      $GRAPHOPT_CACHE_DIR or ~/.cache/graphopt, a directory, or False. $GRAPHOPT_PLAN_CACHE=off
+      turns the default off; with dump_dir it is not used (the dumps show the search).
+      `python -m graphopt cache clear` empties it.
     """
     if not isinstance(model, torch.nn.Module):
         check_inputs(model, example_inputs, example_kwargs)  # raises the UsageError
@@ -161,7 +168,7 @@ def optimize(
     if dump_dir is not None:
         check_dump_dir(dump_dir)
     settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, batch_norm=check_batch_norm(batch_norm),
-                    cuda_graphs=cuda_graphs)
+                    cuda_graphs=cuda_graphs, plan_cache=plan_store(plan_cache, dump_dir))
     if train is not None:
         model.train(train)
     if example_inputs is None and example_kwargs is None:
@@ -170,7 +177,7 @@ def optimize(
 
 
 def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, verify, dump_dir, batch_norm="warn",
-                 cuda_graphs=False, other_batches=False):
+                 cuda_graphs=False, plan_cache=None, other_batches=False):
     """Trace `model` in its current mode and run `pipeline` over it. other_batches: a call at a batch
     size the graph does not take builds a graph for it (runtime/batch_graphs.py)."""
     given = check_inputs(model, example_inputs, example_kwargs)
@@ -198,7 +205,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     report.notes += announce(report.batch_wide, microbatches or 1, batch_norm,
                              f"the staged graph ({microbatches} microbatches)")
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
-                      microbatches=microbatches, cuda_graphs=cuda_graphs)
+                      microbatches=microbatches, cuda_graphs=cuda_graphs, plan_cache=plan_cache)
     dumper = Dumper(dump_dir) if dump_dir else None
     gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
     gm.train(model.training)  # modules a pass made (the pipeline's stages) start in training mode
@@ -210,7 +217,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         report.cuda_graphs = capture(gm, *given, ctx)
     if other_batches and rows is not None and not microbatches:
         settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, batch_norm=batch_norm,
-                        cuda_graphs=cuda_graphs)
+                        cuda_graphs=cuda_graphs, plan_cache=plan_cache)
 
         def build(args, kwargs, training, dump_dir):
             model.train(training)

@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# every plan made afresh (the plan cache is tested with its own directories)
+os.environ.setdefault("GRAPHOPT_PLAN_CACHE", "off")
 
 import hypothesis_profiles  # noqa: E402, F401  (loads the profile before test modules build their @settings)
 

@@ -146,6 +146,7 @@ class PassContext:
     reference: torch.nn.Module | None = None  # the user's model, for verification
     microbatches: int | None = None  # the example inputs are one microbatch of this many
     cuda_graphs: bool = False  # the step is captured as CUDA graphs after the passes (runtime/cuda_graphs.py)
+    plan_cache: object = None  # plan_cache.store.PlanStore the planning passes keep their outcomes in; None: off
     # what the passes so far have made of the graph (the manager keeps these from PassResult)
     compute_dtype: torch.dtype = torch.float32
     specialized: str | None = None

@@ -84,6 +84,7 @@ from ..base import Pass, PassContext, PassResult, Text, count, option, plans_mem
 from ..fuse.head_loss_chunks import size_chunks
 from ..shard.rank_memory import RANK_ADVICE, rank_peak
 from ..registry import register
+from .cached import cached_plan
 from .candidates import PlanSpace, Scan
 from .in_place import write_within
 from .node_facts import node_facts
@@ -149,6 +150,13 @@ class Recompute(Pass):
                               "one device's: leave it out.")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        """The plan from the plan cache where an entry made for this graph and these settings is
+        there (plan_cache/recompute_plans.py), else planned (and kept there)."""
+        return cached_plan(self, gm, ctx, self._plan)
+
+    def setup(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[int, int]:
+        """The budget in bytes and the target the step is planned for (less the headroom and what
+        CUDA graphs hold); the optimizer's memory, accumulation and headroom kept on the pass."""
         budget_gb = self.settings.budget_gb
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
@@ -160,9 +168,15 @@ class Recompute(Pass):
         self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
         # a step captured as CUDA graphs holds more than the step itself: planned for that much less
         self.reserve = graphs_reserve(gm, ctx.flat_inputs(gm), self.optimizer) if ctx.cuda_graphs and ctx.train else 0
-        target = int(limit * (1 - self.headroom)) - self.reserve
-        # Step 1 (with step 2's tidying first, so that one estimate serves the search too)
         self.accumulate = self.settings.accumulate and ctx.train
+        return limit, int(limit * (1 - self.headroom)) - self.reserve
+
+    def _plan(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        # what the plan cache keeps of this plan: (the plan, each node's decision) and the nodes it indexes
+        self.chosen, self.planned_nodes, self.cacheable = None, None, True
+        budget_gb = self.settings.budget_gb
+        limit, target = self.setup(gm, ctx)
+        # Step 1 (with step 2's tidying first, so that one estimate serves the search too)
         tidied = ctx.train and bool(attributes_first(gm) + hoist_state_writes(gm))
         if tidied:
             gm.recompile()
@@ -183,10 +197,11 @@ class Recompute(Pass):
             if before.peak_bytes > target:
                 raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
             _warn_idle(fit(before.peak_bytes))
-            return PassResult(gm, False, stats, call_checks=[self._check(budget_gb, target, ctx)],
+            return PassResult(gm, False, stats, call_checks=[self.budget_check(budget_gb, target, ctx)],
                               budget=fit(before.peak_bytes), peak_bytes=before.peak_bytes)
         chunk = size_chunks(gm, lambda g: self._estimate(g, ctx).peak_bytes, target)
         if chunk is not None:
+            self.cacheable = False  # the chunked head's rows are not replayed from the cache
             stats["loss_chunk_rows"] = chunk
             before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
@@ -195,11 +210,11 @@ class Recompute(Pass):
             peak = before.peak_bytes if not ranks else self._rank_peak(gm, ctx) if written else rank_before
             return PassResult(gm, tidied or chunk is not None or bool(written),
                               {**stats, "segments": 0, "written_in_place": written}, _pictures({"as traced": before}, limit),
-                              call_checks=[self._check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
+                              call_checks=[self.budget_check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
         # Step 2
         step = ctx.analysis(record_step, gm)
         facts = node_facts(gm, step)
-        nodes = facts.nodes
+        nodes = self.planned_nodes = facts.nodes  # the search keeps this list on the graph's nodes
         device = "cuda" if graph_device(gm) == "cuda" else "cpu"
         cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings.profile else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
@@ -249,12 +264,8 @@ class Recompute(Pass):
             written, after = self._write_in_place(gm, ctx, search, plan, after,
                                                   search.with_writes.get(tuple(plan.segments)))
         # Step 7
-        for n in gm.graph.nodes:
-            if isinstance(n.target, SegmentCall):
-                note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
-                for i in n.all_input_nodes:
-                    if i.op.startswith("call"):
-                        note(i, "recompute", "boundary")
+        note_segments(gm)
+        self.chosen = plan, [search.decision.get(n, "kept") for n in nodes]
         recomputed = [i for i, n in enumerate(nodes) if search.decision.get(n) == "recomputed"]
         stats.update({
             "segments": len(plan.segments),
@@ -273,7 +284,7 @@ class Recompute(Pass):
             if peak > int(limit * (1 - self.headroom)):
                 raise self._error(budget_gb, peak, {}, inference=False)
         return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
-                          call_checks=[self._check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
+                          call_checks=[self.budget_check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
 
     def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
         """What a rank's step under FSDP2 may hold at most, by the estimate: its peak and what a
@@ -310,7 +321,7 @@ class Recompute(Pass):
         """The fake step of gm as it is now, with the optimizer and accumulation this plan is for."""
         return estimate_peak(gm, ctx.flat_inputs(gm), optimizer=self.optimizer, accumulate=self.accumulate)
 
-    def _check(self, budget_gb: float, target: int, ctx: PassContext) -> BudgetCheck:
+    def budget_check(self, budget_gb: float, target: int, ctx: PassContext) -> BudgetCheck:
         """The plan fits the budget at the example's sizes; other sizes run correctly but could
         exceed it, so a call at them is estimated first (runtime/budget_check.py)."""
         return BudgetCheck(budget_gb, target, ctx.train, self.optimizer, self.accumulate,
@@ -385,6 +396,16 @@ class Recompute(Pass):
         return below_least(budget_gb, minimum, f"{what} needs at least, {how}", breakdown,
                            f"halve activations with precision='bf16',{batch} or split the model over devices with "
                            "stages=N", self.headroom)
+
+
+def note_segments(gm: torch.fx.GraphModule) -> None:
+    """Each segment call and its boundary inputs noted, for the dumps."""
+    for n in gm.graph.nodes:
+        if isinstance(n.target, SegmentCall):
+            note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
+            for i in n.all_input_nodes:
+                if i.op.startswith("call"):
+                    note(i, "recompute", "boundary")
 
 
 def _block_bounds(nodes: list[torch.fx.Node]) -> tuple[int, ...]:
