@@ -92,6 +92,8 @@ class Report:
                 f"(budget {size_text(fit.budget_bytes)})")
         if "measured_peak_bytes" in s:
             line += f", {size_text(s['measured_peak_bytes'])} measured (calibrate)"
+        if s.get("plan_cache") == "from the cache":
+            line += ", the plan from the plan cache"
         if not s.get("segments"):
             return line + "; nothing recomputed"
         return (line + f"; recompute adds {s['recompute_ms']:g} ms, {s['recompute_overhead_pct']:g}% of the "

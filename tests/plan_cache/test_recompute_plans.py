@@ -53,6 +53,7 @@ def test_a_second_optimize_replays_the_plan_to_the_same_graph_and_step(tmp_path,
     _forbid_planning(monkeypatch)
     warm = graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)
     assert _cache_state(warm) == "from the cache"
+    assert "the plan from the plan cache" in warm.graphopt_report.headline()
     assert warm.code == cold.code
     segments = [[(n.target.module.code, n.target.selective) for n in m.graph.nodes if hasattr(n.target, "draws")]
                 for m in (cold, warm)]

@@ -1,6 +1,7 @@
 """recompute: insert recompute checkpoints so one training step fits budget_gb (GB = 10**9 bytes).
 
-Algorithm:
+Algorithm (where the plan cache holds this graph's plan for these settings, cached.py replays it
+instead: the segments, the writes in place and the report's figures, or the refusal):
   1. In training, attribute reads move to the top, and state writes that read no computed
      value move up (tidy.py: they would cut segments). Estimate the step's peak
      (memory.estimate_peak: the step run on FakeTensors, with optimizer= its state and step()
