@@ -7,8 +7,9 @@ names, dtypes, shapes, devices and requires_grad, the tensor attributes the grap
 pass's options and the pipeline's settings, the device planned for, and the versions of torch
 and Triton and a digest of graphopt's own source (a plan made by other code is not this code's
 plan). A call or module target that is a Python function is keyed by its bytecode and
-constants too; any other object by its type and repr (an address in a repr makes the key new
-each process: a miss, never a wrong hit).
+constants too, a higher-order op by its name, any other object by its type and repr
+(graphopt's runtime callables describe what they compute there; an address in a repr makes
+the key new each process: a miss, never a wrong hit).
 """
 from __future__ import annotations
 
@@ -54,20 +55,26 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def _target(gm: torch.fx.GraphModule, n: torch.fx.Node) -> str:
+def _target(gm: torch.fx.GraphModule, n: torch.fx.Node) -> str | list:
     if n.op == "call_module":
         module = gm.get_submodule(n.target)
+        if isinstance(module, torch.fx.GraphModule):  # a subgraph: by its own nodes
+            return [n.target, graph_key(module)]
         return f"{n.target}:{type(module).__module__}.{type(module).__qualname__}({module.extra_repr()})" \
                f"{_code(type(module).forward)}"
     if n.op == "get_attr":
         value = _attribute(gm, n.target)
         if isinstance(value, torch.Tensor):
             return f"{n.target}:{value.dtype}{list(value.shape)}:{_tensor_digest(value)}"
+        if isinstance(value, torch.fx.GraphModule):  # a higher-order op's subgraph
+            return [n.target, graph_key(value)]
         return f"{n.target}:{type(value).__qualname__}"
     if isinstance(n.target, str):
         return n.target
     if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(n.target)
+    if isinstance(n.target, torch._ops.HigherOrderOperator):  # its subgraph is a get_attr node of its own
+        return f"higher_order.{n.target.name()}"
     name = f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', type(n.target).__qualname__)}"
     return name + _code(n.target) if callable(n.target) and hasattr(n.target, "__code__") else f"{name}:{n.target!r}"
 

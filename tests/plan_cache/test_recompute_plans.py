@@ -1,6 +1,10 @@
 """A budget's plan made in one process is taken from the plan cache by the next: the same graph,
 the same step to the bit, no search; anything the plan reads changed, and it is planned again."""
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -158,3 +162,27 @@ def test_train_step_takes_its_plans_and_refusals_from_the_cache(tmp_path, monkey
     _forbid_planning(monkeypatch)
     second = graphopt.train_step(model, args, kwargs, budget_gb=least * 0.8, plan_cache=tmp_path)
     assert second.microbatches == first.microbatches
+
+
+_START = textwrap.dedent("""
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    import torch, transformers, graphopt
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 32))
+    opt = graphopt.optimize(model, (ids,), {"labels": ids}, budget_gb=float(sys.argv[2]), plan_cache=sys.argv[1])
+    print(opt.graphopt_report.recompute().stats["plan_cache"])
+""")
+
+
+def test_a_second_process_takes_the_plan_the_first_made(tmp_path):
+    """A training script's second start: torch.export's graph (higher-order ops and their subgraphs
+    included) keys the same in another process."""
+    pytest.importorskip("transformers")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    starts = [subprocess.run([sys.executable, "-c", _START, str(tmp_path), "0.0004"], capture_output=True, text=True,
+                             cwd=root, check=True).stdout.split("\n")[-2] for _ in range(2)]
+    assert starts == ["planned and kept", "from the cache"]
