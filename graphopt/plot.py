@@ -18,14 +18,16 @@ def backward_start(timeline: list[tuple[str, int]]) -> int | None:
 
 
 def memory_csv(curves: dict[str, Estimate]) -> str:
-    """Every event of each curve: live bytes after it, and its phase (forward until the
-    backward_start, the dotted line of memory_png; backward from it)."""
+    """Every event of each curve from its first op (the resident state one first event): live
+    bytes after it, and its phase (forward until the backward_start, the dotted line of
+    memory_png; backward from it)."""
     lines = ["curve,index,event,live_bytes,phase"]
     for label, estimate in curves.items():
-        start = backward_start(estimate.timeline)
+        timeline = from_first_op(estimate.timeline)
+        start = backward_start(timeline)
         lines += [f"{label},{k},{event.replace(',', ';')},{live},"
                   f"{'backward' if start is not None and k >= start else 'forward'}"
-                  for k, (event, live) in enumerate(estimate.timeline)]
+                  for k, (event, live) in enumerate(timeline)]
     return "\n".join(lines) + "\n"
 
 
@@ -33,10 +35,9 @@ def memory_png(curves: dict[str, Estimate], budget_bytes: int | None = None) -> 
     """Predicted live memory through the step, one line per curve; None without matplotlib."""
     series = {}
     for label, estimate in curves.items():
-        live, folded = from_first_op([b for _, b in estimate.timeline], [e for e, _ in estimate.timeline])
-        start = backward_start(estimate.timeline)
+        timeline = from_first_op(estimate.timeline)
         series[f"{label} (peak {estimate.peak_bytes / GB * 1e3:.2f} MB)"] = (
-            live, None if start is None else start - folded)
+            [b for _, b in timeline], backward_start(timeline))
     return _chart(series, budget_bytes, "predicted live memory (MB, 10^6 bytes)",
                   "progress through the step from its first op: forward, then backward (dotted: backward starts)")
 

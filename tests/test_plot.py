@@ -28,9 +28,9 @@ def _resident_bytes(model, x):
 
 
 def test_resident_events_fold_into_the_first_point():
-    live, folded = from_first_op([10, 30, 35, 60, 40], ["parameters", "parameters", "inputs", "", "free"])
-    assert (live, folded) == ([35, 60, 40], 2)
-    assert from_first_op([5, 0], ["", "free"]) == ([0, 5, 0], -1)  # nothing resident: from zero
+    timeline = [("parameters", 10), ("parameters", 30), ("inputs", 35), ("", 60), ("free", 40)]
+    assert from_first_op(timeline) == [("resident", 35), ("", 60), ("free", 40)]
+    assert from_first_op([("", 5), ("free", 0)]) == [("resident", 0), ("", 5), ("free", 0)]  # nothing resident
 
 
 def test_the_measured_and_the_predicted_curve_start_at_parameters_and_inputs():
@@ -39,7 +39,6 @@ def test_the_measured_and_the_predicted_curve_start_at_parameters_and_inputs():
     assert measured[0] == _resident_bytes(model, x) and max(measured) > measured[0]
     gm = graphopt.trace(model, (x,))
     estimate = estimate_peak(gm, placeholder_values(gm, (x,), {}))
-    predicted, _ = from_first_op([b for _, b in estimate.timeline], [e for e, _ in estimate.timeline])
-    assert predicted[0] == _resident_bytes(model, x)
+    assert from_first_op(estimate.timeline)[0] == ("resident", _resident_bytes(model, x))
     png = memory_png({"eager": estimate}, budget_bytes=estimate.peak_bytes)
     assert png is None or png.startswith(b"\x89PNG")  # None: matplotlib not installed

@@ -30,11 +30,11 @@ CUDA_BLOCK = 512
 RESIDENT_EVENTS = ("parameters", "parameter gradients", "buffers", "inputs", "optimizer state", "resident")
 
 
-def from_first_op(live: list[int], events: list[str]) -> tuple[list[int], int]:
-    """The curve from the resident state on (its first point: every resident storage counted, none
-    of them drawn as a climb from zero), and how many points were folded into that first one."""
-    k = next((i for i, e in enumerate(events) if e not in RESIDENT_EVENTS), len(events))
-    return ([0] if k == 0 else []) + live[max(k - 1, 0):], max(k - 1, 0) - (k == 0)
+def from_first_op(timeline: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """A step's timeline from its first op on: the resident storages counted in one first event,
+    "resident", at their total, not drawn as a climb from zero."""
+    k = next((i for i, (event, _) in enumerate(timeline) if event not in RESIDENT_EVENTS), len(timeline))
+    return [("resident", timeline[k - 1][1] if k else 0)] + timeline[k:]
 
 
 @dataclass

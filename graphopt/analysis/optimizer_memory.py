@@ -10,6 +10,7 @@ gradients are fakes: the optimizer's step counters stay real scalars, as they ar
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import OptionError
 from .live_storage import LiveStorage
+from .planning_device import planning_device
 
 # optimizer= by name: the class and the settings it is built with
 NAMED = {
@@ -44,7 +46,24 @@ def check_optimizer(value):
 
 def optimizer_memory(optimizer, params: list[torch.Tensor]) -> OptimizerMemory:
     """State and step temporaries of `optimizer` (an instance: its class, settings and parameter
-    groups; a name in NAMED: that optimizer over `params`, the trainable ones)."""
+    groups; a name in NAMED: that optimizer over `params`, the trainable ones). A name's answer is
+    kept for parameters of the same shapes, dtypes and devices: train_step and plan plan one model
+    several times, and the two fake steps of a large model's optimizer take seconds."""
+    if not isinstance(optimizer, str):
+        return _measured(optimizer, params)
+    key = (optimizer, planning_device(),
+           tuple((tuple(p.shape), p.dtype, str(p.device), p.requires_grad) for p in params))
+    if key not in _NAMED:
+        _NAMED[key] = _measured(optimizer, params)
+        while len(_NAMED) > 8:
+            _NAMED.popitem(last=False)
+    return _NAMED[key]
+
+
+_NAMED: OrderedDict = OrderedDict()  # (name, the parameters' metadata) -> OptimizerMemory
+
+
+def _measured(optimizer, params: list[torch.Tensor]) -> OptimizerMemory:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = {}
     fake_optimizer = rebuilt(optimizer, params, lambda p: fakes.setdefault(id(p), _fake_parameter(mode, p)))

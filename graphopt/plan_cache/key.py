@@ -4,8 +4,8 @@ The graph as traced is part of the key, node by node (op, name, target, argument
 dtype, shape, strides and device each node makes), so the model's code, its config and the
 inputs' sizes are in it through what they traced to; so are the parameters' and buffers'
 names, dtypes, shapes, devices and requires_grad, the tensor attributes the graph reads, the
-pass's options and the pipeline's settings, the device planned for, and the versions of torch
-and Triton and a digest of graphopt's own source (a plan made by other code is not this code's
+pass's options and the pipeline's settings, the device planned for and the GPU's model, and the
+versions of torch, CUDA and Triton and a digest of graphopt's own source (a plan made by other code is not this code's
 plan). A call or module target that is a Python function is keyed by its bytecode and
 constants too, a higher-order op by its name, any other object by its type and repr
 (graphopt's runtime callables describe what they compute there; an address in a repr makes
@@ -36,8 +36,11 @@ def graph_key(gm: torch.fx.GraphModule) -> list:
 def environment_key() -> dict:
     """The versions and the device that decide a plan besides the graph."""
     triton = sys.modules.get("triton")
-    return {"torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-            "graphopt": source_digest(), "planning_device": planning_device()}
+    # a GPU's model sets its cuBLAS workspaces and the cost model's rates
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": gpu,
+            "triton": getattr(triton, "__version__", None), "graphopt": source_digest(),
+            "planning_device": planning_device()}
 
 
 @functools.lru_cache(maxsize=1)

@@ -70,7 +70,7 @@ def step_timeline(module, model: torch.nn.Module, args: tuple, kwargs: dict | No
     try:
         with LiveStorage([t for t in resident if isinstance(t, torch.Tensor)], timeline=True) as live:
             run_step(module, args, kwargs, loss_fn)
-        return from_first_op([b for _, b in live.timeline], [event for event, _ in live.timeline])[0]
+        return [live_bytes for _, live_bytes in from_first_op(live.timeline)]
     finally:
         clear_grads(model)
 

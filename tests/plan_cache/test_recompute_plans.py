@@ -1,6 +1,7 @@
 """A budget's plan made in one process is taken from the plan cache by the next: the same graph,
 the same step to the bit, no search; anything the plan reads changed, and it is planned again."""
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -145,12 +146,31 @@ def test_other_versions_plan_again(tmp_path, monkeypatch, version):
         "planned and kept"
 
 
-def test_an_entry_that_does_not_match_the_graph_is_planned_again(tmp_path):
+def _tamper(payload: dict, how: str) -> None:
+    if how == "other nodes":
+        payload["names"] = "0" + payload["names"]
+    elif how == "overlapping segments":
+        payload["segments"] = [[0, len(payload["decisions"]), False]] + payload["segments"]
+    elif how == "segments past the graph":
+        payload["segments"][-1][1] = payload["count"] + 5
+    elif how == "writes of another kind":
+        payload["stats"]["written_in_place"] = ["add"]
+    elif how == "an optimizer the settings do not have":
+        payload["optimizer"] = [1, 2]
+
+
+@pytest.mark.parametrize("how", ["other nodes", "overlapping segments", "segments past the graph",
+                                 "writes of another kind", "an optimizer the settings do not have"])
+def test_an_entry_that_does_not_match_the_graph_is_planned_again(tmp_path, how):
+    """An entry as another graph, another version or a hand in the shared directory left it: a miss,
+    the graph planned as traced, never a crash or a plan applied to the wrong nodes."""
     model, args, kwargs = _gpt()
     budget = _budget()
     cold = graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)
     (path,) = PlanStore(tmp_path).dir.glob("*.json")
-    path.write_text(path.read_text().replace('"names": "', '"names": "0'))  # as if made on other nodes
+    entry = json.loads(path.read_text())
+    _tamper(entry["payload"], how)
+    path.write_text(json.dumps(entry))
     warm = graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)
     assert _cache_state(warm) == "planned and kept" and warm.code == cold.code
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch.fx
 
 from ... import ops
+from ...analysis.optimizer_memory import OptimizerMemory
 from ...dump import note
 from ...errors import BudgetError, BudgetWarning, warn
 from ...plan_cache.key import environment_key, graph_key
@@ -28,7 +29,7 @@ from ...ops.twins import inplace_call
 from ...report import BudgetFit, idle_budget
 from ..base import PassContext, PassResult
 from ..inplace import write_in_place
-from .rewrite import checkpoint_segments
+from .rewrite import checkpoint_segments, note_segments
 from .tidy import attributes_first, hoist_state_writes
 
 KIND = "recompute"
@@ -77,7 +78,8 @@ def _payload(pass_, result: PassResult) -> dict:
     stats = {k: v for k, v in result.stats.items() if k != "plan_cache"}
     payload = {"outcome": "fits", "stats": stats, "changed": result.changed,
                "fit": [fit.budget_bytes, fit.planned_for_bytes, fit.peak_before_bytes, fit.predicted_peak_bytes],
-               "peak": result.peak_bytes, "idle": idle_budget(fit)}
+               "peak": result.peak_bytes, "idle": idle_budget(fit),
+               "optimizer": None if pass_.optimizer is None else [pass_.optimizer.state_bytes, pass_.optimizer.step_bytes]}
     if pass_.chosen is not None:
         plan, decisions = pass_.chosen
         nodes = pass_.planned_nodes
@@ -90,8 +92,9 @@ def _rewrites(gm: torch.fx.GraphModule, written: dict) -> list | None:
     """The in-place rewrites of the nodes named in `written` ({name: "op -> op_"}), in graph order;
     None where one is not there or has no in-place twin now."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    position = {name: k for k, name in enumerate(by_name)}
     rewrites = []
-    for name in sorted(written, key=lambda k: list(by_name).index(k) if k in by_name else -1):
+    for name in sorted(written, key=lambda k: position.get(k, -1)):
         n = by_name.get(name)
         op = ops.lookup(n, gm) if n is not None else None
         bound = ops.bind(n, gm) if op is not None else None
@@ -113,34 +116,38 @@ def _replay(pass_, gm: torch.fx.GraphModule, ctx: PassContext, entry: dict) -> P
         stats, peak = dict(entry["stats"]), int(entry["peak"])
         segments = [(int(a), int(b), bool(c)) for a, b, c in entry.get("segments", [])]
         decisions = [str(d) for d in entry.get("decisions", [])]
-    except (KeyError, TypeError, ValueError):
+        known = entry.get("optimizer")
+        optimizer = None if known is None else OptimizerMemory(int(known[0]), int(known[1]))
+    except (KeyError, TypeError, ValueError, IndexError):
         return None
-    if outcome not in ("fits", "plan"):
+    if outcome not in ("fits", "plan") or (optimizer is None) != (pass_.settings.optimizer is None):
         return None
     # the pass's own step 1 tidying, as planning did it before deciding
     if attributes_first(gm) + hoist_state_writes(gm):
         gm.recompile()
+    # everything checked before the graph changes: a miss plans on the graph as traced
+    nodes = list(gm.graph.nodes)
+    if outcome == "plan" and (entry.get("count") != len(nodes) or entry.get("names") != _names(nodes)
+                              or len(decisions) != len(nodes)
+                              or not all(0 <= a < b <= len(nodes) for a, b, _ in segments)
+                              or any(b > a2 for (_, b, _), (a2, _, _) in zip(segments, segments[1:]))):
+        return None
     written = stats.get("written_in_place") or {}
-    rewrites = _rewrites(gm, written)
+    rewrites = _rewrites(gm, written) if isinstance(written, dict) else None
     if rewrites is None:
         return None
     if rewrites:
-        write_in_place(gm, rewrites)
-    nodes = list(gm.graph.nodes)
+        write_in_place(gm, rewrites)  # each node replaced where it stands, under its name
+        nodes = list(gm.graph.nodes)
     if outcome == "plan":
-        if entry.get("count") != len(nodes) or entry.get("names") != _names(nodes) or len(decisions) != len(nodes) \
-                or not all(0 <= a < b <= len(nodes) for a, b, _ in segments):
-            return None
         for n, decision in zip(nodes, decisions):
             if n.op.startswith("call"):
                 note(n, "recompute", decision)
         checkpoint_segments(gm, [nodes[a:b] for a, b, _ in segments], [sel for _, _, sel in segments])
-        from .recompute_pass import note_segments
-
         note_segments(gm)
     if entry.get("idle"):
         warn(str(entry["idle"]), BudgetWarning)
-    _, target = pass_.setup(gm, ctx)
+    _, target = pass_.setup(gm, ctx, optimizer)
     stats["plan_cache"] = "from the cache"
     check = pass_.budget_check(pass_.settings.budget_gb, target, ctx)
     return PassResult(gm, bool(entry.get("changed", True)), stats, call_checks=[check], budget=fit, peak_bytes=peak)

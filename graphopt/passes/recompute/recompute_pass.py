@@ -71,9 +71,8 @@ from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
 from ...analysis.cuda_graphs import graphs_reserve
 from ...analysis.memory import Estimate, below_least, budget_bytes, estimate_peak, measure_step
 from ...analysis.meta import graph_device
-from ...analysis.optimizer_memory import NAMED, check_optimizer, optimizer_memory
+from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
-from ...analysis.segments import SegmentCall
 from ...dump import note
 from ...errors import BudgetError, BudgetWarning, OptionError, warn
 from ...plot import memory_csv, memory_png
@@ -90,6 +89,7 @@ from .candidates import PlanSpace, Scan
 from .in_place import write_within
 from .node_facts import node_facts
 from .pricing import PlanPricer
+from .rewrite import note_segments
 from .search import PlanSearch, put_back
 from .solver import SegmentCost
 from .tidy import attributes_first, hoist_state_writes
@@ -155,9 +155,11 @@ class Recompute(Pass):
         there (plan_cache/recompute_plans.py), else planned (and kept there)."""
         return cached_plan(self, gm, ctx, self._plan)
 
-    def setup(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[int, int]:
+    def setup(self, gm: torch.fx.GraphModule, ctx: PassContext, optimizer: OptimizerMemory | None = None
+              ) -> tuple[int, int]:
         """The budget in bytes and the target the step is planned for (less the headroom and what
-        CUDA graphs hold); the optimizer's memory, accumulation and headroom kept on the pass."""
+        CUDA graphs hold); the optimizer's memory (measured, unless given: the plan cache's),
+        accumulation and headroom kept on the pass."""
         budget_gb = self.settings.budget_gb
         if budget_gb is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
@@ -165,8 +167,9 @@ class Recompute(Pass):
         self.headroom = self.settings.headroom
         if self.headroom is None:
             self.headroom = CUDA_HEADROOM if graph_device(gm) == "cuda" else 0.0
-        optimizer = self.settings.optimizer
-        self.optimizer = optimizer_memory(optimizer, list(gm.parameters())) if optimizer is not None and ctx.train else None
+        if optimizer is None and self.settings.optimizer is not None and ctx.train:
+            optimizer = optimizer_memory(self.settings.optimizer, list(gm.parameters()))
+        self.optimizer = optimizer
         # a step captured as CUDA graphs holds more than the step itself: planned for that much less
         self.reserve = graphs_reserve(gm, ctx.flat_inputs(gm), self.optimizer) if ctx.cuda_graphs and ctx.train else 0
         self.accumulate = self.settings.accumulate and ctx.train
@@ -397,16 +400,6 @@ class Recompute(Pass):
         return below_least(budget_gb, minimum, f"{what} needs at least, {how}", breakdown,
                            f"halve activations with precision='bf16',{batch} or split the model over devices with "
                            "stages=N", self.headroom)
-
-
-def note_segments(gm: torch.fx.GraphModule) -> None:
-    """Each segment call and its boundary inputs noted, for the dumps."""
-    for n in gm.graph.nodes:
-        if isinstance(n.target, SegmentCall):
-            note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
-            for i in n.all_input_nodes:
-                if i.op.startswith("call"):
-                    note(i, "recompute", "boundary")
 
 
 def _block_bounds(nodes: list[torch.fx.Node]) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from ...analysis.effects import CALLS, declared_functional, function_writes, may
 from ...analysis.meta import gather
 from ...analysis.segments import SegmentCall
 from ...custom_functions import FunctionCall
+from ...dump import note
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
@@ -204,3 +205,13 @@ def _rename(graph: torch.fx.Graph, names: dict[torch.fx.Node, str]) -> None:
             taken.discard(node.name)
             node.name = name
             taken.add(name)
+
+
+def note_segments(gm: torch.fx.GraphModule) -> None:
+    """Each segment call and its boundary inputs noted, for the dumps."""
+    for n in gm.graph.nodes:
+        if isinstance(n.target, SegmentCall):
+            note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
+            for i in n.all_input_nodes:
+                if i.op.startswith("call"):
+                    note(i, "recompute", "boundary")
