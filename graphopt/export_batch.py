@@ -116,7 +116,7 @@ class DynamicSizes:
                    if size not in ranges[name]]
         return ", ".join(outside) if outside else None
 
-    def past_model(self, example: list, call: list) -> str | None:
+    def past_model(self, call: list) -> str | None:
         """Where a call's size is past what the model's own code takes (a position table's rows),
         what and why; None otherwise. No graph takes such a call, eager neither."""
         for names, got in zip(self.names, call):
@@ -130,6 +130,7 @@ class DynamicSizes:
 
 
 def past_limit(name: str, size: int, limit: PositionLimit) -> str:
+    """What a size past a position table's rows is refused with: the limit, its reason, the fix."""
     return (f"{name} is {size}, past the model's own limit of {limit.longest}: {limit}, and eager raises "
             f"IndexError past it. Give sequences of at most {limit.longest} (truncate or split them), or a model "
             "with more positions")

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 import torch.fx
@@ -25,6 +25,9 @@ from ..errors import OptionError
 from ..report import BudgetFit
 from .arguments import NAMES as ARGUMENT_NAMES
 from .arguments import OptimizeArguments
+
+if TYPE_CHECKING:
+    from ..plan_cache.store import PlanStore
 
 
 @dataclass
@@ -146,7 +149,7 @@ class PassContext:
     reference: torch.nn.Module | None = None  # the user's model, for verification
     microbatches: int | None = None  # the example inputs are one microbatch of this many
     cuda_graphs: bool = False  # the step is captured as CUDA graphs after the passes (runtime/cuda_graphs.py)
-    plan_cache: object = None  # plan_cache.store.PlanStore the planning passes keep their outcomes in; None: off
+    plan_cache: PlanStore | None = None  # where the planning passes keep their outcomes; None: off
     # what the passes so far have made of the graph (the manager keeps these from PassResult)
     compute_dtype: torch.dtype = torch.float32
     specialized: str | None = None

@@ -26,6 +26,7 @@ from ..analysis.planning_device import planning_device
 
 
 def graph_key(gm: torch.fx.GraphModule) -> list:
+    """gm node by node (op, name, target, arguments, the tensor each makes) and its state."""
     nodes = [[n.op, n.name, _target(gm, n), _value(n.args), _value(n.kwargs), repr(tensor_info(n))]
              for n in gm.graph.nodes]
     state = [[name, str(t.dtype), list(t.shape), str(t.device), bool(t.requires_grad)]

@@ -2,7 +2,7 @@
 
 - Each entry is one JSON file named by its key's SHA-256. Nothing is ever executed or
   unpickled from it: a reader takes numbers, strings and lists, and the pass that wrote it
-  checks them against the graph it has before using them (plan_cache/recompute_plans.py).
+  checks them against the graph it has before using them (passes/recompute/cached.py).
 - Written atomically: to a temporary file in the same directory, then `os.replace`d into place,
   so a crash mid-write leaves no half entry and a reader sees the old file or the new one.
 - Many ranks of one `torchrun` starting at once: `planning(key)` holds an exclusive lock on the

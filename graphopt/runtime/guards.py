@@ -215,7 +215,7 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     @by_signature
     def check(module, call_args, call_kwargs):
         call = pytree.tree_leaves((call_args, call_kwargs))
-        past = sizes.past_model(example, call) if len(call) == len(example) else None
+        past = sizes.past_model(call) if len(call) == len(example) else None
         if past is not None:  # no graph takes it: not a sizes_refused for another graph to take
             raise SizeError(f"this graphopt module got {describe(call_args, call_kwargs)}: {past}.")
         why = sizes.why_not(example, call) if len(call) == len(example) else \

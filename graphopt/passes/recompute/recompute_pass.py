@@ -152,7 +152,7 @@ class Recompute(Pass):
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         """The plan from the plan cache where an entry made for this graph and these settings is
-        there (plan_cache/recompute_plans.py), else planned (and kept there)."""
+        there (cached.py), else planned (and kept there)."""
         return cached_plan(self, gm, ctx, self._plan)
 
     def setup(self, gm: torch.fx.GraphModule, ctx: PassContext, optimizer: OptimizerMemory | None = None
