@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -28,6 +29,26 @@ def _gpt(seq=64):
 def _budget() -> float:
     """Halfway from the least budget to the unplanned peak of _gpt()'s step (the same model each time)."""
     return _halfway(*_gpt())
+
+
+@functools.lru_cache(maxsize=1)
+def _cold() -> tuple[str, str, str]:
+    """The entry _gpt()'s plan at _budget() leaves (its file name and text), and the graph's code:
+    made once, copied into each test's own cache."""
+    model, args, kwargs = _gpt()
+    with tempfile.TemporaryDirectory() as directory:
+        opt = graphopt.optimize(model, args, kwargs, budget_gb=_budget(), plan_cache=directory)
+        (path,) = PlanStore(directory).dir.glob("*.json")
+        return path.name, path.read_text(), opt.code
+
+
+def _planned_before(tmp_path, text: str | None = None):
+    """tmp_path as a cache holding _cold()'s entry (or `text` in its place)."""
+    name, cold, _ = _cold()
+    store = PlanStore(tmp_path)
+    store.dir.mkdir(parents=True)
+    (store.dir / name).write_text(cold if text is None else text)
+    return store.dir / name
 
 
 def _halfway(model, args, kwargs) -> float:
@@ -127,7 +148,7 @@ CHANGES = {
 def test_anything_the_plan_reads_changed_plans_again(tmp_path, change):
     model, args, kwargs = _gpt()
     budget = _budget()
-    graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)
+    _planned_before(tmp_path)
     model, args, kwargs, options = CHANGES[change](model, args, kwargs, budget)
     opt = graphopt.optimize(model, args, kwargs, plan_cache=tmp_path, **options)
     assert _cache_state(opt) == "planned and kept" and len(PlanStore(tmp_path)) == 2
@@ -137,7 +158,9 @@ def test_anything_the_plan_reads_changed_plans_again(tmp_path, change):
 def test_other_versions_plan_again(tmp_path, monkeypatch, version):
     model, args, kwargs = _gpt()
     budget = _budget()
-    graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)
+    _planned_before(tmp_path)
+    assert _cache_state(graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)) == \
+        "from the cache"  # the entry copied in is this model's
     if version == "torch":
         monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
     else:
@@ -165,14 +188,11 @@ def test_an_entry_that_does_not_match_the_graph_is_planned_again(tmp_path, how):
     """An entry as another graph, another version or a hand in the shared directory left it: a miss,
     the graph planned as traced, never a crash or a plan applied to the wrong nodes."""
     model, args, kwargs = _gpt()
-    budget = _budget()
-    cold = graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)
-    (path,) = PlanStore(tmp_path).dir.glob("*.json")
-    entry = json.loads(path.read_text())
+    entry = json.loads(_cold()[1])
     _tamper(entry["payload"], how)
-    path.write_text(json.dumps(entry))
-    warm = graphopt.optimize(model, args, kwargs, budget_gb=budget, plan_cache=tmp_path)
-    assert _cache_state(warm) == "planned and kept" and warm.code == cold.code
+    _planned_before(tmp_path, json.dumps(entry))
+    warm = graphopt.optimize(model, args, kwargs, budget_gb=_budget(), plan_cache=tmp_path)
+    assert _cache_state(warm) == "planned and kept" and warm.code == _cold()[2]
 
 
 def test_train_step_takes_its_plans_and_refusals_from_the_cache(tmp_path, monkeypatch):
@@ -187,22 +207,34 @@ def test_train_step_takes_its_plans_and_refusals_from_the_cache(tmp_path, monkey
 _START = textwrap.dedent("""
     import sys, warnings
     warnings.simplefilter("ignore")
-    import torch, transformers, graphopt
+    import torch, graphopt
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                        for _ in range(4))
+
+        def forward(self, x):
+            with torch.no_grad():  # torch.export keeps this region as a higher-order op and its subgraph
+                scale = x.abs().mean(-1, keepdim=True) + 1
+            x = x / scale
+            for block in self.blocks:
+                x = x + block(x)
+            return x.square().mean()
+
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    model = transformers.LlamaForCausalLM(config)
-    ids = torch.randint(0, 128, (2, 32))
-    opt = graphopt.optimize(model, (ids,), {"labels": ids}, budget_gb=float(sys.argv[2]), plan_cache=sys.argv[1])
+    model, x = Model(), torch.randn(16, 32, 64)
+    opt = graphopt.optimize(model, (x,), frontend="export", budget_gb=0.0045, plan_cache=sys.argv[1])
     print(opt.graphopt_report.recompute().stats["plan_cache"])
 """)
 
 
 def test_a_second_process_takes_the_plan_the_first_made(tmp_path):
-    """A training script's second start: torch.export's graph (higher-order ops and their subgraphs
+    """A training script's second start: torch.export's graph (a higher-order op and its subgraph
     included) keys the same in another process."""
-    pytest.importorskip("transformers")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    starts = [subprocess.run([sys.executable, "-c", _START, str(tmp_path), "0.0004"], capture_output=True, text=True,
+    starts = [subprocess.run([sys.executable, "-c", _START, str(tmp_path)], capture_output=True, text=True,
                              cwd=root, check=True).stdout.split("\n")[-2] for _ in range(2)]
     assert starts == ["planned and kept", "from the cache"]
