@@ -231,6 +231,7 @@ _START = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two fresh processes: make test-real
 def test_a_second_process_takes_the_plan_the_first_made(tmp_path):
     """A training script's second start: torch.export's graph (a higher-order op and its subgraph
     included) keys the same in another process."""

@@ -92,6 +92,7 @@ _RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # three fresh processes: make test-real
 def test_ranks_starting_at_once_plan_once_and_the_others_read_the_whole_entry(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's graphopt
     ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(tmp_path), str(r)], stdout=subprocess.PIPE, text=True,
