@@ -5,7 +5,7 @@ N rows takes T <= N; past it eager raises `IndexError: index out of range in sel
 the embedding. torch.export proves no bound for it (FakeTensors do not check indices), so an
 exported graph would accept T = N + 1 and fail as eager does. This finds each such lookup in an
 exported program: an embedding whose indices are an arange from 0 (through views and adds of a
-constant) and whose table has a static number of rows, and gives the bound it puts on the
+constant, each op as the registry knows it) and whose table has a static number of rows, and gives the bound it puts on the
 arange's length, by the length's symbol, or by its value where the length is static.
 """
 from __future__ import annotations
@@ -15,11 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-aten = torch.ops.aten
-# ops that pass their input's values through to the indices unchanged, in some arrangement
-_SAME_VALUES = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default,
-                aten._unsafe_view.default, aten.clone.default, aten._to_copy.default, aten.alias.default}
-_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+from .. import ops
 
 
 @dataclass(frozen=True)
@@ -41,14 +37,17 @@ class PositionLimit:
 def position_limits(ep) -> list[tuple[object, int | None, PositionLimit]]:
     """(the arange length's sympy symbol, or None where it is static; its value in the example;
     the limit) for each position lookup of the exported program `ep`."""
+    gm = ep.graph_module
     tables = {**ep.graph_signature.inputs_to_parameters, **ep.graph_signature.inputs_to_buffers}
     found = []
     for node in ep.graph.nodes:
-        if node.op != "call_function" or node.target is not aten.embedding.default:
+        op = ops.lookup(node, gm) if node.op == "call_function" else None
+        bound = ops.bind(node, gm) if op is not None and op.name == "embedding" else None
+        if bound is None:
             continue
-        weight, indices = node.args[0], node.args[1]
+        weight, indices = bound.operands[:2]
         rows = _static_rows(weight)
-        source = _arange_of(indices)
+        source = _arange_of(indices, gm)
         if rows is None or source is None or getattr(weight, "name", None) not in tables:
             continue
         arange, offset = source
@@ -71,20 +70,24 @@ def _static_rows(weight) -> int | None:
     return int(val.shape[0])
 
 
-def _arange_of(indices) -> tuple[torch.fx.Node, int] | None:
-    """(arange node counting from 0 by 1, constant added) where `indices` are its values, else None."""
+def _arange_of(indices, gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, int] | None:
+    """(arange node counting from 0 by 1, constant added) where `indices` are its values, or some
+    of them (a view picks or arranges them, none larger), else None. The registry says which op
+    each node is."""
     offset, node = 0, indices
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        if node.target in _SAME_VALUES:
-            node = node.args[0]
-        elif node.target in (aten.add.Tensor, aten.add.Scalar) and isinstance(node.args[1], int) \
-                and len(node.args) == 2 and not node.kwargs:
-            offset += node.args[1]
-            node = node.args[0]
-        elif node.target in _ARANGES:
-            start = 0 if node.target is aten.arange.default else node.args[0]
-            step = node.args[2] if node.target is aten.arange.start_step else 1
-            return (node, offset) if start == 0 and step == 1 and offset >= 0 else None
+        op = ops.lookup(node, gm)
+        bound = ops.bind(node, gm) if op is not None else None
+        if bound is None:
+            return None
+        if op.kind == "view":
+            node = bound.operands[0]
+        elif op.name == "add" and isinstance(bound.operands[1], int) and bound.params.get("alpha", 1) == 1:
+            offset += bound.operands[1]
+            node = bound.operands[0]
+        elif op.name == "arange":
+            p = bound.params
+            return (node, offset) if p.get("start") == 0 and p.get("step") == 1 and offset >= 0 else None
         else:
             return None
     return None

@@ -131,6 +131,11 @@ def plan_writes(gm: torch.fx.GraphModule, facts: StepFacts, train: bool, reread:
     return rewrites, skipped
 
 
+def written_as(op) -> str:
+    """How a write is reported and kept (the plan cache's entries): "add -> add_"."""
+    return f"{op.name} -> {op.inplace}"
+
+
 def write_in_place(gm: torch.fx.GraphModule, rewrites: list) -> dict:
     """Step 3: each rewrite done, in graph order, each node replaced where it stands; {name: how}."""
     done, replaced = {}, {}
@@ -145,8 +150,8 @@ def write_in_place(gm: torch.fx.GraphModule, rewrites: list) -> dict:
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
         new.name = n.name
-        note(new, "inplace", f"{op.name} -> {op.inplace}")
-        done[new.name] = f"{op.name} -> {op.inplace}"
+        note(new, "inplace", written_as(op))
+        done[new.name] = written_as(op)
     gm.graph.lint()
     gm.recompile()
     return done

@@ -28,7 +28,7 @@ from ...plan_cache.store import digest
 from ...ops.twins import inplace_call
 from ...report import BudgetFit, idle_budget
 from ..base import PassContext, PassResult
-from ..inplace import write_in_place
+from ..inplace import write_in_place, written_as
 from .rewrite import checkpoint_segments, note_segments
 from .tidy import attributes_first, hoist_state_writes
 
@@ -99,7 +99,7 @@ def _rewrites(gm: torch.fx.GraphModule, written: dict) -> list | None:
         op = ops.lookup(n, gm) if n is not None else None
         bound = ops.bind(n, gm) if op is not None else None
         call = inplace_call(bound) if bound is not None else None
-        if call is None or f"{op.name} -> {op.inplace}" != written[name]:
+        if call is None or written_as(op) != written[name]:
             return None
         rewrites.append((n, op, call))
     return rewrites

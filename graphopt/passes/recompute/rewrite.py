@@ -81,11 +81,13 @@ def _writes_inside(node: torch.fx.Node, gm: torch.fx.GraphModule, inside: set, a
     x = bound.operands[0] if bound is not None and bound.operands else None
     while isinstance(x, torch.fx.Node) and x in inside and x.op in CALLS:
         made = ops.lookup(x, gm)
-        if made is None:  # fresh where its schema says its results alias no input, or the FakeTensor run does
-            return declared_functional(x) or (aliases.complete and not set(aliases.sharing(x)) & set(x.all_input_nodes))
+        # the FakeTensor run shows x sharing no storage with its inputs
+        ran_fresh = aliases.complete and not set(aliases.sharing(x)) & set(x.all_input_nodes)
+        if made is None:  # fresh where its schema says its results alias no input, or the run does
+            return declared_functional(x) or ran_fresh
         if made.inplace_of:  # its result is the storage it wrote: where that came from
             return _writes_inside(x, gm, inside, aliases)
-        if not made.aliases or (aliases.complete and not set(aliases.sharing(x)) & set(x.all_input_nodes)):
+        if not made.aliases or ran_fresh:
             return True  # a fresh tensor
         x = x.all_input_nodes[0] if x.all_input_nodes else None
     return False
