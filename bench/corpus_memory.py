@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     from corpus import CORPUS, build
     from corpus.memory import user_step_peak
     from graphopt.analysis.memory import estimate_peak, size_text
-    from graphopt.trace import placeholder_values
+    from graphopt.frontend.graph_inputs import placeholder_values
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(CORPUS))

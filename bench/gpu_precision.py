@@ -23,7 +23,7 @@ import graphopt  # noqa: E402
 import precision_figures as pf  # noqa: E402
 from graphopt.analysis.autocast_plan import autocast_dtypes, dtypes_of  # noqa: E402
 from graphopt.analysis.meta import tensor_info  # noqa: E402
-from graphopt.trace import placeholder_values  # noqa: E402
+from graphopt.frontend.trace import placeholder_values  # noqa: E402
 from results_files import device_name, today, write_results  # noqa: E402
 
 

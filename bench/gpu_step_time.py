@@ -50,7 +50,7 @@ if not torch.cuda.is_available():  # before Triton is imported: @triton.jit deci
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import graphopt  # noqa: E402
-from graphopt.export_batch import ExportCache, keeping_exports  # noqa: E402
+from graphopt.frontend.export_batch import ExportCache, keeping_exports  # noqa: E402
 from graphopt.runtime import launch  # noqa: E402
 from results_files import device_name, today  # noqa: E402
 

@@ -18,7 +18,7 @@ from graphopt.passes.recompute.rewrite import checkpoint_segments
 from graphopt.passes.recompute.solver import make_atoms, solve
 from graphopt.testing import zoo
 from graphopt.testing.baselines import budget_at
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 from least_budget import idle_budget_bytes, least_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

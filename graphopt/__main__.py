@@ -12,17 +12,17 @@ import torch
 
 from .analysis.memory import budget_bytes, size_text
 from .api import DEFAULT_PASSES, optimize
-from .before_after import measure
-from .check_estimate import check_estimate
-from .cli_text import cli_text, graphopt_warnings
-from .demo import dumps_line, record_markdown, run_demo
+from .demo.before_after import measure
+from .verification.check_estimate import check_estimate
+from .reporting.cli_text import cli_text, graphopt_warnings
+from .demo.run import dumps_line, record_markdown, run_demo
 from .errors import GraphoptError, UsageError
 from .passes import available
 from .plan import plan
 from .plan_cache.store import PlanStore
-from .precisions import PRECISIONS
+from .vocabulary.precisions import PRECISIONS
 from .runtime.step import output_loss
-from .trial import trial_run
+from .analysis.trial import trial_run
 
 
 def _demo(args) -> int:

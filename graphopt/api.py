@@ -10,23 +10,24 @@ import torch.fx
 
 from . import passes as passes_pkg
 from .analysis.batch_wide import batch_wide, the_loss
-from .batch import batch_rows, splits_evenly
-from .dump import Dumper, check_dump_dir
+from .frontend.batch import batch_rows, splits_evenly
+from .reporting.dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
-from .input_aliases import distinct
-from .lazy import MAX_GRAPHS, LazyOptimized
-from .microbatch_semantics import announce, check_batch_norm
+from .frontend.input_aliases import distinct
+from .runtime.lazy import MAX_GRAPHS, LazyOptimized
+from .runtime.microbatch_semantics import announce, check_batch_norm
 from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
+from .passes.records import PassLog
 from .plan_cache.store import plan_store
-from .report import Report
+from .reporting.report import Report
 from .runtime.batch_graphs import install_batch_graphs
 from .runtime.cuda_graphs import capture, check_cuda_graphs
 from .runtime.guards import install_guards
 from .runtime.input_writes import WriteAliasCheck
 from .runtime.microbatch import first_microbatch
-from .trace import FRONTENDS, check_inputs, trace
+from .frontend.trace import FRONTENDS, check_inputs, trace
 
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from,
 # then those that pay without being asked; each says where it does not (Pass.skip_by_default:
@@ -207,7 +208,13 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
                       microbatches=microbatches, cuda_graphs=cuda_graphs, plan_cache=plan_cache)
     dumper = Dumper(dump_dir) if dump_dir else None
-    gm = PassManager(pipeline, verify=verify, dumper=dumper).run(gm, ctx, report)
+    log = PassLog(model=report.model)
+    try:
+        gm = PassManager(pipeline, verify=verify, dumps=dumper).run(gm, ctx, log)
+    finally:  # the dumps' summary also of a run a pass or its verification stopped
+        report.passes, report.skipped, report.notes = log.passes, log.skipped, report.notes + log.notes
+        if dumper:
+            dumper.summary(report)
     gm.train(model.training)  # modules a pass made (the pipeline's stages) start in training mode
     if dumper:
         dumper.svg(gm)

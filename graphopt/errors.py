@@ -3,7 +3,7 @@ import os
 import sys
 import warnings
 
-from .units import in_gb
+from .vocabulary.sizes import in_gb
 
 
 class GraphoptError(Exception):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from graphopt.testing import zoo
-from graphopt.trial import tensor_leaves
-from graphopt.verify import compare, float64_copy
+from graphopt.analysis.trial import tensor_leaves
+from graphopt.verification.verify import compare, float64_copy
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ def plain_and_fused_peaks(model, args) -> tuple:
     the kernels' allocations); same RNG seed for both."""
     import graphopt
     from graphopt.analysis.memory import estimate_peak
-    from graphopt.trace import placeholder_values
+    from graphopt.frontend.graph_inputs import placeholder_values
 
     graphs = {"plain": graphopt.optimize(model, args, passes="normalize"),
               "fused": graphopt.optimize(model, args, passes="fuse")}
@@ -68,7 +68,7 @@ def plain_and_fused_peaks(model, args) -> tuple:
 
 def assert_same_step(model, opt, args, kwargs, exact=True, tol=1e-5):
     """Bitwise, or (exact=False) within tol relative to each entry's largest element, or no further
-    from a float64 step than ten times float32 eager is (graphopt.verify.compare, as the corpus)."""
+    from a float64 step than ten times float32 eager is (graphopt.verification.verify.compare, as the corpus)."""
     ref_out, ref_grads = step(model, args, kwargs)
     got_out, got_grads = step(opt, args, kwargs)
     assert len(ref_out) == len(got_out) > 0

@@ -223,7 +223,7 @@ def test_dump_of_nested_tuple_outputs(tmp_path):
 def test_verify_in_bf16_compares_with_autocast():
     # a conv bias in front of a BatchNorm has a gradient that is zero in exact arithmetic: in bf16 it
     # is rounding noise, as it is under torch.autocast
-    from graphopt.verify import TOLERANCE, compare, run_step
+    from graphopt.verification.verify import TOLERANCE, compare, run_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())

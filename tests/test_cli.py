@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphopt.__main__ import main
-from graphopt.cli_text import cli_text
+from graphopt.reporting.cli_text import cli_text
 
 SUMMARY_KEYS = {"eager_peak_bytes", "optimized_peak_bytes", "budget_bytes", "eager_step_ms", "optimized_step_ms"}
 

@@ -1,12 +1,12 @@
 """A model's own torch.autograd.Functions keep their backward through both frontends
-(graphopt/custom_functions.py), on the example batch and on another one."""
+(graphopt/frontend/custom_functions.py), on the example batch and on another one."""
 import copy
 
 import pytest
 import torch
 
 import graphopt
-from graphopt.custom_functions import FunctionCall
+from graphopt.frontend.custom_functions import FunctionCall
 from graphopt.passes.recompute.rewrite import recomputable
 
 
@@ -105,7 +105,7 @@ def test_a_function_that_saves_less_keeps_less_and_may_be_recomputed(monkeypatch
     from graphopt.runtime.step import step_peak
     kept = step_peak(graphopt.optimize(model, (x,), frontend="export"), model, (x,))
     # the same model with its Functions traced through: autograd saves what the forward's ops save
-    from graphopt import custom_functions
+    from graphopt.frontend import custom_functions
     monkeypatch.setattr(custom_functions, "_kept", lambda function: False)
     through = step_peak(graphopt.optimize(inlined, (x,), frontend="export"), inlined, (x,))
     assert kept < through

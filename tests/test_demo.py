@@ -4,8 +4,8 @@ from pathlib import Path
 import torch
 
 from graphopt.__main__ import main
-from graphopt.before_after import BeforeAfter, Line
-from graphopt.demo import demo_configs, machine, record_markdown
+from graphopt.demo.before_after import BeforeAfter, Line
+from graphopt.demo.run import demo_configs, machine, record_markdown
 
 
 def _result() -> BeforeAfter:

@@ -3,14 +3,14 @@ import re
 import pytest
 
 import graphopt
-import graphopt.plot
+import graphopt.reporting.plot
 from graphopt.analysis.memory import estimate_peak
 from graphopt.analysis.segments import SegmentCall
-from graphopt.dump import code_diff
-from graphopt.plot import BACKWARD_EVENTS, backward_start, memory_csv
+from graphopt.reporting.dump import code_diff
+from graphopt.reporting.plot import BACKWARD_EVENTS, backward_start, memory_csv
 from graphopt.testing import zoo
 from graphopt.testing.baselines import budget_at
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 
 def test_dump_layout(tmp_path):
@@ -50,7 +50,7 @@ def test_dump_from_environment(tmp_path, monkeypatch):
 
 
 def test_passes_annotations_show_in_node_table(tmp_path):
-    from graphopt.dump import note
+    from graphopt.passes.notes import note
     from graphopt.passes import Pass, PassResult
 
     class Mark(Pass):
@@ -108,9 +108,9 @@ def planned(tmp_path_factory):
     gm = graphopt.trace(model, args, kwargs)
     budget_gb = budget_at(estimate_peak(gm, placeholder_values(gm, args, kwargs)), 0.5)
     directory, charts = tmp_path_factory.mktemp("dump"), []
-    draw = graphopt.plot._chart
+    draw = graphopt.reporting.plot._chart
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(graphopt.plot, "_chart", lambda series, *rest: charts.append(series) or draw(series, *rest))
+        patch.setattr(graphopt.reporting.plot, "_chart", lambda series, *rest: charts.append(series) or draw(series, *rest))
         opt = graphopt.optimize(model, args, example_kwargs=kwargs, budget_gb=budget_gb, dump_dir=directory)
     stem = f"{len(opt.graphopt_report.passes):02d}-recompute"
     assert opt.graphopt_report.passes[-1].stats["segments"] > 0

@@ -5,9 +5,9 @@ norm over transposed patches, its MSE loss)."""
 import pytest
 import torch
 
-from graphopt import fake_kernels
+from graphopt.analysis import fake_kernels
 from graphopt.analysis.estimate_check import check_estimate
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 aten = torch.ops.aten
 LAYOUTS = {  # an input laid out otherwise than contiguous: transposed (3-d), permuted or channels-last (4-d)

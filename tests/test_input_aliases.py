@@ -1,4 +1,4 @@
-"""Inputs that share storage (graphopt/input_aliases.py): transformers' `labels=input_ids`, traced
+"""Inputs that share storage (graphopt/frontend/input_aliases.py): transformers' `labels=input_ids`, traced
 as two inputs, is right on every later batch; a model that writes into an aliased input is refused."""
 import pytest
 import torch

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import graphopt
-import graphopt.export_batch
-import graphopt.lazy
+import graphopt.frontend.export_batch
+import graphopt.runtime.lazy
 from graphopt.analysis.memory import GB, estimate_peak, measure_step
 from graphopt.testing import zoo
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 from conftest import assert_same_step, step
 
@@ -97,8 +97,8 @@ def test_the_lazy_form_plans_once_for_a_loader_whose_longest_batch_comes_first(m
         assert_same_step(model, lazy, args2, kwargs2, exact=True)
     assert builds == [32]
     exports = []
-    export = graphopt.export_batch.export
-    monkeypatch.setattr(graphopt.export_batch, "export", lambda *a: exports.append(a) or export(*a))
+    export = graphopt.frontend.export_batch.export
+    monkeypatch.setattr(graphopt.frontend.export_batch, "export", lambda *a: exports.append(a) or export(*a))
     for length in (40, 36, 8):  # longer than the plan's and over its budget: a plan of its own, then served
         args2, kwargs2 = _batch(length)
         assert_same_step(model, lazy, args2, kwargs2, exact=True)
@@ -109,7 +109,7 @@ def test_the_lazy_form_plans_once_for_a_loader_whose_longest_batch_comes_first(m
 
 
 def test_the_lazy_form_keeps_at_most_max_graphs_the_least_recently_used_dropped(monkeypatch):
-    monkeypatch.setattr(graphopt.lazy, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(graphopt.runtime.lazy, "MAX_GRAPHS", 2)
     model, (x,), _ = zoo.mlp(batch=8)
     lazy = graphopt.optimize(model)
     lazy(x)
@@ -129,8 +129,8 @@ def test_the_lazy_form_keeps_at_most_max_graphs_the_least_recently_used_dropped(
 
 def test_an_export_is_kept_for_the_sizes_it_takes_and_the_state_it_holds():
     model, (args, kwargs) = _llama()
-    cache = graphopt.export_batch.ExportCache()
-    with graphopt.export_batch.keeping_exports(cache):
+    cache = graphopt.frontend.export_batch.ExportCache()
+    with graphopt.frontend.export_batch.keeping_exports(cache):
         graphopt.trace(model, args, kwargs, frontend="export")
     assert cache.get(model, *_batch(16)) is not None
     assert cache.get(model, (torch.randint(0, 128, (2, 16)).int(),), {"labels": _batch(16)[1]["labels"]}) is None

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models trace: graphopt's fake torch._grouped_mm (graphopt/fake_kernels.py)
+"""Mixture-of-experts models trace: graphopt's fake torch._grouped_mm (graphopt/analysis/fake_kernels.py)
 takes what the real kernel takes and gives what it gives, and only while graphopt runs."""
 import pytest
 import torch
@@ -6,9 +6,9 @@ from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphopt
-from graphopt import fake_kernels
-from graphopt.float64_reference import grouped_mm
-from graphopt.verify import float64_step, run_step
+from graphopt.analysis import fake_kernels
+from graphopt.verification.float64_reference import grouped_mm
+from graphopt.verification.verify import float64_step, run_step
 
 OFFS = torch.tensor([8, 8, 32], dtype=torch.int32)  # three groups, the second empty
 

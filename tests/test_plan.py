@@ -12,7 +12,7 @@ from graphopt.__main__ import main
 from graphopt.analysis.memory import GB, measure_peak
 from graphopt.analysis.planning_device import planning_for
 from graphopt.passes.recompute.recompute_pass import CUDA_HEADROOM
-from graphopt.microbatch_choice import MicrobatchChoice
+from graphopt.training.microbatch_choice import MicrobatchChoice
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,9 +5,9 @@ import torch
 import graphopt
 from graphopt.analysis.live_storage import from_first_op
 from graphopt.analysis.memory import estimate_peak
-from graphopt.plot import memory_png
+from graphopt.reporting.plot import memory_png
 from graphopt.runtime.step import step_timeline
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 
 class _Regressor(torch.nn.Module):

@@ -7,9 +7,9 @@ import torch
 
 import graphopt
 from graphopt.analysis.memory import size_text
-from graphopt.before_after import BeforeAfter, Line
+from graphopt.demo.before_after import BeforeAfter, Line
 from graphopt.errors import BudgetWarning
-from graphopt.report import BudgetFit, PassRecord, Report
+from graphopt.reporting.report import BudgetFit, PassRecord, Report
 
 FIT = BudgetFit(budget_bytes=1_600_000, planned_for_bytes=1_600_000, peak_before_bytes=2_075_984,
                 predicted_peak_bytes=1_547_600)

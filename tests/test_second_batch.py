@@ -1,8 +1,8 @@
-"""verify=True's second batch (graphopt/second_batch.py): the example's shapes and dtypes, values
+"""verify=True's second batch (graphopt/verification/second_batch.py): the example's shapes and dtypes, values
 drawn apart from it within the ranges it shows."""
 import torch
 
-from graphopt.second_batch import second_batch
+from graphopt.verification.second_batch import second_batch
 
 
 def test_each_tensor_is_drawn_apart_within_the_examples_ranges():

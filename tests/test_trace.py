@@ -117,7 +117,7 @@ def test_parameters_and_buffers_read_in_forward_are_named_as_torch_names_them():
     assert targets(ours.graph) == targets(theirs) == ["embed.weight", "scale"]
     # a parameter's node comes from the model's line that reads it, not from graphopt's tracer
     weight = next(n for n in ours.graph.nodes if n.op == "get_attr")
-    tracer_file = sys.modules["graphopt.trace"].__file__
+    tracer_file = sys.modules["graphopt.frontend.trace"].__file__
     assert "self.embed.weight" in weight.meta["stack_trace"] and tracer_file not in weight.meta["stack_trace"]
     x = torch.randn(5, 4)  # a second batch, of other rows
     assert torch.equal(ours(x), model(x))

@@ -22,7 +22,7 @@ from graphopt.analysis.memory import GB, measure_peak
 from graphopt.runtime.microbatch import split_batch
 from graphopt.runtime.step import clear_grads, run_step, step_loss, step_peak
 from graphopt.testing import zoo
-from graphopt.verify import compare, float64_copy
+from graphopt.verification.verify import compare, float64_copy
 
 EXACT = 1e-5
 QUICK_CORPUS = ("hf_gpt2",)  # fits in microbatches

@@ -42,7 +42,7 @@ import torch
 import torch.fx
 
 from .. import ops
-from ..trial import trial_run
+from .trial import trial_run
 from .effects import CALLS
 from .meta import leaves, tensor_info
 from .saved import params_read

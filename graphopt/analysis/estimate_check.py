@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from ..trial import trial_run
+from .trial import trial_run
 from .fake_state import fake_run
 from .memory import size_text, traced_step
 

@@ -17,8 +17,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..fake_kernels import Fakes
-from ..fake_kernels import active as fake_kernels_active
+from .fake_kernels import Fakes
+from .fake_kernels import active as fake_kernels_active
 from .planning_device import planning_device
 from .segments import SegmentCall, segment_modules
 

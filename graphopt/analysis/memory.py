@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import BudgetError
-from ..units import GB, budget_bytes  # noqa: F401  (GB re-exported: read from here across the package)
+from ..vocabulary.sizes import GB, budget_bytes  # noqa: F401  (GB re-exported: read from here across the package)
 from .cuda_workspaces import held_bytes
 from .fake_state import fake_run
 from .live_storage import LiveStorage
@@ -121,7 +121,7 @@ def backward_roots(out) -> list[torch.Tensor]:
     computes its loss, as transformers' do with labels) when it returns any, else every
     floating output that requires grad (a loss computed outside, whose gradient is the
     output's size)."""
-    from ..trial import tensor_leaves
+    from .trial import tensor_leaves
 
     leaves = [t for t in tensor_leaves(out) if t.requires_grad and t.is_floating_point()]
     losses = [t for t in leaves if t.dim() == 0]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..precisions import torch_name
+from ..vocabulary.precisions import torch_name
 from .planning_device import planning_device
 
 KEY = "tensor_info"

@@ -24,7 +24,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from ..ops import canonical_ops
 from ..ops.shim import evaluate
-from ..precisions import torch_name
+from ..vocabulary.precisions import torch_name
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)

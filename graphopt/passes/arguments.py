@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..precisions import precision_name
+from ..vocabulary.precisions import precision_name
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ import torch.fx
 
 from ..analysis.cache import Analyses
 from ..errors import OptionError
-from ..report import BudgetFit
 from .arguments import NAMES as ARGUMENT_NAMES
 from .arguments import OptimizeArguments
+from .records import BudgetFit, MemoryCurves
+from ..frontend.graph_inputs import placeholder_values
 
 if TYPE_CHECKING:
     from ..plan_cache.store import PlanStore
@@ -35,10 +36,11 @@ class PassResult:
     graph_module: torch.fx.GraphModule
     changed: bool
     stats: dict[str, Any] = field(default_factory=dict)
-    # Files for the dumps, by name: "kernels/..." go to the kernels directory, other names
-    # next to the pass's own dump, as kk-name.<name>. A value may be a function returning
-    # the content (or None for no file): it is called only when dumping.
-    artifacts: dict[str, Any] = field(default_factory=dict)
+    # Texts for the dumps, by name: "kernels/..." go to the kernels directory, other names
+    # next to the pass's own dump, as kk-name.<name>.
+    files: dict[str, str] = field(default_factory=dict)
+    # The step's predicted memory through the pass, for the dumps to draw (recompute).
+    memory: MemoryCurves | None = None
     # What the result holds beyond its graph, for the manager and optimize(): the dtype the
     # graph now computes in (verification's tolerance), and why it holds only for the example
     # inputs' shapes (optimize() then installs a shape guard that says so).
@@ -164,8 +166,6 @@ class PassContext:
         self.analyses = Analyses(self.flat_inputs)
 
     def flat_inputs(self, gm: torch.fx.GraphModule) -> list:
-        from ..trace import placeholder_values
-
         return placeholder_values(gm, self.example_args, self.example_kwargs)
 
     def analysis(self, analysis, gm: torch.fx.GraphModule, **settings):

@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .. import ops
 from ..analysis import meta
 from ..analysis.effects import pure_op, size_arithmetic
-from ..dump import note
+from .notes import note
 from ..runtime.causal_check import CausalMaskCheck, is_causal_mask
 
 ATTENTION = ("scaled_dot_product_attention", "scaled_dot_product_attention_dropout")

@@ -19,7 +19,7 @@ import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from ..analysis import meta
-from ..fake_kernels import grouped_mm_output
+from ..analysis.fake_kernels import grouped_mm_output
 
 FALLBACK = "transformers::grouped_mm_fallback"
 

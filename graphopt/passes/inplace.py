@@ -45,7 +45,7 @@ from ..analysis.effects import state_effect
 from ..analysis.memory import estimate_peak, output_tensors
 from ..analysis.meta import tensor_info
 from ..analysis.saved import StepFacts, record_step
-from ..dump import note
+from .notes import note
 from ..ops.twins import inplace_call
 from .base import Pass, PassContext, PassResult
 from .registry import register

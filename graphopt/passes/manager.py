@@ -3,8 +3,9 @@
 The order of the passes is checked first (Pass.runs_after). For each pass: run it, then lint
 and recompile the graph it returns (re-annotating it when it has nodes without metadata), time
 it, optionally verify its numbers against the eager model (on the example and on a second batch
-drawn apart from it: a graph right on its example only is caught here), and record a report row
-and the dumps. Passes themselves only rewrite and report stats.
+drawn apart from it: a graph right on its example only is caught here), and log a record of it
+(records.PassLog) and hand its graph, files and memory curves to the dumps. Passes themselves
+only rewrite and report stats.
 """
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import torch
 import torch.fx
 
 from ..analysis.meta import graph_device, is_annotated
-from ..dump import Dumper
 from ..errors import GraphoptError, VerifyError
-from ..report import PassRecord, Report
-from ..second_batch import second_batch
-from ..trace import annotate
-from ..verify import TOLERANCE, Reference
+from ..verification.second_batch import second_batch
+from ..frontend.trace import annotate
+from ..verification.verify import TOLERANCE, Reference
 from .base import Pass, PassContext
+from .records import Dumps, PassLog, PassRecord
 from .registry import check_order
 
 
@@ -29,19 +29,20 @@ def _count(gm: torch.fx.GraphModule) -> int:
 
 
 class PassManager:
-    def __init__(self, passes: list[Pass], *, verify: bool = False, dumper: Dumper | None = None):
+    def __init__(self, passes: list[Pass], *, verify: bool = False, dumps: Dumps | None = None):
         check_order(passes)
         self.passes = list(passes)
         self.verify = verify
-        self.dumper = dumper
+        self.dumps = dumps
 
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext, report: Report) -> torch.fx.GraphModule:
-        references = self._references(ctx, report) if self.verify else []
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext, log: PassLog) -> torch.fx.GraphModule:
+        """The graph after every pass; log gets a record of each, also when a pass or its
+        verification raises."""
+        references = self._references(ctx, log) if self.verify else []
         if references:  # what the frontend traced, before any pass is blamed for it
-            self._verify(f"the trace (frontend {gm.meta.get('graphopt_frontend')!r})", "trace", gm, ctx, references,
-                         report)
-        if self.dumper:
-            self.dumper.graph(0, "trace", gm)
+            self._verify(f"the trace (frontend {gm.meta.get('graphopt_frontend')!r})", "trace", gm, ctx, references)
+        if self.dumps:
+            self.dumps.graph(0, "trace", gm)
         ctx.staged = any(p.microbatches_of(None) for p in self.passes)
         ctx.writes_in_place = any(p.writes_in_place for p in self.passes)
         ctx.units = any(p.makes_units for p in self.passes)
@@ -50,7 +51,7 @@ class PassManager:
             if p.by_default:
                 why = p.skip_by_default(gm, ctx, self.passes)
                 if why:
-                    report.skipped[p.name] = why
+                    log.skipped[p.name] = why
                     continue
             index += 1
             before = _count(gm)
@@ -62,7 +63,7 @@ class PassManager:
             except Exception as e:
                 # Bad input is refused before any pass runs: what reaches here is a bug in graphopt.
                 raise GraphoptError(
-                    f"pass {p.spec()!r} failed on {report.model}: {type(e).__name__}: {e}. This is a bug in "
+                    f"pass {p.spec()!r} failed on {log.model}: {type(e).__name__}: {e}. This is a bug in "
                     "graphopt: please report it with the model (dump_dir= writes the graph the pass was given); "
                     "meanwhile run without this pass."
                 ) from e
@@ -84,20 +85,20 @@ class PassManager:
                 changed=result.changed, stats=dict(result.stats), by_default=p.by_default,
                 peak_bytes=result.peak_bytes, budget=result.budget,
             )
-            report.passes.append(record)
+            log.passes.append(record)
             if references:
-                errors = self._verify(f"pass {p.spec()!r}", p.name, gm, ctx, references, report)
+                errors = self._verify(f"pass {p.spec()!r}", p.name, gm, ctx, references)
                 record.max_abs_err, record.max_rel_err = errors.max_abs, errors.max_rel
-            if self.dumper and result.changed:
-                self.dumper.graph(index, p.name, gm)
-            if self.dumper and result.artifacts:
-                self.dumper.artifacts(index, p.name, result.artifacts)
-        if self.dumper:
-            self.dumper.summary(report)
+            if self.dumps and result.changed:
+                self.dumps.graph(index, p.name, gm)
+            if self.dumps and result.files:
+                self.dumps.files(index, p.name, result.files)
+            if self.dumps and result.memory is not None:
+                self.dumps.memory(index, p.name, result.memory)
         return gm
 
     @staticmethod
-    def _references(ctx: PassContext, report: Report) -> list[Reference]:
+    def _references(ctx: PassContext, log: PassLog) -> list[Reference]:
         """Eager's step on the example, and on a second batch where eager runs on one."""
         if ctx.reference is None:
             raise ValueError("verify=True needs the reference model in the pass context")
@@ -108,13 +109,12 @@ class PassManager:
             references.append(Reference(ctx.reference, args, kwargs, train=ctx.train,
                                         label="a second batch drawn apart from the example"))
         except Exception as e:  # values the model refuses (an index its example never reached): eager's call
-            report.notes.append(f"verify: the model raised on a second batch drawn from the example's ranges "
+            log.notes.append(f"verify: the model raised on a second batch drawn from the example's ranges "
                                 f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                                 "verified on the example only")
         return references
 
-    def _verify(self, what: str, pass_name: str, gm, ctx: PassContext, references: list[Reference],
-                report: Report):
+    def _verify(self, what: str, pass_name: str, gm, ctx: PassContext, references: list[Reference]):
         """The worst errors of gm against eager over the batches; VerifyError naming `what` (a pass,
         or the trace) when they exceed its dtype's tolerance, or when gm raises where eager runs."""
         dtype = ctx.compute_dtype
@@ -132,8 +132,6 @@ class PassManager:
                 worst = errors, reference
         errors, reference = worst
         if not errors.within(dtype):
-            if self.dumper:
-                self.dumper.summary(report)
             raise VerifyError(
                 f"{what} changed the numbers on {reference.label}: max relative error "
                 f"{errors.max_rel:.3g} (max abs {errors.max_abs:.3g}, worst in {errors.worst}) exceeds the {dtype} "

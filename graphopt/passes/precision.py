@@ -42,9 +42,9 @@ import torch.utils._pytree as pytree
 from .. import ops
 from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, plan
 from ..analysis.meta import TensorInfo, graph_device, invalidate, leaves, tensor_info
-from ..dump import note
+from .notes import note
 from ..errors import OptionError
-from ..precisions import LOW, precision_name, short
+from ..vocabulary.precisions import LOW, precision_name, short
 from ..runtime.autocast import under_autocast
 from .arguments import OptimizeArguments
 from .base import Pass, PassContext, PassResult, option

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..batch import batch_rows
+from ..frontend.batch import batch_rows
 from ..errors import BudgetError, GraphoptError, UsageError
 from .guards import call_key
 

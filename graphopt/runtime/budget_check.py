@@ -16,8 +16,9 @@ import torch.fx
 
 from ..analysis.memory import estimate_peak, size_text
 from ..errors import BudgetError
-from ..call_signature import signature
+from ..frontend.call_signature import signature
 from .guards import describe
+from ..frontend.graph_inputs import placeholder_values
 
 
 @dataclass
@@ -40,8 +41,6 @@ class BudgetCheck:
         the plan was made for)."""
         key = signature(args, kwargs)
         if key not in self.peaks:
-            from ..trace import placeholder_values
-
             self.peaks[key] = estimate_peak(gm, placeholder_values(gm, args, kwargs), train=self.train,
                                             optimizer=self.optimizer, accumulate=self.accumulate).peak_bytes
         return self.peaks[key]

@@ -7,8 +7,9 @@ import torch
 import torch.fx
 
 from ..errors import UsageError
-from ..call_signature import signature
+from ..frontend.call_signature import signature
 from .guards import describe
+from ..frontend.graph_inputs import placeholder_values
 
 
 def is_causal_mask(mask) -> bool:
@@ -33,8 +34,6 @@ class CausalMaskCheck:
         key = signature(args, kwargs)
         if key in self.checked:
             return
-        from ..trace import placeholder_values
-
         with torch.no_grad():
             masks = self.module(*placeholder_values(gm, args, kwargs))
         # A size-1 dimension may broadcast over the queries or keys: which, the mask alone cannot say.

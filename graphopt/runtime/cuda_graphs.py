@@ -29,7 +29,7 @@ from ..analysis.cuda_graphs import graphs_reserve, host_syncs, random_reruns
 from ..analysis.memory import size_text
 from ..analysis.meta import graph_device
 from ..errors import OptionError, UsageError
-from ..trial import trial_run
+from ..analysis.trial import trial_run
 from .guards import describe
 
 WARMUP_STEPS = 3  # before the capture: what runs once only (compiling, binding, cuBLAS's workspaces) runs there

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import differing_rows, rows_differ
+from ..frontend.batch import differing_rows, rows_differ
 from ..errors import UsageError
 
 __all__ = ["first_microbatch", "split_batch"]

@@ -7,7 +7,7 @@ import torch
 import torch.fx
 
 from ..errors import UsageError
-from ..trace import placeholder_values
+from ..frontend.graph_inputs import placeholder_values
 
 REDUCTIONS = ("mean", "sum")
 

@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..analysis.batch_wide import the_loss
 from ..analysis.saved import storage_key
 from ..errors import UsageError
-from ..trace import placeholder_values, register_dataclasses
+from ..frontend.graph_inputs import placeholder_values, register_dataclasses
 from .devices import check_device
 from .microbatch import first_microbatch, split_batch
 from .microbatch_step import REDUCTIONS, loss_weights, reduction_of
@@ -215,7 +215,7 @@ class PipelineRunner:
 def _stage_io(staged, modules, args, kwargs, microbatches, planned) -> list[tuple]:
     """(positional inputs, output) of each stage on the first microbatch, from one forward
     that leaves no trace (buffers, gradients and RNG restored)."""
-    from ..trial import trial_run
+    from ..analysis.trial import trial_run
 
     args, kwargs = first_microbatch(args, kwargs, microbatches)
     seen: dict[int, tuple] = {}

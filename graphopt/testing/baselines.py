@@ -8,7 +8,7 @@ import torch
 from ..analysis.batch_wide import the_loss
 from ..analysis.memory import GB, Estimate
 from ..passes.pipeline.partition import Partition, StageFacts, partition
-from ..batch import batch_rows
+from ..frontend.batch import batch_rows
 from ..runtime.microbatch import split_batch
 from ..runtime.microbatch_call import merge_outputs
 from ..runtime.microbatch_step import loss_weights, reduction_of

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphopt
-from graphopt import fake_kernels
+from graphopt.analysis import fake_kernels
 from graphopt.__main__ import main
 
 

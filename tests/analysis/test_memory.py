@@ -6,7 +6,7 @@ import graphopt
 from graphopt.analysis.memory import GB, estimate_peak, measure_step
 from graphopt.analysis.saved import saved_tensors
 from graphopt.testing import zoo
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 # Sized so activations dominate parameters.
 SIZED = {
@@ -94,7 +94,7 @@ def test_estimate_allocates_nothing_on_meta_models():
 @pytest.mark.parametrize("layers", [2, 4])
 def test_estimate_follows_recompute_segments(layers, selective):
     from graphopt.passes.recompute.rewrite import checkpoint_segments
-    from graphopt.trace import annotate
+    from graphopt.frontend.trace import annotate
 
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=layers)
     plain = graphopt.trace(model, args, kwargs)

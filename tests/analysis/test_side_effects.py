@@ -8,7 +8,7 @@ import torch
 import graphopt
 from graphopt.analysis.memory import estimate_peak
 from graphopt.testing.baselines import budget_at
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 
 class EMA(torch.nn.Module):

@@ -41,7 +41,7 @@ other images and targets); the worse of the two is the check's result.
              so 1% above the least budget the BudgetError names
 Relative error is max |optimized - eager| / max |eager| over the loss and each gradient; where
 eager's float32 is itself less accurate than that, the distance to a float64 step decides
-(graphopt.verify.compare, which verify=True uses too).
+(graphopt.verification.verify.compare, which verify=True uses too).
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ from graphopt.analysis.memory import estimate_peak
 from graphopt.analysis.meta import tensor_info
 from graphopt import MicrobatchWarning
 from graphopt.testing.baselines import Microbatched, budget_at
-from graphopt.trace import placeholder_values
-from graphopt.verify import compare, float64_copy
+from graphopt.frontend.graph_inputs import placeholder_values
+from graphopt.verification.verify import compare, float64_copy
 
 from . import build
 from .case import SECOND_SEEDS, Case

@@ -17,7 +17,7 @@ import graphopt
 from graphopt.analysis.memory import GB, estimate_peak
 from graphopt.runtime.step import clear_grads, step_peak
 from graphopt.testing.baselines import budget_at
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 from . import build
 from .case import Case

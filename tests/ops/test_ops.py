@@ -21,7 +21,7 @@ from torch._subclasses import FakeTensorMode
 from torch.fx import Graph, GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from graphopt import fake_kernels
+from graphopt.analysis import fake_kernels
 import graphopt.ops as ops
 from graphopt.ops import KINDS, PRECISION_CLASSES, Bound, OpInfo, bind, canonical_ops, flops, lookup, lookup_target
 from graphopt.ops.registry import TARGETS, UNRESOLVED

@@ -13,12 +13,12 @@ import graphopt
 from graphopt import ops
 from graphopt.analysis.autocast_plan import autocast_dtypes, device_class, dtypes_of
 from graphopt.analysis.meta import TensorInfo, tensor_info
-from graphopt.dump import notes
+from graphopt.passes.notes import notes
 from graphopt.passes import PassContext, parse_pipeline
 from graphopt.passes.precision import CAST
 from graphopt.testing import zoo
-from graphopt.trace import placeholder_values
-from graphopt.verify import TOLERANCE, run_step
+from graphopt.frontend.graph_inputs import placeholder_values
+from graphopt.verification.verify import TOLERANCE, run_step
 
 from conftest import FX_ZOO
 

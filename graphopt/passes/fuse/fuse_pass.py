@@ -52,11 +52,11 @@ from ...codegen.row_group import RowGroup
 from ...codegen.row_kernel import source as row_source
 from ...codegen.row_launch import layout as row_layout
 from ...codegen.row_program import backward_program, forward_program
-from ...dump import note
+from ..notes import note
 from ...runtime import FusedOp, repro_script, source
 from ...runtime.fused import interpreting
 from ...runtime.fused_row import FusedRowOp
-from ...trace import annotate
+from ...frontend.trace import annotate
 from ..base import Pass, PassContext, PassResult, option, to_bool
 from ..registry import register
 from .dropout_members import DrawnMask
@@ -312,4 +312,4 @@ class Fuse(Pass):
         if done or declined or slower or fusion.alone:
             files["fusion.md"] = _report(stats)
         specialized = "fused groups compute across reshapes at the example's sizes" if regions else None
-        return PassResult(gm, bool(done) or bool(regions), stats, files, specialized=specialized)
+        return PassResult(gm, bool(done) or bool(regions), stats, files=files, specialized=specialized)

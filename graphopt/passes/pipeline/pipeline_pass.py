@@ -39,7 +39,7 @@ from ...analysis.memory import budget_bytes, budget_text, estimate_peak, size_te
 from ...analysis.meta import TensorInfo, graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
-from ...dump import note
+from ..notes import note
 from ...errors import BudgetError, OptionError
 from ..arguments import OptimizeArguments
 from ..base import Pass, PassContext, PassResult, count, option, plans_memory_after, positive, to_bool

@@ -21,12 +21,12 @@ import torch.fx
 
 from ... import ops
 from ...analysis.optimizer_memory import OptimizerMemory
-from ...dump import note
+from ..notes import note
 from ...errors import BudgetError, BudgetWarning, warn
 from ...plan_cache.key import environment_key, graph_key
 from ...plan_cache.store import digest
 from ...ops.twins import inplace_call
-from ...report import BudgetFit, idle_budget
+from ..records import BudgetFit, idle_budget
 from ..base import PassContext, PassResult
 from ..inplace import write_in_place, written_as
 from .rewrite import checkpoint_segments, note_segments

@@ -73,12 +73,11 @@ from ...analysis.memory import Estimate, below_least, budget_bytes, estimate_pea
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
-from ...dump import note
+from ..notes import note
 from ...errors import BudgetError, BudgetWarning, OptionError, warn
-from ...plot import memory_csv, memory_png
-from ...report import BudgetFit, idle_budget
+from ..records import BudgetFit, MemoryCurves, idle_budget
 from ...runtime.budget_check import BudgetCheck
-from ...trial import trial_run
+from ...analysis.trial import trial_run
 from ..arguments import OptimizeArguments
 from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, positive, to_bool
 from ..fuse.head_loss_chunks import size_chunks
@@ -213,7 +212,8 @@ class Recompute(Pass):
             written, before = self._write_in_place(gm, ctx, None, None, before)
             peak = before.peak_bytes if not ranks else self._rank_peak(gm, ctx) if written else rank_before
             return PassResult(gm, tidied or chunk is not None or bool(written),
-                              {**stats, "segments": 0, "written_in_place": written}, _pictures({"as traced": before}, limit),
+                              {**stats, "segments": 0, "written_in_place": written},
+                              memory=MemoryCurves({"as traced": before}, limit),
                               call_checks=[self.budget_check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
         # Step 2
         step = ctx.analysis(record_step, gm)
@@ -287,7 +287,7 @@ class Recompute(Pass):
             # step 6 keeps its writes where they lower one device's step: a rank's is estimated again
             if peak > int(limit * (1 - self.headroom)):
                 raise self._error(budget_gb, peak, {}, inference=False)
-        return PassResult(gm, True, stats, _pictures({"as traced": before, "with recompute": after}, limit),
+        return PassResult(gm, True, stats, memory=MemoryCurves({"as traced": before, "with recompute": after}, limit),
                           call_checks=[self.budget_check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
 
     def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
@@ -421,7 +421,3 @@ def _warn_idle(fit: BudgetFit) -> None:
     if idle:
         warn(idle, BudgetWarning)
 
-
-def _pictures(curves: dict, budget_bytes: int) -> dict:
-    """Dump files, made only when dumping."""
-    return {"memory.png": lambda: memory_png(curves, budget_bytes), "memory.csv": lambda: memory_csv(curves)}

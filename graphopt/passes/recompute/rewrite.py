@@ -31,8 +31,8 @@ from ...analysis.aliases import Aliases
 from ...analysis.effects import CALLS, declared_functional, function_writes, may_draw, size_arithmetic, state_effect
 from ...analysis.meta import gather
 from ...analysis.segments import SegmentCall
-from ...custom_functions import FunctionCall
-from ...dump import note
+from ...frontend.custom_functions import FunctionCall
+from ..notes import note
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)

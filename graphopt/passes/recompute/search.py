@@ -14,7 +14,7 @@ from typing import Callable
 import torch.fx
 
 from ...analysis.memory import Estimate
-from ...dump import note
+from ..notes import note
 from .candidates import PlanSpace, Scan
 from .pricing import PlanPricer
 from .rewrite import checkpoint_segments, inline_segments

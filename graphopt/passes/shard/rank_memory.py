@@ -34,7 +34,7 @@ from ...analysis.fake_state import fake_copy
 from ...analysis.memory import backward_roots
 from ...analysis.optimizer_memory import optimizer_over
 from ...errors import UsageError
-from ...fake_kernels import active as fake_kernels_active
+from ...analysis.fake_kernels import active as fake_kernels_active
 from ...runtime.fsdp import fully_shard_units, unit_modules
 from .units import make_units
 

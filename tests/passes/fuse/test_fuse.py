@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphopt
-from graphopt.dump import notes
+from graphopt.passes.notes import notes
 from graphopt.runtime import FusedOp, launch_count, running_fused
 from graphopt.runtime.chunked_loss import ChunkedHeadLoss
 from graphopt.runtime.fused_row import FusedRowOp

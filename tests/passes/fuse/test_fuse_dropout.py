@@ -167,7 +167,7 @@ def test_the_saved_tensors_of_a_fused_drop_path_are_its_mask_alone():
     """x * noise + y reads only the mask backward: the call keeps meta stand-ins of x and y,
     which hold no memory, and the saved-tensor analysis counts none of them."""
     from graphopt.analysis.saved import saved_tensors
-    from graphopt.trace import placeholder_values
+    from graphopt.frontend.graph_inputs import placeholder_values
 
     x, y, w = leaves((4, 6, 8), (4, 6, 8), (8, 8))
     _, opt, _ = normalized_and_fused(lambda m, x, y, w: drop_path(x @ w, 0.2) + y, x, y, w)

@@ -10,7 +10,7 @@ from conftest import assert_same_step, plain_and_fused_peaks
 from test_fuse import fuse, fused_nodes, group_nodes, module
 
 import graphopt
-from graphopt.dump import notes
+from graphopt.passes.notes import notes
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -17,7 +17,7 @@ from graphopt.analysis.memory import estimate_peak
 from graphopt.runtime.chunked_loss import ChunkedHeadLoss
 from graphopt.runtime.fused_row import FusedRowOp
 from graphopt.testing import zoo
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 from hypothesis_profiles import examples
 
 pytest.importorskip("triton")

@@ -18,7 +18,7 @@ from graphopt.runtime.microbatch import first_microbatch
 from graphopt.testing import zoo
 from graphopt.testing.baselines import Microbatched, equal_layer_cuts, imbalance, parameter_balanced_cuts, stage_costs
 from graphopt.testing.gloo import free_port, on_gloo_ranks
-from graphopt.trial import tensor_leaves
+from graphopt.analysis.trial import tensor_leaves
 
 from conftest import FX_ZOO
 

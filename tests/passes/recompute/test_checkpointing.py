@@ -6,7 +6,7 @@ import torch
 
 import graphopt
 from graphopt.analysis.memory import measure_step
-from graphopt.dump import segment_code
+from graphopt.reporting.dump import segment_code
 from graphopt.passes.recompute.rewrite import checkpoint_segments, recomputable
 from graphopt.runtime.checkpoint import RecomputeSegment
 from graphopt.testing import zoo

@@ -12,7 +12,7 @@ from graphopt.passes.recompute.tidy import attributes_first, hoist_state_writes
 from graphopt.passes.recompute.rewrite import checkpoint_segments, inline_segments, recomputable
 from graphopt.passes.recompute.solver import Segment
 from graphopt.testing import zoo
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 MODELS = {
     "gpt": lambda: zoo.gpt(batch=4, seq=32, layers=3),

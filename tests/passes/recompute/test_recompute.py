@@ -9,7 +9,7 @@ import graphopt
 from graphopt.analysis.memory import GB, estimate_peak, measure_step
 from graphopt.testing import zoo
 from graphopt.testing.baselines import budget_at
-from graphopt.trace import placeholder_values
+from graphopt.frontend.graph_inputs import placeholder_values
 
 from conftest import assert_same_step
 
@@ -279,7 +279,7 @@ def test_reported_recompute_is_what_the_rerun_runs():
 
     from graphopt import ops
     from graphopt.analysis.segments import segment_modules
-    from graphopt.dump import notes
+    from graphopt.passes.notes import notes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])

@@ -15,7 +15,8 @@ from graphopt.passes.recompute.rewrite import checkpoint_segments
 from graphopt.passes.recompute.solver import RecomputePlan, Segment
 from graphopt.testing import zoo
 from graphopt.testing.baselines import budget_at
-from graphopt.trace import annotate, placeholder_values
+from graphopt.frontend.trace import annotate
+from graphopt.frontend.graph_inputs import placeholder_values
 
 from conftest import assert_same_step, step
 

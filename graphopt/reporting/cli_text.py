@@ -7,7 +7,7 @@ import re
 import sys
 import warnings
 
-from .errors import GraphoptWarning
+from ..errors import GraphoptWarning
 
 # optimize()'s keyword arguments as this command line's flags spell them: the library's errors and
 # notes speak Python, and what a user of the command line can type is a flag

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from .analysis.memory import GB, size_text
+from ..analysis.memory import GB, size_text
 from .before_after import BeforeAfter, measure
-from .runtime.step import step_peak
+from ..runtime.step import step_peak
 
 BATCH, TOKENS, WIDTH, LAYERS = 4, 256, 256, 4
 
@@ -38,7 +38,7 @@ def demo_model(device: str = "cpu") -> tuple[torch.nn.Module, tuple, dict, str]:
         ids = torch.randint(0, config.vocab_size, (BATCH, TOKENS))
         kind = "transformers LlamaForCausalLM"
     else:
-        from .testing import zoo
+        from ..testing import zoo
 
         model, (ids,), _ = zoo.gpt(batch=BATCH, seq=TOKENS, layers=LAYERS, dim=WIDTH, heads=8)
         kind = "graphopt's GPT (transformers is not installed)"

@@ -27,10 +27,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
-from .analysis.position_limits import PositionLimit, position_limits
+from ..analysis.position_limits import PositionLimit, position_limits
 from .batch import batch_rows
 from .call_signature import signature
-from .errors import SizeError
+from .graph_inputs import program_inputs
+from ..errors import SizeError
 
 
 @dataclass(frozen=True)
@@ -298,14 +299,6 @@ def dynamic_sizes(ep, args: tuple, kwargs: dict) -> DynamicSizes | None:
         return None
     ordered = sorted(ranges.items(), key=lambda item: item[0] != BATCH)
     return DynamicSizes(tuple(names), tuple(ordered))
-
-
-def program_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
-    """The values the placeholders of an exported program's module take for a call: the pytree
-    leaves of (args, kwargs), flattened by the program's input spec."""
-    import torch.fx._pytree as fx_pytree
-
-    return list(fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec))
 
 
 def guards_failure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str | None:

@@ -19,9 +19,9 @@ import copy
 import torch
 import torch.fx
 
-from .analysis import meta
-from .errors import TraceError
-from .trial import Snapshot
+from ..analysis import meta
+from ..errors import TraceError
+from ..analysis.trial import Snapshot
 
 WRITE_BACK = "graphopt_write_back"  # on the copy_ that writes a buffer forward rebinds: its name
 

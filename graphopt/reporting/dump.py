@@ -25,22 +25,13 @@ import torch
 import torch.fx
 from torch.fx.node import _get_qualified_name
 
-from .analysis.meta import TensorInfo, leaves, tensor_info
-from .analysis.segments import SegmentCall
-from .errors import UsageError
+from ..analysis.meta import TensorInfo, leaves, tensor_info
+from ..analysis.segments import SegmentCall
+from ..errors import UsageError
+from ..passes.notes import notes
+from ..passes.records import MemoryCurves
+from .plot import memory_csv, memory_png
 from .report import Report
-
-NOTES = "graphopt"
-
-
-def note(node: torch.fx.Node, key: str, value) -> None:
-    """Record a pass's decision about a node (kept/recomputed, fused group, stage, dtype, ...)."""
-    node.meta.setdefault(NOTES, {})[key] = value
-
-
-def notes(node: torch.fx.Node) -> dict:
-    return node.meta.get(NOTES, {})
-
 
 def graph_code(gm: torch.fx.GraphModule) -> tuple[str, str]:
     """Readable code, with source locations: (of gm and its submodules, of its recompute segments)."""
@@ -140,21 +131,24 @@ class Dumper:
             stem.with_suffix(".diff").write_text(code_diff(self._previous, parts, name))
         self._previous = parts
 
-    def artifacts(self, index: int, name: str, files: dict) -> None:
-        for rel, content in files.items():
-            if callable(content):  # made only now that it is needed
-                content = content()
-            if content is None:
-                continue
+    def files(self, index: int, name: str, files: dict[str, str]) -> None:
+        """Texts a pass made for the dumps, by name: "kernels/..." into the kernels directory,
+        others next to the pass's own dump, as kk-name.<name>."""
+        for rel, text in files.items():
             if rel.startswith("kernels/"):
                 self.kernels.mkdir(exist_ok=True)
-                path = self.kernels / _slug(rel[len("kernels/"):])
+                (self.kernels / _slug(rel[len("kernels/"):])).write_text(text)
             else:
-                path = self.dir / f"{index:02d}-{_slug(name)}.{_slug(rel)}"
-            if isinstance(content, bytes):
-                path.write_bytes(content)
-            else:
-                path.write_text(content)
+                (self.dir / f"{index:02d}-{_slug(name)}.{_slug(rel)}").write_text(text)
+
+    def memory(self, index: int, name: str, memory: MemoryCurves) -> None:
+        """The step's predicted memory through a pass, drawn next to the pass's own dump (the
+        picture where matplotlib is installed)."""
+        stem = f"{index:02d}-{_slug(name)}"
+        (self.dir / f"{stem}.memory.csv").write_text(memory_csv(memory.curves))
+        png = memory_png(memory.curves, memory.budget_bytes)
+        if png is not None:
+            (self.dir / f"{stem}.memory.png").write_bytes(png)
 
     def summary(self, report: Report) -> None:
         (self.dir / "summary.md").write_text(report.to_markdown())

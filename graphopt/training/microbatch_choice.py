@@ -22,19 +22,19 @@ import warnings
 
 import torch
 
-from .analysis.fake_state import fake_run
-from .analysis.memory import below_least, budget_bytes, measure_peak, predict_peak, size_text
-from .analysis.optimizer_memory import optimizer_memory
-from .analysis.planning_device import planning_device
-from .api import optimize
-from .batch import why_unsplittable
-from .errors import BudgetError, BudgetWarning, TraceError, UsageError
-from .passes.shard.rank_memory import RANK_ADVICE, rank_peak
-from .runtime.microbatch import split_batch
-from .runtime.microbatch_step import accumulate
-from .runtime.step import step_loss
-from .trial import tensor_leaves, trial_run
-from .units import in_gb
+from ..analysis.fake_state import fake_run
+from ..analysis.memory import below_least, budget_bytes, measure_peak, predict_peak, size_text
+from ..analysis.optimizer_memory import optimizer_memory
+from ..analysis.planning_device import planning_device
+from ..api import optimize
+from ..frontend.batch import why_unsplittable
+from ..errors import BudgetError, BudgetWarning, TraceError, UsageError
+from ..passes.shard.rank_memory import RANK_ADVICE, rank_peak
+from ..runtime.microbatch import split_batch
+from ..runtime.microbatch_step import accumulate
+from ..runtime.step import step_loss
+from ..analysis.trial import tensor_leaves, trial_run
+from ..vocabulary.sizes import in_gb
 
 REPLANS = 3  # plans again for a lower budget after a predicted step over it
 

@@ -4,38 +4,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .analysis.batch_wide import BatchWide
-from .analysis.memory import size_text
-from .units import in_gb
+from ..analysis.batch_wide import BatchWide
+from ..analysis.memory import size_text
+from ..passes.records import BudgetFit, PassRecord, idle_budget  # noqa: F401  (read from here by users)
 
 STATS_WIDTH = 70  # the terminal table's stats column wraps here, between stats, never within one
-
-
-@dataclass(frozen=True)
-class BudgetFit:
-    """What a pass that plans memory for a budget (recompute) leaves for others: the budget, the
-    bytes it held the step to (the budget less its headroom: CUDA keeps some free), and the
-    step's predicted peak before and after it."""
-
-    budget_bytes: int
-    planned_for_bytes: int
-    peak_before_bytes: int
-    predicted_peak_bytes: int
-
-
-@dataclass
-class PassRecord:
-    name: str
-    time_ms: float
-    nodes_before: int
-    nodes_after: int
-    changed: bool
-    stats: dict[str, Any] = field(default_factory=dict)
-    max_abs_err: float | None = None
-    max_rel_err: float | None = None
-    peak_bytes: int | None = None  # predicted peak memory, when the pass knows it
-    by_default: bool = False  # run because optimize() was given no passes
-    budget: BudgetFit | None = None  # where the pass planned memory for a budget
 
 
 @dataclass
@@ -143,17 +116,6 @@ class Report:
 
     def __str__(self) -> str:
         return self.to_text()
-
-
-def idle_budget(fit: BudgetFit) -> str | None:
-    """What a budget plan says of a budget the step fits as it is, or None: the warning the
-    recompute pass gives and the report's note, in one sentence."""
-    peak, budget = fit.peak_before_bytes, fit.budget_bytes
-    if peak > fit.planned_for_bytes:
-        return None
-    return (f"budget_gb={in_gb(budget):g} ({size_text(budget)}) is at or above the step's predicted peak of "
-            f"{size_text(peak)}: nothing to recompute; budget_gb is in GB = 10**9 bytes (the peak is "
-            f"budget_gb={in_gb(peak):.3g})")
 
 
 def _wrap(text: str, width: int) -> list[str]:

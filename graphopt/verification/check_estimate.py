@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .analysis.estimate_check import EstimateCheck, check_estimate as _check
-from .analysis.optimizer_memory import check_optimizer, optimizer_memory
-from .errors import UsageError
-from .input_aliases import distinct
-from .trace import check_inputs, placeholder_values, trace
+from ..analysis.estimate_check import EstimateCheck, check_estimate as _check
+from ..analysis.optimizer_memory import check_optimizer, optimizer_memory
+from ..errors import UsageError
+from ..frontend.input_aliases import distinct
+from ..frontend.trace import check_inputs, trace
+from ..frontend.graph_inputs import placeholder_values
 
 
 def check_estimate(module: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *,

@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .float64_reference import runs_in_float64
-from .trial import tensor_leaves, trial_run
+from ..analysis.trial import tensor_leaves, trial_run
 
 # Relative tolerance (max |a - b| / max |reference|) per dtype the rewritten graph computes in.
 TOLERANCE = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .analysis.planning_device import seen_as
+from ..analysis.planning_device import seen_as
 
 
 def signature(args: tuple, kwargs: dict, shapes: bool = True) -> tuple:

@@ -15,21 +15,21 @@ from typing import Callable
 
 import torch
 
-from .analysis.optimizer_memory import check_optimizer
-from .batch import batch_rows, microbatch_counts, splits_evenly, why_unsplittable
-from .call_signature import signature
-from .errors import OptionError, UsageError
-from .export_batch import ExportCache, kept_exports, keeping_exports
+from ..analysis.optimizer_memory import check_optimizer
+from ..frontend.batch import batch_rows, microbatch_counts, splits_evenly, why_unsplittable
+from ..frontend.call_signature import signature
+from ..errors import OptionError, UsageError
+from ..frontend.export_batch import ExportCache, kept_exports, keeping_exports
 from .microbatch_choice import MicrobatchChoice
-from .microbatch_semantics import announce, check_batch_norm, loss_kind
-from .passes.arguments import OptimizeArguments
-from .passes.recompute.recompute_pass import Recompute
-from .runtime.fsdp import sharded
-from .runtime.guards import describe
-from .runtime.microbatch import split_batch
-from .runtime.microbatch_step import REDUCTIONS, accumulate, loss_weights
-from .runtime.step import step_loss
-from .trace import check_inputs
+from ..runtime.microbatch_semantics import announce, check_batch_norm, loss_kind
+from ..passes.arguments import OptimizeArguments
+from ..passes.recompute.recompute_pass import Recompute
+from ..runtime.fsdp import sharded
+from ..runtime.guards import describe
+from ..runtime.microbatch import split_batch
+from ..runtime.microbatch_step import REDUCTIONS, accumulate, loss_weights
+from ..runtime.step import step_loss
+from ..frontend.trace import check_inputs
 
 
 def train_step(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *,

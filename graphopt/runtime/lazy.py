@@ -18,9 +18,9 @@ from collections import OrderedDict
 
 import torch
 
-from .call_signature import signature
-from .export_batch import ExportCache, keeping_exports
-from .runtime.guards import refusal, refused_save
+from ..frontend.call_signature import signature
+from ..frontend.export_batch import ExportCache, keeping_exports
+from .guards import refusal, refused_save
 
 MAX_GRAPHS = 8  # graphs kept; a plan holds no tensors, but each graph its generated code
 MAX_SIGNATURES = 1024  # signatures remembered, the least recently used forgotten first

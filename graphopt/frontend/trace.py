@@ -24,13 +24,16 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import custom_functions, export_batch, fake_kernels, ops
-from .analysis import meta
-from .analysis.dispatched import DISPATCHED, recording, summary
-from .analysis.fake_state import fake_run
-from .analysis.planning_device import meta_literals_on_cpu, planning_device
-from .errors import SizeError, TraceError, UsageError
+from . import custom_functions, export_batch
+from ..analysis import fake_kernels
+from .. import ops
+from ..analysis import meta
+from ..analysis.dispatched import DISPATCHED, recording, summary
+from ..analysis.fake_state import fake_run
+from ..analysis.planning_device import meta_literals_on_cpu, planning_device
+from ..errors import SizeError, TraceError, UsageError
 from .fx_state import StateWatch, Unreplayable, check_write_backs
+from .graph_inputs import placeholder_values, register_dataclasses
 from .input_aliases import distinct
 
 FRONTENDS = ("auto", "fx", "export")
@@ -201,50 +204,6 @@ def _registering_outputs(model: torch.nn.Module):
         handle.remove()
 
 
-def _register_cache(value) -> bool:
-    """Register a transformers cache (DynamicCache, EncoderDecoderCache, ...) that a model
-    returns at its default use_cache=True, with transformers' own pytree functions for export;
-    False when this is not one or transformers has none."""
-    cls = type(value)
-    if not (cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache")):
-        return False
-    try:
-        from transformers.exporters.exporter_dynamo import register_pytree_node
-    except ImportError:
-        return False
-    if cls not in pytree.SUPPORTED_NODES:
-        register_pytree_node(cls)
-    return True
-
-
-def register_dataclasses(value) -> None:
-    """Register with pytree every dataclass type found in value (nested in containers too), and
-    the transformers caches among them."""
-    if _register_cache(value):
-        return
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        if type(value) not in pytree.SUPPORTED_NODES:
-            torch.export.register_dataclass(type(value))
-        for f in dataclasses.fields(value):
-            register_dataclasses(getattr(value, f.name))
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            register_dataclasses(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            register_dataclasses(v)
-
-
-def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
-    """The values the graph's placeholders take for a call gm(*args, **kwargs), in order."""
-    if getattr(gm, "_in_spec", None) is not None:  # export: placeholders are the pytree leaves of (args, kwargs)
-        return export_batch.program_inputs(gm, args, kwargs)
-    sig = inspect.signature(gm.forward)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return [bound.arguments[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
-
-
 class _Annotator(FakeTensorProp):
     """FakeTensorProp, recording each node's TensorInfo from its live result: meta["val"] is a
     detached snapshot, which would say no tensor requires grad. A call the registry does not list
@@ -294,7 +253,7 @@ def trace(
     Raises TraceError with each frontend's reason when none can capture the model.
     """
     if frontend not in FRONTENDS:
-        from .errors import OptionError
+        from ..errors import OptionError
 
         raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
     args, kwargs = distinct(*check_inputs(model, example_inputs, example_kwargs))

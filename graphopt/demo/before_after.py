@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from .analysis.memory import size_text
-from .errors import GraphoptError
-from .runtime.step import clear_grads, run_step, step_peak, step_seconds, step_timeline
+from ..analysis.memory import size_text
+from ..errors import GraphoptError
+from ..runtime.step import clear_grads, run_step, step_peak, step_seconds, step_timeline
 
 
 @dataclass
@@ -114,7 +114,7 @@ class BeforeAfter:
 
     def write(self, directory) -> list[Path]:
         """summary.json, summary.md and memory.png (memory over the step) into `directory`."""
-        from .plot import step_memory_png
+        from ..reporting.plot import step_memory_png
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +141,7 @@ def measure(model: torch.nn.Module, args: tuple, kwargs: dict | None, configs: d
     optimized, then measured (peak, memory over the step, time) beside eager in one run. A
     configuration graphopt refuses is a line saying why. dump_dir: the first configuration's
     pass-by-pass dumps go there (result.dumped names it)."""
-    from .api import optimize
+    from ..api import optimize
 
     kwargs = kwargs or {}
     result = BeforeAfter(name or type(model).__name__, budget_bytes)

@@ -10,9 +10,9 @@ normalize microbatches; and how the microbatches' losses combine into the full b
 """
 from __future__ import annotations
 
-from .analysis.batch_wide import BatchWide, LossReduction, the_loss
-from .errors import MicrobatchWarning, OptionError, UsageError, warn
-from .runtime.microbatch_step import reduction_of
+from ..analysis.batch_wide import BatchWide, LossReduction, the_loss
+from ..errors import MicrobatchWarning, OptionError, UsageError, warn
+from .microbatch_step import reduction_of
 
 BATCH_NORM = ("warn", "refuse")
 

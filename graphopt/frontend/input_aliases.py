@@ -20,7 +20,7 @@ import inspect
 import torch
 import torch.utils._pytree as pytree
 
-from .analysis.aliases import storage_key
+from ..analysis.aliases import storage_key
 
 
 def input_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:

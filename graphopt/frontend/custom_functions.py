@@ -23,7 +23,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from .errors import TraceError
+from ..errors import TraceError
 
 _FUNCTION = torch.autograd.Function
 _APPLY = _FUNCTION.__dict__["apply"]  # the classmethod itself: restored on exit

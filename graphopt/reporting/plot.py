@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import io
 
-from .analysis.live_storage import from_first_op
-from .analysis.memory import GB, Estimate
+from ..analysis.live_storage import from_first_op
+from ..analysis.memory import GB, Estimate
 
 
 # How analysis/memory.py's step names what backward allocates: a node's backward, a segment's rerun.
@@ -49,7 +49,7 @@ def step_memory_png(timelines: dict[str, list[int]], budget_bytes: int | None = 
     png = _chart(series, budget_bytes, "measured live memory (MB, 10^6 bytes)",
                  "progress through the step from its first op: forward, loss, backward")
     if png is None:
-        from .errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError("drawing memory.png needs matplotlib: pip install 'graphopt[viz]' (make installs it).")
     return png
