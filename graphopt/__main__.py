@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from .analysis.memory import budget_bytes, size_text
+from .analysis.memory import size_text
+from .vocabulary.sizes import budget_bytes
 from .api import DEFAULT_PASSES, optimize
 from .demo.before_after import measure
 from .verification.check_estimate import check_estimate

@@ -16,9 +16,13 @@ from .errors import OptionError, UsageError
 from .frontend.input_aliases import distinct
 from .runtime.lazy import MAX_GRAPHS, LazyOptimized
 from .runtime.microbatch_semantics import announce, check_batch_norm
-from .passes.arguments import OptimizeArguments
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
+from .passes.options import ARGUMENTS, REFINES, OptimizeOptions
+from .passes.pipeline.pipeline_pass import Pipeline
+from .passes.precision import Precision
+from .passes.recompute.recompute_pass import Recompute
+from .passes.shard.shard_pass import Shard
 from .passes.records import PassLog
 from .plan_cache.store import plan_store
 from .reporting.report import Report
@@ -37,38 +41,76 @@ from .frontend.trace import FRONTENDS, check_inputs, trace
 DEFAULT_PASSES = ("normalize", "cse", "dce", "fuse", "inplace")
 
 
-def build_pipeline(passes=None, args: OptimizeArguments = OptimizeArguments()) -> list[Pass]:
-    """The pass list for optimize(): the given (or default) passes plus those its arguments ask
-    for, each built by the pass that takes them (Pass.arguments, Pass.from_arguments)."""
+def build_pipeline(passes=None, options: OptimizeOptions = OptimizeOptions()) -> list[Pass]:
+    """The pass list for optimize(): the given (or default) passes plus those its options ask for,
+    each made from the record by the pass that reads it."""
     pipeline = passes_pkg.parse_pipeline(DEFAULT_PASSES if passes is None else passes)
     for p in pipeline:
         p.by_default = passes is None
-    given = args.given()
-    # the first argument a pass takes adds it, unless an argument it yields to is given
-    added = [cls for cls in passes_pkg.available().values()
-             if cls.arguments and cls.arguments[0] in given and not set(cls.yields_to) & set(given)]
+    asked = []  # (the argument that asks for the pass, the pass)
+    if options.stages is not None:  # one device per stage: budget_gb caps each
+        asked.append(("stages", Pipeline.from_options(options)))
+    elif options.budget_bytes is not None:
+        asked.append(("budget_gb", Recompute.from_options(options)))
+    if options.precision is not None:
+        asked.append(("precision", Precision.from_options(options)))
+    if options.shard is not None:
+        asked.append(("shard", Shard.from_options(options)))
     names = {p.name for p in pipeline}
-    for cls in added:
-        lead = cls.arguments[0]
-        if cls.name in names:
-            raise OptionError(f"give {lead} either as optimize({lead}=...) or in the {cls.name!r} pass of the "
+    for argument, p in asked:
+        if p.name in names:
+            raise OptionError(f"give {argument} either as optimize({argument}=...) or in the {p.name!r} pass of the "
                               "pipeline, not both.")
-        cls.check_arguments(args)
-    taken = {arg for cls in added for arg in cls.arguments}
-    for arg in given:
-        if arg not in taken:
-            leads = [cls.arguments[0] for cls in passes_pkg.available().values() if arg in cls.arguments]
-            if not leads:
-                raise OptionError(f"{arg}= needs a pass this version of graphopt does not implement (available "
-                                  f"passes: {', '.join(sorted(passes_pkg.available()))}); leave {arg} out.")
-            if len(leads) == 1:
-                raise OptionError(f"{arg}= refines what {leads[0]}= asks for: give {leads[0]} too.")
-            raise OptionError(f"{arg}= refines what {' or '.join(f'{lead}=' for lead in leads)} asks for: give one "
-                              "of them too.")
-    for cls in added:
-        passes_pkg.insert_in_order(pipeline, cls.from_arguments(args))
+        passes_pkg.insert_in_order(pipeline, p)
     passes_pkg.check_order(pipeline)
     return pipeline
+
+
+def checked_options(given: dict) -> OptimizeOptions:
+    """The record of optimize()'s arguments that ask for passes, given by name, or OptionError
+    naming the argument at fault: a bad value, or a combination no pass takes."""
+    fields = {}
+    for argument, value in given.items():
+        name, convert, what = ARGUMENTS[argument]
+        if value is None or value is False:  # not given: the record's default
+            continue
+        try:
+            fields[name] = convert(value)
+        except (TypeError, ValueError) as e:
+            raise OptionError(f"optimize({argument}=...): bad value {value!r} ({what}): {e}.") from None
+    options = OptimizeOptions(**fields)
+    _check_together(options)
+    return options
+
+
+def _check_together(options: OptimizeOptions) -> None:
+    """OptionError for arguments no pass takes together, or one given without what it refines."""
+    given = set(options.given())
+    if options.stages is not None:
+        if options.shard is not None:
+            raise OptionError("shard= and stages= split the model two ways: FSDP units run on every rank, "
+                              "pipeline stages one per rank. Give one of them.")
+        if options.calibrate:
+            raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
+                              "budget_gb caps each stage's predicted memory: leave calibrate out.")
+        if options.accumulate:
+            raise OptionError("with stages=, the pipeline accumulates its microbatches' gradients itself and "
+                              "budget_gb caps each stage: leave accumulate out.")
+        if options.optimizer is not None and not isinstance(options.optimizer, str):
+            raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
+                              "(e.g. optimizer='adam'), not an instance.")
+    elif options.budget_bytes is not None and options.world_size:
+        if options.shard is None:
+            raise OptionError("world_size= is the ranks FSDP2 shards the step over: give shard='fsdp' too.")
+        if options.calibrate:
+            raise OptionError("with world_size=, the plan is held to a rank's estimated step; calibrate= measures "
+                              "one device's: leave it out.")
+    for argument, leads in REFINES.items():
+        if argument in given and not given & set(leads):
+            if len(leads) == 1:
+                raise OptionError(f"{argument}= refines what {leads[0]}= asks for: give {leads[0]} too.")
+            raise OptionError(f"{argument}= refines what {' or '.join(f'{lead}=' for lead in leads)} asks for: give "
+                              "one of them too.")
 
 
 def optimize(
@@ -153,16 +195,26 @@ def optimize(
     """
     if not isinstance(model, torch.nn.Module):
         check_inputs(model, example_inputs, example_kwargs)  # raises the UsageError
+    options = checked_options(dict(budget_gb=budget_gb, precision=precision, precision_policy=precision_policy,
+                                   stages=stages, profile=profile, calibrate=calibrate, optimizer=optimizer,
+                                   accumulate=accumulate, shard=shard, world_size=world_size))
+    return optimize_with(model, example_inputs, example_kwargs, options, passes=passes, train=train,
+                         frontend=frontend, dump_dir=dump_dir, verify=verify, batch_norm=batch_norm,
+                         cuda_graphs=cuda_graphs, plan_cache=plan_cache)
+
+
+def optimize_with(model: torch.nn.Module, example_inputs, example_kwargs, options: OptimizeOptions, *, passes=None,
+                  train: bool | None = None, frontend: str = "auto", dump_dir=None, verify: bool = False,
+                  batch_norm: str = "warn", cuda_graphs: bool = False, plan_cache=True):
+    """optimize() with its options that ask for passes already checked (the record train_step
+    plans each microbatch count with); the others as optimize() takes them."""
     if frontend not in FRONTENDS:
         raise OptionError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}.")
     if train is not None and not isinstance(train, bool):
         raise OptionError(f"train must be True, False or None, got {train!r}.")
-    check_cuda_graphs(cuda_graphs, example_inputs is None and example_kwargs is None, stages, shard,
+    pipeline = build_pipeline(passes, options)
+    check_cuda_graphs(cuda_graphs, example_inputs is None and example_kwargs is None, options.stages, options.shard,
                       model.training if train is None else train)
-    pipeline = build_pipeline(passes, OptimizeArguments(
-        budget_gb=budget_gb, precision=precision, stages=stages, profile=profile, calibrate=calibrate,
-        precision_policy=precision_policy, optimizer=optimizer, accumulate=accumulate, shard=shard,
-        world_size=world_size))
     if not isinstance(verify, bool):
         raise OptionError(f"verify must be True or False, got {verify!r}.")
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("GRAPHOPT_DUMP") or None

@@ -31,11 +31,12 @@ class VerifyError(GraphoptError):
 
 
 class BudgetError(GraphoptError):
-    """No plan fits the memory budget; carries the smallest budget that would, in bytes, and as
-    budget_gb reads it (min_budget_gb)."""
+    """No plan fits the memory budget; carries the budget refused and the smallest that would fit,
+    in bytes, and the latter as budget_gb reads it (min_budget_gb)."""
 
     def __init__(self, message: str, min_budget_bytes: int | None = None, breakdown: dict | None = None,
-                 headroom: float = 0.0):
+                 headroom: float = 0.0, budget_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
         self.breakdown = dict(breakdown or {})
         self.headroom = headroom  # the fraction of a budget kept free, above the step's peak (CUDA's)

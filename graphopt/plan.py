@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .analysis.memory import budget_bytes, headroom_text, size_text
+from .analysis.memory import headroom, headroom_text, size_text
 from .analysis.planning_device import planning_for
 from .errors import BudgetError, BudgetWarning, OptionError
 from .frontend.export_batch import ExportCache, keeping_exports
@@ -99,28 +99,28 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
     # above the step's peak is an answer here ("nothing recomputed"), not a mistake to warn of
     with planning_for(device), keeping_exports(ExportCache()), warnings.catch_warnings():
         warnings.simplefilter("ignore", BudgetWarning)
-        least, headroom = _least(model, example_inputs, example_kwargs, loss_fn, options)
+        least = _least(model, example_inputs, example_kwargs, loss_fn, options)
+        kept = headroom(device)
         ranks = options.get("world_size")  # given without shard, optimize refuses it
         if budget_gb is None:
-            return StepPlan(device, None, least, world_size=ranks, headroom=headroom)
-        budget = budget_bytes(budget_gb)
+            return StepPlan(device, None, least, world_size=ranks, headroom=kept)
         try:
             step = TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=budget_gb, **options)
         except BudgetError as e:
-            return StepPlan(device, budget, least, world_size=ranks, headroom=headroom, refusal=str(e))
+            return StepPlan(device, e.budget_bytes, least, world_size=ranks, headroom=kept, refusal=str(e))
     record = step.report.recompute()
     stats = record.stats if record is not None else {}
-    return StepPlan(device, budget, least, step.microbatches, step.predicted_peak_bytes,
+    return StepPlan(device, step.budget_bytes, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
-                    headroom=headroom)
+                    headroom=kept)
 
 
-def _least(model, example_inputs, example_kwargs, loss_fn, options) -> tuple[int, float]:
-    """(The least budget of the whole batch's step, the headroom in it)."""
+def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:
+    """The least budget of the whole batch's step."""
     try:
         TrainStep(model, example_inputs, example_kwargs, loss_fn=loss_fn, budget_gb=_PROBE_GB, microbatches=1,
                   **options)
     except BudgetError as e:
-        return e.min_budget_bytes, e.headroom
-    return 0, 0.0  # a step that holds no tensor fits any budget
+        return e.min_budget_bytes
+    return 0  # a step that holds no tensor fits any budget

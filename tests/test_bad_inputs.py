@@ -269,7 +269,7 @@ def test_deepcopy_still_works():
 NUMBERS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3),
                     st.sampled_from(["8", "", True, [1]]))
 PASS_TOKENS = st.sampled_from(["normalize", "cse", "dce", "fuse", "inplace", "recompute{budget_gb=1}",
-                               "recompute{budget_gb=-1}", "precision{dtype=bf16}", "precision{dtype=int4}",
+                               "recompute{budget_gb=-1}", "precision{precision=bf16}", "precision{precision=int4}",
                                "fuse{", "}", "=", "nope", "cse{x=1}", "dce{}", " ", ""])
 
 
@@ -293,7 +293,7 @@ def _graphopt_error_or_same(kwargs):
     except GraphoptError as e:
         assert "failed on" not in str(e), e  # a pass crashing is a bug, not a bad input
         return
-    low = kwargs.get("precision") in ("bf16", "fp16") or "precision{dtype=bf16}" in str(kwargs.get("passes"))
+    low = kwargs.get("precision") in ("bf16", "fp16") or "precision{precision=bf16}" in str(kwargs.get("passes"))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
         want = model(X)
     got = opt(X)

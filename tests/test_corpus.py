@@ -75,7 +75,7 @@ def test_inplace_with_bf16_computes_what_precision_alone_does():
                               precision="bf16")
     both = graphopt.optimize(case.model, case.args, example_kwargs=case.kwargs, passes="normalize,cse,dce,inplace",
                              precision="bf16")
-    assert [p.name for p in both.graphopt_report.passes][-2:] == ["precision{dtype=bf16}", "inplace"]
+    assert [p.name for p in both.graphopt_report.passes][-2:] == ["precision{precision=bf16}", "inplace"]
     assert both.graphopt_report.passes[-1].stats["rewritten"]
     expected, got = step(alone, case), step(both, case)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

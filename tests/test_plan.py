@@ -11,7 +11,7 @@ import graphopt
 from graphopt.__main__ import main
 from graphopt.analysis.memory import GB, measure_peak
 from graphopt.analysis.planning_device import planning_for
-from graphopt.passes.recompute.recompute_pass import CUDA_HEADROOM
+from graphopt.analysis.memory import CUDA_HEADROOM
 from graphopt.training.microbatch_choice import MicrobatchChoice
 
 transformers = pytest.importorskip("transformers")
@@ -141,13 +141,13 @@ def test_the_answer_says_the_headroom_and_why_a_budget_does_not_fit(recwarn):
 
 
 def test_train_step_holds_a_cuda_plan_to_the_budget_less_its_headroom():
-    """train_step's fit check reads recompute's headroom from the typed budget the recompute row
-    carries (report.BudgetFit)."""
+    """train_step's fit check asks the headroom of the device the plan is for, as recompute does
+    (analysis/memory.headroom): the same bytes the recompute row's BudgetFit was held to."""
     meta, args, kwargs = tiny_llama("meta")
     with planning_for("cuda"):
         graph = graphopt.optimize(meta, args, example_kwargs=kwargs, budget_gb=1.0)
-    assert graph.graphopt_report.recompute().name.startswith("recompute{")
-    assert MicrobatchChoice._target(graph, 10**6) == round(10**6 * (1 - CUDA_HEADROOM))
+        assert MicrobatchChoice._target(graph, 10**6) == round(10**6 * (1 - CUDA_HEADROOM))
+        assert MicrobatchChoice._target(graph, 10**9) == graph.graphopt_report.recompute().budget.planned_for_bytes
 
 
 @pytest.mark.parametrize("options, words", [

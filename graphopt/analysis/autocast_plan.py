@@ -26,6 +26,7 @@ limits (max, min, tiny, eps), and becomes what finfo says of the new one (`dtype
 """
 from __future__ import annotations
 
+import difflib
 import functools
 from dataclasses import dataclass, field
 
@@ -243,3 +244,32 @@ def autocast_dtypes(gm: torch.fx.GraphModule, flat_inputs: list, dtype: torch.dt
     with torch.autocast(device, dtype=dtype):
         Record(gm).run(*flat_inputs)
     return seen
+
+
+def parse_policy(value) -> str:
+    """A policy, from a dict or 'op:mode;op:mode' text, as sorted canonical text."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, str):
+        items = []
+        for part in filter(None, (p.strip() for p in value.split(";"))):
+            name, colon, mode = part.partition(":")
+            if not colon:
+                raise ValueError(f"write each entry as op:mode, e.g. softmax:low;linear:fp32 (got {part!r})")
+            items.append((name.strip(), mode.strip()))
+    else:
+        raise ValueError("give a dict such as {'softmax': 'low'} or text such as 'softmax:low;linear:fp32'")
+    known = ops.canonical_ops()
+    for name, mode in items:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(f"{name!r} is not an op the registry knows{hint}; use canonical names such as "
+                             "linear, softmax, layer_norm (graphopt.ops.canonical_ops())")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} for {name!r} is not one of {', '.join(MODES)}")
+    return ";".join(f"{name}:{mode}" for name, mode in sorted(items))
+
+
+def policy_dict(text: str | None) -> dict[str, str]:
+    return dict(part.split(":") for part in text.split(";") if part) if text else {}

@@ -1,6 +1,6 @@
 """Peak memory of one training step: predicted from the graph, and measured.
 
-Bytes throughout; budget_gb's GB and its conversions are units.py's.
+Bytes throughout; budget_gb's GB and its conversions are vocabulary/sizes.py's.
 
 The step is the user's: forward, then backward from the scalar loss the model returns (or,
 when it returns none, from every output with a gradient of its size), other outputs dropped;
@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import BudgetError
-from ..vocabulary.sizes import GB, budget_bytes  # noqa: F401  (GB re-exported: read from here across the package)
+from ..vocabulary.sizes import GB, in_gb  # noqa: F401  (GB re-exported: read from here across the package)
 from .cuda_workspaces import held_bytes
 from .fake_state import fake_run
 from .live_storage import LiveStorage
@@ -59,7 +59,28 @@ def budget_text(n: int) -> str:
 SMALLER_STEP = "halve activations with precision='bf16', or split the model over devices with stages=N"
 
 
-def below_least(budget_gb: float, least: int, needs: str, breakdown: dict, advice: str = SMALLER_STEP,
+# On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
+# allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
+CUDA_HEADROOM = 0.05
+
+
+def headroom(device: str) -> float:
+    """The fraction of a budget a plan keeps free on the device for what its allocator holds
+    beyond the estimate: a fact of the device the plan is for, asked here by every planner."""
+    return CUDA_HEADROOM if device == "cuda" else 0.0
+
+
+def held_to(limit: int, headroom: float) -> int:
+    """The bytes a budget of `limit` holds the step's estimate to, its headroom kept free."""
+    return int(limit * (1 - headroom))
+
+
+def as_given(budget: int) -> str:
+    """A budget as its user gave it and in bytes: 'budget_gb=0.3 (300 MB)'."""
+    return f"budget_gb={in_gb(budget):g} ({size_text(budget)})"
+
+
+def below_least(budget: int, least: int, needs: str, breakdown: dict, advice: str = SMALLER_STEP,
                 headroom: float = 0.0) -> BudgetError:
     """The refusal of a budget under the least a step needs: the budget, the least and what needs
     it ("one training step needs at least, by the estimate"), its parts, the budget that works in
@@ -69,9 +90,9 @@ def below_least(budget_gb: float, least: int, needs: str, breakdown: dict, advic
     detail = f" ({', '.join(f'{k} {size_text(v)}' for k, v in parts.items())})" if parts else ""
     kept = headroom_text(least, headroom)
     return BudgetError(
-        f"budget_gb={budget_gb:g} ({size_text(budget_bytes(budget_gb))}) is below the {size_text(least)} that "
+        f"{as_given(budget)} is below the {size_text(least)} that "
         f"{needs}{detail}{', ' + kept if kept else ''}. Raise budget_gb to {budget_text(least)} or more, {advice}.",
-        min_budget_bytes=least, breakdown=parts, headroom=headroom)
+        min_budget_bytes=least, breakdown=parts, headroom=headroom, budget_bytes=budget)
 
 
 def headroom_text(budget: int, headroom: float) -> str:

@@ -12,8 +12,6 @@ respelling, a removal) leaves the metadata as it is.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -22,10 +20,9 @@ import torch.fx
 
 from ..analysis.cache import Analyses
 from ..errors import OptionError
-from .arguments import NAMES as ARGUMENT_NAMES
-from .arguments import OptimizeArguments
-from .records import BudgetFit, MemoryCurves
 from ..frontend.graph_inputs import placeholder_values
+from .options import OptimizeOptions, Text, count, positive, to_bool  # noqa: F401  (the converters passes declare)
+from .records import BudgetFit, MemoryCurves
 
 if TYPE_CHECKING:
     from ..plan_cache.store import PlanStore
@@ -61,22 +58,27 @@ class Option:
     """One option of a pass: its default, its converter, and the values it accepts.
 
     convert takes the value as given (Text when it comes from a pipeline string, else the
-    Python object) and returns the setting, or raises ValueError saying what it must be. It is
-    the one place the option is validated, whether it comes from optimize()'s arguments, a
-    (name, options) pair or a pipeline string."""
+    Python object) and returns the setting, or raises ValueError saying what it must be: the
+    converter optimize()'s record of the same option uses (options.py), so that an option is
+    validated one way whether it comes from optimize(), a (name, options) pair or a pipeline
+    string. spelled: its name there where the setting holds it in another unit (budget_gb for
+    the bytes of budget_bytes), with shown turning the setting back into that unit."""
 
     default: Any
     convert: Callable[[Any], Any]
     help: str
     choices: tuple | None = None
+    spelled: str | None = None
+    shown: Callable[[Any], Any] | None = None
 
 
 OPTION = "graphopt_option"  # the metadata key of an Options field's Option
 
 
-def option(default, convert: Callable[[Any], Any], help: str, choices: tuple | None = None):
+def option(default, convert: Callable[[Any], Any], help: str, choices: tuple | None = None, *,
+           spelled: str | None = None, shown: Callable[[Any], Any] | None = None):
     """A field of a pass's Options dataclass: its default, and the Option that validates it."""
-    return field(default=default, metadata={OPTION: Option(default, convert, help, choices)})
+    return field(default=default, metadata={OPTION: Option(default, convert, help, choices, spelled, shown)})
 
 
 @dataclass(frozen=True)
@@ -84,55 +86,9 @@ class NoOptions:
     """The options of a pass that takes none."""
 
 
-class Text(str):
-    """An option's value as written in a pipeline string ('recompute{budget_gb=8}'): converters
-    parse it, where a Python value must already be of the option's type (budget_gb='8' is not
-    a number)."""
-
-
 def _text(value) -> str:
     """An option value as pipeline text; an object (an optimizer) by its class."""
     return type(value).__name__ if isinstance(value, torch.optim.Optimizer) else str(value)
-
-
-def _number(value, kind: type, parse: Callable[[str], Any], what: str):
-    if isinstance(value, Text):
-        try:
-            return parse(value)
-        except ValueError:
-            raise ValueError(f"must be {what}") from None
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"must be {what}")
-    return value
-
-
-def positive(value) -> float:
-    """A positive, finite real number (not a bool)."""
-    what = "a positive, finite number"
-    value = float(_number(value, numbers.Real, float, what))
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"must be {what}")
-    return value
-
-
-def count(value) -> int:
-    """A whole number of at least 1 (2.0 is not one)."""
-    value = int(_number(value, numbers.Integral, int, "a whole number, at least 1"))
-    if value < 1:
-        raise ValueError("must be a whole number, at least 1")
-    return value
-
-
-def to_bool(value) -> bool:
-    """True or False; in a pipeline string also 1/0, yes/no, on/off."""
-    if isinstance(value, bool):
-        return value
-    text = value.strip().lower() if isinstance(value, Text) else None
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("must be True or False")
 
 
 def plans_memory_after(*names: str) -> dict[str, str]:
@@ -179,19 +135,13 @@ class Pass:
 
     name: ClassVar[str]
     # Its options: a frozen dataclass of option() fields, validated once as the pass is made
-    # (self.settings is one); `options` lists their Options by name, for parsing and help.
+    # (self.settings is one); `options` lists their Options by the name a pipeline string
+    # gives them, for parsing and help.
     Options: ClassVar[type] = NoOptions
     options: ClassVar[dict[str, Option]] = {}
     # Passes that must run before this one when both are in a pipeline, each with the reason:
     # what they rewrite would change what this one decided (the pass manager checks it).
     runs_after: ClassVar[dict[str, str]] = {}
-    # The optimize() arguments this pass takes (fields of OptimizeArguments), which from_arguments
-    # reads. The first adds the pass to the pipeline (optimize(budget_gb=8) adds recompute); the
-    # others refine it.
-    arguments: ClassVar[tuple[str, ...]] = ()
-    # Arguments that take this pass's place: given any, optimize() does not add this pass, and
-    # its arguments go to the pass that argument adds (stages=: budget_gb caps each stage).
-    yields_to: ClassVar[tuple[str, ...]] = ()
     # A pass that plans memory for a budget: why in-place writes before it do not pay by default
     # (the inplace pass asks). None: it plans none.
     plans_memory: ClassVar[str | None] = None
@@ -205,15 +155,8 @@ class Pass:
         if "options" in cls.__dict__:  # it would be replaced below, and its options lost without a word
             raise TypeError(f"pass {cls.__name__} declares `options`: declare them as fields of a frozen "
                             "dataclass of option() fields and set `Options = ThatClass`.")
-        cls.options = {f.name: f.metadata[OPTION] for f in dataclasses.fields(cls.Options)}
-        unknown = set(cls.arguments) - set(ARGUMENT_NAMES)
-        if unknown:
-            raise TypeError(f"pass {cls.__name__} takes {', '.join(sorted(unknown))}, which optimize() has not: "
-                            "arguments are fields of OptimizeArguments.")
-
-    @classmethod
-    def check_arguments(cls, args: OptimizeArguments) -> None:
-        """Raise OptionError for a combination of optimize() arguments this pass cannot take."""
+        cls.options = {f.metadata[OPTION].spelled or f.name: f.metadata[OPTION] for f in dataclasses.fields(cls.Options)}
+        cls._fields = {f.metadata[OPTION].spelled or f.name: f.name for f in dataclasses.fields(cls.Options)}
 
     def skip_by_default(self, gm: torch.fx.GraphModule, ctx: PassContext, pipeline: list["Pass"]) -> str | None:
         """Why this pass, in the pipeline because optimize() was given no passes, does not pay on
@@ -225,46 +168,53 @@ class Pass:
         pass runs the graph on microbatches; None (the default) when it does not."""
         return None
 
-    def __init__(self, _arguments: dict[str, str] | None = None, /, **options):
-        """options: the pass's options by name. _arguments (from_arguments): for each option
-        given as an optimize() argument, that argument's name, for the error messages."""
+    def __init__(self, **options):
+        """options: the pass's options by the names a pipeline string gives them, each validated by
+        its Option."""
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             valid = ", ".join(sorted(self.options)) or "none"
             raise OptionError(f"pass {self.name!r} has no option {', '.join(map(repr, unknown))}; its options are: {valid}.")
-        named = _arguments or {}
         self.by_default = False  # chosen by optimize() for a caller who named no passes
-        self.settings = self.Options(**{key: self._setting(key, value, named.get(key)) for key, value in options.items()})
+        self.settings = self.Options(**{self._fields[key]: self._setting(key, value) for key, value in options.items()})
+        self.check_settings()
 
-    def _setting(self, key: str, value, argument: str | None):
-        """The option's setting for value, or OptionError naming the pass's option, or the
-        optimize() argument it came from."""
+    @classmethod
+    def with_settings(cls, settings) -> "Pass":
+        """The pass with settings already checked (from optimize()'s record, OptimizeOptions: no
+        second parse)."""
+        made = cls.__new__(cls)
+        made.by_default, made.settings = False, settings
+        made.check_settings()
+        return made
+
+    def check_settings(self) -> None:
+        """OptionError where the settings together leave the pass nothing to do (a precision pass
+        without a precision); called however the pass is made."""
+
+    def _setting(self, key: str, value):
+        """The option's setting for value, or OptionError naming the pass's option."""
         opt = self.options[key]
-        if value is None:  # not given (an optimize() argument left out): the option's default
+        if value is None:  # not given: the option's default
             return opt.default
         try:
             setting = opt.convert(value)
             if opt.choices is not None and setting not in opt.choices:
                 raise ValueError(f"must be one of {', '.join(map(str, opt.choices))}")
         except (TypeError, ValueError) as e:
-            where = f"optimize({argument}=...)" if argument else f"pass {self.name!r}, option {key!r}"
-            raise OptionError(f"{where}: bad value {value!r} ({opt.help}): {e}.") from None
+            raise OptionError(f"pass {self.name!r}, option {key!r}: bad value {value!r} ({opt.help}): {e}.") from None
         return setting
-
-    @classmethod
-    def from_arguments(cls, args: OptimizeArguments) -> "Pass":
-        """The pass for optimize()'s arguments, each validated by the option it sets (a pass that
-        takes arguments says which, by name, for the error messages); their combination is
-        check_arguments's to refuse, first."""
-        raise NotImplementedError(f"pass {cls.name!r} takes no optimize() arguments")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError
 
     def spec(self) -> str:
-        """The pass as pipeline text, e.g. 'cse' or 'precision{dtype=bf16}'."""
-        values = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)}
-        changed = {k: v for k, v in values.items() if v != self.options[k].default}
+        """The pass as pipeline text, e.g. 'cse' or 'precision{precision=bf16}'."""
+        changed = {}
+        for key, opt in self.options.items():
+            value = getattr(self.settings, self._fields[key])
+            if value != opt.default:
+                changed[key] = opt.shown(value) if opt.shown is not None else value
         if not changed:
             return self.name
         return f"{self.name}{{{','.join(f'{k}={_text(v)}' for k, v in changed.items())}}}"

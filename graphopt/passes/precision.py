@@ -30,7 +30,6 @@ Algorithm:
 """
 from __future__ import annotations
 
-import difflib
 import functools
 from collections import Counter
 from dataclasses import dataclass
@@ -40,54 +39,18 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from .. import ops
-from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, plan
+from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, parse_policy, plan, policy_dict
 from ..analysis.meta import TensorInfo, graph_device, invalidate, leaves, tensor_info
 from .notes import note
 from ..errors import OptionError
-from ..vocabulary.precisions import LOW, precision_name, short
+from ..vocabulary.precisions import LOW, low_precision, short
 from ..runtime.autocast import under_autocast
-from .arguments import OptimizeArguments
+from .options import OptimizeOptions
 from .base import Pass, PassContext, PassResult, option
 from .normalize import _canonical_callable
 from .registry import register
 
 CAST = "cast"  # the note on casts this pass inserted
-
-
-def parse_dtype(value) -> str:
-    name = precision_name(value)
-    if name not in LOW:
-        raise ValueError(f"use {' or '.join(sorted(LOW))}; fp32 computes as the model does, with no precision pass")
-    return name
-
-
-def parse_policy(value) -> str:
-    """A policy, from a dict or 'op:mode;op:mode' text, as sorted canonical text."""
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, str):
-        items = []
-        for part in filter(None, (p.strip() for p in value.split(";"))):
-            name, colon, mode = part.partition(":")
-            if not colon:
-                raise ValueError(f"write each entry as op:mode, e.g. softmax:low;linear:fp32 (got {part!r})")
-            items.append((name.strip(), mode.strip()))
-    else:
-        raise ValueError("give a dict such as {'softmax': 'low'} or text such as 'softmax:low;linear:fp32'")
-    known = ops.canonical_ops()
-    for name, mode in items:
-        if name not in known:
-            close = difflib.get_close_matches(str(name), known, n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(f"{name!r} is not an op the registry knows{hint}; use canonical names such as "
-                             "linear, softmax, layer_norm (graphopt.ops.canonical_ops())")
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} for {name!r} is not one of {', '.join(MODES)}")
-    return ";".join(f"{name}:{mode}" for name, mode in sorted(items))
-
-
-def policy_dict(text: str | None) -> dict[str, str]:
-    return dict(part.split(":") for part in text.split(";") if part) if text else {}
 
 
 def _fetch(gm: torch.fx.GraphModule, target: str):
@@ -206,8 +169,8 @@ class _Casts:
 class PrecisionOptions:
     """The precision pass's options."""
 
-    dtype: str | None = option(None, parse_dtype, "the low precision: bf16 or fp16")
-    policy: str | None = option(None, parse_policy,
+    precision: str | None = option(None, low_precision, "the low precision: bf16 or fp16")
+    precision_policy: str | None = option(None, parse_policy,
                                 f"per-op mode overrides, op:mode;op:mode with modes {', '.join(MODES)}")
 
 
@@ -216,22 +179,21 @@ class Precision(Pass):
     """Compute in bf16 or fp16 where torch.autocast would, in float32 where it would."""
 
     name = "precision"
-    arguments = ("precision", "precision_policy")
     Options = PrecisionOptions
 
     @classmethod
-    def from_arguments(cls, args: OptimizeArguments) -> "Precision":
-        return cls({"dtype": "precision", "policy": "precision_policy"}, dtype=args.precision,
-                   policy=args.precision_policy)
+    def from_options(cls, options: OptimizeOptions) -> "Precision":
+        """The pass optimize()'s options ask for with precision (bf16 or fp16)."""
+        return cls.with_settings(PrecisionOptions(precision=options.precision, precision_policy=options.precision_policy))
 
-    def __init__(self, *arguments, **options):
-        super().__init__(*arguments, **options)
-        if self.settings.dtype is None:
-            raise OptionError("pass 'precision' needs dtype=bf16 or dtype=fp16 (the low precision to compute in).")
+    def check_settings(self) -> None:
+        if self.settings.precision is None:
+            raise OptionError("pass 'precision' needs precision=bf16 or precision=fp16 (the low precision to "
+                              "compute in).")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        low = LOW[self.settings.dtype]
-        policy = policy_dict(self.settings.policy)
+        low = LOW[self.settings.precision]
+        policy = policy_dict(self.settings.precision_policy)
         device = graph_device(gm)
         calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         # Step 1
@@ -283,7 +245,7 @@ class Precision(Pass):
             "bytes_saved": act_before - act_after, "declined": declined,
         }
         if policy:
-            stats["policy"] = self.settings.policy
+            stats["policy"] = self.settings.precision_policy
         changed = inserted or as_functions or restated or autocast or p.constants
         return PassResult(gm, bool(changed), stats, compute_dtype=low)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..analysis.memory import estimate_peak, size_text
+from ..analysis.memory import as_given, estimate_peak, size_text
 from ..errors import BudgetError
 from ..frontend.call_signature import signature
 from .guards import describe
@@ -25,7 +25,7 @@ from ..frontend.graph_inputs import placeholder_values
 class BudgetCheck:
     """Called as a forward pre-hook (with kwargs) of the optimized module."""
 
-    budget_gb: float
+    budget: int  # bytes, as budget_gb gave them
     target: int  # bytes the step's estimate must stay within: the budget less its headroom
     train: bool
     optimizer: object  # analysis.optimizer_memory.OptimizerMemory or None
@@ -51,8 +51,8 @@ class BudgetCheck:
         if peak is None or peak <= self.target:
             return None
         return (f"at {describe(args, kwargs)} its step needs {size_text(peak)} by the estimate, over the "
-                f"{size_text(self.target)} its plan for {describe(*self.example)} keeps within budget_gb="
-                f"{self.budget_gb:g}")
+                f"{size_text(self.target)} its plan for {describe(*self.example)} keeps within "
+                f"{as_given(self.budget)}")
 
     def __call__(self, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
         why = self.why_not(gm, args, kwargs)

@@ -17,18 +17,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 
 import torch
 
 from ..analysis.fake_state import fake_run
-from ..analysis.memory import below_least, budget_bytes, measure_peak, predict_peak, size_text
+from ..analysis.memory import below_least, headroom, held_to, measure_peak, predict_peak, size_text
+from ..analysis.meta import graph_device
 from ..analysis.optimizer_memory import optimizer_memory
 from ..analysis.planning_device import planning_device
-from ..api import optimize
+from ..api import optimize_with
 from ..frontend.batch import why_unsplittable
 from ..errors import BudgetError, BudgetWarning, TraceError, UsageError
+from ..passes.options import OptimizeOptions
 from ..passes.shard.rank_memory import RANK_ADVICE, rank_peak
 from ..runtime.microbatch import split_batch
 from ..runtime.microbatch_step import accumulate
@@ -45,16 +48,17 @@ class MicrobatchChoice:
     predicted peak (predicted_peak_bytes) and notes (the decision, as lines). With shard='fsdp'
     and world_size=N (`ranks`), the step and budget are a rank's under FSDP2."""
 
-    def __init__(self, model: torch.nn.Module, example: tuple[tuple, dict], loss_fn, budget_gb: float | None,
-                 options: dict):
-        self.model, self.loss_fn, self.budget_gb = model, loss_fn, budget_gb
-        self._example, self._options = example, options
+    def __init__(self, model: torch.nn.Module, example: tuple[tuple, dict], loss_fn, options: OptimizeOptions,
+                 settings: dict):
+        """options: the passes' options (the budget in them, in bytes); settings: optimize()'s others."""
+        self.model, self.loss_fn, self.budget = model, loss_fn, options.budget_bytes
+        self._example, self._options, self._settings = example, options, settings
         self.microbatches = 1
         self.notes: list[str] = []
         self.predicted_peak_bytes: int | None = None
         self._needs: dict[int, int] = {}  # k -> least budget of its step, where known exactly
-        # a rank's step under FSDP2 (shard='fsdp', world_size=N): budget_gb is a rank's
-        self.ranks = options.get("world_size")  # given without shard, optimize refuses it
+        # a rank's step under FSDP2 (shard='fsdp', world_size=N): the budget is a rank's
+        self.ranks = options.world_size
 
     def fixed(self, k: int):
         """The graph for k microbatches as given; BudgetError naming their least where it does not fit."""
@@ -67,7 +71,7 @@ class MicrobatchChoice:
     def choose(self, choices: list[int]):
         """The graph for the fewest of `choices` (microbatch counts) whose step fits the budget
         (1 without one); BudgetError naming the least of any where none does."""
-        if self.budget_gb is None:
+        if self.budget is None:
             self.microbatches = 1
             return self.plan(1)
         refused, untraced = {}, {}
@@ -86,7 +90,7 @@ class MicrobatchChoice:
             if refused:
                 leasts = ", ".join(f"{j} with a least of {size_text(e.min_budget_bytes)}"
                                    for j, e in refused.items())
-                self.notes.insert(0, f"microbatches: {k}, the fewest whose step fits budget_gb={self.budget_gb:g} "
+                self.notes.insert(0, f"microbatches: {k}, the fewest whose step fits budget_gb={in_gb(self.budget):g} "
                                      f"(refused: {leasts})")
             return graph
         if choices == [1]:
@@ -104,20 +108,20 @@ class MicrobatchChoice:
         """where: how the step was split ("in 2 microbatches"), after "needs at least"."""
         accumulated = ", gradients accumulated" if k > 1 else ""
         if self.ranks:
-            return below_least(self.budget_gb, least, f"one rank's training step under FSDP2 over {self.ranks} ranks "
+            return below_least(self.budget, least, f"one rank's training step under FSDP2 over {self.ranks} ranks "
                                f"needs at least{where}{accumulated}, by the estimate", e.breakdown, RANK_ADVICE,
                                e.headroom)
-        return below_least(self.budget_gb, least, f"one training step needs at least{where}{accumulated}, by the "
+        return below_least(self.budget, least, f"one training step needs at least{where}{accumulated}, by the "
                            "estimate", e.breakdown, headroom=e.headroom)
 
     def plan(self, k: int):
         """The optimized graph for microbatches of 1/k of the batch; BudgetError when its step
         does not fit the budget."""
-        if self.budget_gb is None:
+        if self.budget is None:
             args, kwargs = self._microbatch(k)
-            return optimize(self.model, args, example_kwargs=kwargs, **self._options)
-        limit = budget_bytes(self.budget_gb)
-        budget, lowered, least = self.budget_gb, 0, None
+            return optimize_with(self.model, args, kwargs, self._options, **self._settings)
+        limit = self.budget
+        budget, lowered, least = limit, 0, None
         for _ in range(REPLANS + 1):
             try:
                 graph, predicted = self._optimize(k, budget)
@@ -129,17 +133,17 @@ class MicrobatchChoice:
             if predicted <= self._target(graph, limit):
                 return self._fits(graph, predicted, lowered)
             lowered += predicted - self._target(graph, limit)  # and plan below it by as much
-            budget = self.budget_gb - in_gb(lowered)
+            budget = limit - lowered
             if budget <= 0:
                 break
         # Lowering did not find it: the tightest plan holds the step around the graph if any does.
         least = least if least is not None else self._planner_least(k)
-        graph, predicted = self._optimize(k, in_gb(least))
+        graph, predicted = self._optimize(k, least)
         if predicted <= self._target(graph, limit):
             return self._fits(graph, predicted, lowered)
         self._needs[k] = self._needed(graph, predicted, least)
         raise BudgetError(f"the step around the graph (the loss outside it) takes the tightest plan for {k} "
-                          f"microbatch(es) to {size_text(predicted)}, over budget_gb={self.budget_gb:g}.",
+                          f"microbatch(es) to {size_text(predicted)}, over budget_gb={in_gb(self.budget):g}.",
                           min_budget_bytes=self._needs[k])
 
     def _fits(self, graph, predicted: int, lowered: int):
@@ -156,7 +160,7 @@ class MicrobatchChoice:
             return self._needs[k]
         least = refused.min_budget_bytes
         try:
-            graph, predicted = self._optimize(k, in_gb(least))
+            graph, predicted = self._optimize(k, least)
         except BudgetError:
             return least
         return self._needed(graph, predicted, least)
@@ -168,33 +172,31 @@ class MicrobatchChoice:
     def _planner_least(self, k: int) -> int:
         """Bytes of the least budget the planner names for k microbatches."""
         try:
-            self._optimize(k, 1e-9)
+            self._optimize(k, 1)  # a byte: nothing fits, and the refusal names the least
         except BudgetError as e:
             return e.min_budget_bytes
         return 1
 
     @staticmethod
     def _target(graph, budget: int) -> int:
-        """The bytes a plan for `budget` is held to: less recompute's headroom (CUDA keeps some free)."""
-        record = graph.graphopt_report.recompute()
-        fit = record.budget if record is not None else None
-        return budget if fit is None else int(budget * fit.planned_for_bytes / fit.budget_bytes)
+        """The bytes a plan for `budget` is held to: less the headroom of the device it is planned
+        for (CUDA keeps some free)."""
+        return held_to(budget, headroom(graph_device(graph)))
 
     def _microbatch(self, k: int) -> tuple[tuple, dict]:
         return self._example if k == 1 else split_batch(*self._example, k)[0]
 
-    def _optimize(self, k: int, budget_gb: float):
-        """(graph, predicted peak of the user's step) for microbatches of 1/k at budget_gb: from
+    def _optimize(self, k: int, budget: int):
+        """(graph, predicted peak of the user's step) for microbatches of 1/k at `budget` bytes: from
         the second microbatch on every gradient is resident, and the plan is made so."""
         args, kwargs = self._microbatch(k)
-        options = dict(self._options)
-        optimizer = options.pop("optimizer", None)
         with warnings.catch_warnings():
-            if k > 1 or budget_gb != self.budget_gb:  # train_step's own search: it says nothing of the user's budget
+            if k > 1 or budget != self.budget:  # train_step's own search: it says nothing of the user's budget
                 warnings.simplefilter("ignore", BudgetWarning)
-            graph = optimize(self.model, args, example_kwargs=kwargs, budget_gb=budget_gb, optimizer=optimizer,
-                             accumulate=k > 1, **options)
-        return graph, self._predicted_peak(graph, args, kwargs, k, optimizer)
+            graph = optimize_with(self.model, args, kwargs,
+                                  dataclasses.replace(self._options, budget_bytes=budget, accumulate=k > 1),
+                                  **self._settings)
+        return graph, self._predicted_peak(graph, args, kwargs, k, self._options.optimizer)
 
     def _predicted_peak(self, graph, args, kwargs, k: int, optimizer) -> int:
         """Peak bytes of one microbatch's step as __call__ runs it, with every gradient present for

@@ -10,26 +10,27 @@ backward, scaled for the reduction: runtime/microbatch_step.py.
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 from typing import Callable
 
 import torch
 
-from ..analysis.optimizer_memory import check_optimizer
 from ..frontend.batch import batch_rows, microbatch_counts, splits_evenly, why_unsplittable
 from ..frontend.call_signature import signature
 from ..errors import OptionError, UsageError
 from ..frontend.export_batch import ExportCache, kept_exports, keeping_exports
 from .microbatch_choice import MicrobatchChoice
 from ..runtime.microbatch_semantics import announce, check_batch_norm, loss_kind
-from ..passes.arguments import OptimizeArguments
-from ..passes.recompute.recompute_pass import Recompute
+from ..api import checked_options, optimize_with
+from ..passes.options import ARGUMENTS
 from ..runtime.fsdp import sharded
 from ..runtime.guards import describe
 from ..runtime.microbatch import split_batch
 from ..runtime.microbatch_step import REDUCTIONS, accumulate, loss_weights
 from ..runtime.step import step_loss
 from ..frontend.trace import check_inputs
+from ..vocabulary.sizes import in_gb
 
 
 def train_step(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *,
@@ -88,12 +89,13 @@ class TrainStep:
     def __init__(self, model, example_inputs, example_kwargs=None, *, loss_fn=None, budget_gb=None,
                  microbatches="auto", reduction=None, **optimize_options):
         args, kwargs = check_inputs(model, example_inputs, example_kwargs)
-        budget_gb = _checked_budget(budget_gb)
-        options = _checked_options(model, loss_fn, reduction, budget_gb, optimize_options)
-        self.model, self.loss_fn, self.budget_gb = model, loss_fn, budget_gb
+        settings = _checked_settings(model, loss_fn, reduction, budget_gb, optimize_options)
+        options = checked_options({"budget_gb": budget_gb, **{k: v for k, v in optimize_options.items()
+                                                               if k in ARGUMENTS}})
+        self.model, self.loss_fn, self.budget_bytes = model, loss_fn, options.budget_bytes
         self._example = (args, kwargs)
         self._planned = signature(args, kwargs)
-        choice = MicrobatchChoice(model, (args, kwargs), loss_fn, budget_gb, options)
+        choice = MicrobatchChoice(model, (args, kwargs), loss_fn, options, settings)
         # one export serves the microbatch counts its dynamic batch takes (and a caller's other steps: plan's)
         with keeping_exports(kept_exports() or ExportCache()):
             if isinstance(microbatches, str) and microbatches == "auto":
@@ -109,7 +111,7 @@ class TrainStep:
         self.reduction, self._loss = loss_kind(self.report.batch_wide, reduction, outside=loss_fn is not None)
         # the full batch's result, not only its microbatches': nothing batch-wide, the loss read and combined exactly
         self.whole = self.microbatches == 1 or (self._loss is not None and self.report.batch_wide.whole)
-        self.notes += announce(self.report.batch_wide, self.microbatches, options.get("batch_norm", "warn"), "train_step")
+        self.notes += announce(self.report.batch_wide, self.microbatches, settings.get("batch_norm", "warn"), "train_step")
         self.report.notes += [f"train_step: {self._shape_text()}", *self.notes]
 
     # -- running ---------------------------------------------------------------------------
@@ -140,9 +142,9 @@ class TrainStep:
 
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         k = self.microbatches
-        if self.budget_gb is not None and signature(args, kwargs) != self._planned:
+        if self.budget_bytes is not None and signature(args, kwargs) != self._planned:
             raise UsageError(f"this train step was planned for inputs {describe(*self._example)} "
-                             f"({self._shape_text()}, budget_gb={self.budget_gb:g}), and got {describe(args, kwargs)}: "
+                             f"({self._shape_text()}, budget_gb={in_gb(self.budget_bytes):g}), and got {describe(args, kwargs)}: "
                              "call it with batches of those shapes, or build another train_step for these.")
         if k == 1:
             return [(args, kwargs)]
@@ -163,8 +165,10 @@ class TrainStep:
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _checked_options(model, loss_fn, reduction, budget_gb, options: dict) -> dict:
-    """The options for optimize(), after the checks of what train_step adds to them."""
+def _checked_settings(model, loss_fn, reduction, budget_gb, options: dict) -> dict:
+    """What train_step adds to optimize()'s arguments, checked, and the arguments it takes that ask
+    for no pass (frontend, verify, ...), as optimize_with takes them; those that ask for passes
+    are checked_options's."""
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be a function of (output, *args, **kwargs) returning the scalar loss, "
                          f"got {type(loss_fn).__name__}.")
@@ -184,17 +188,14 @@ def _checked_options(model, loss_fn, reduction, budget_gb, options: dict) -> dic
     if "accumulate" in options:
         raise OptionError("train_step plans its microbatches with the accumulated gradients resident itself: "
                           "leave accumulate out.")
-    if options.get("optimizer") is None:
-        return dict(options)
-    try:  # before any plan: the predicted step sizes its state too
-        return {**options, "optimizer": check_optimizer(options["optimizer"])}
-    except ValueError as e:
-        raise OptionError(f"optimizer {e}.") from None
+    unknown = sorted(set(options) - set(ARGUMENTS) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"train_step() got an unexpected keyword argument {unknown[0]!r}")
+    return {k: v for k, v in options.items() if k in SETTINGS}
 
 
-def _checked_budget(budget_gb) -> float | None:
-    """budget_gb as optimize() validates it: by the recompute pass's option."""
-    return None if budget_gb is None else Recompute.from_arguments(OptimizeArguments(budget_gb=budget_gb)).settings.budget_gb
+# optimize()'s arguments that ask for no pass, which train_step hands on as they are
+SETTINGS = tuple(name for name, p in inspect.signature(optimize_with).parameters.items() if p.kind == p.KEYWORD_ONLY)
 
 
 def _check_microbatches(value, args: tuple, kwargs: dict) -> int:

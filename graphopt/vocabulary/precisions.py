@@ -20,6 +20,14 @@ def precision_name(value) -> str | None:
         return None
 
 
+def low_precision(value) -> str:
+    """The low precision a name or dtype spells, bf16 or fp16; ValueError for any other."""
+    name = precision_name(value)
+    if name not in LOW:
+        raise ValueError(f"use {' or '.join(sorted(LOW))}; fp32 computes as the model does, with no precision pass")
+    return name
+
+
 def short(dtype: torch.dtype) -> str:
     """bf16, fp16, fp32, fp64; torch's own name for any other dtype."""
     return _SHORT.get(dtype, torch_name(dtype))

@@ -5,7 +5,7 @@ import torch
 
 import graphopt
 from graphopt.analysis.cuda_workspaces import HOPPER, OTHERS, workspace_bytes
-from graphopt.passes.recompute.recompute_pass import CUDA_HEADROOM
+from graphopt.analysis.memory import CUDA_HEADROOM
 
 
 def test_the_workspace_is_sized_as_torch_reads_its_setting():

@@ -372,7 +372,7 @@ PAIR_PASSES = ("normalize", "cse", "dce", "fuse", "inplace", "precision", "recom
 
 def _pair_spec(name: str, case: Case) -> str:
     if name == "precision":
-        return "precision{dtype=bf16}"
+        return "precision{precision=bf16}"
     if name == "recompute":
         return f"recompute{{budget_gb={planned_budget(case)[0]:.9g}}}"
     if name == "pipeline":

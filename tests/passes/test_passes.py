@@ -310,7 +310,7 @@ def test_manager_annotates_new_and_invalidated_nodes():
 def test_a_pass_that_must_run_after_another_is_refused_before_it():
     model, args = Duplicates(), (torch.randn(4, 8),)
     with pytest.raises(graphopt.OptionError, match="'inplace' comes before 'precision'.*Put 'precision' first"):
-        graphopt.optimize(model, args, passes="inplace,precision{dtype=bf16}")
+        graphopt.optimize(model, args, passes="inplace,precision{precision=bf16}")
     with pytest.raises(graphopt.OptionError, match="'recompute' comes before 'fuse'"):
         graphopt.optimize(model, args, passes="recompute{budget_gb=1},fuse")
 
@@ -318,26 +318,27 @@ def test_a_pass_that_must_run_after_another_is_refused_before_it():
 def test_optimize_places_the_passes_its_arguments_ask_for_in_order():
     model, args = Duplicates(), (torch.randn(4, 8),)
     opt = graphopt.optimize(model, args, passes="normalize,inplace", precision="bf16", budget_gb=1.0)
-    assert [p.name for p in opt.graphopt_report.passes] == ["normalize", "precision{dtype=bf16}", "inplace",
+    assert [p.name for p in opt.graphopt_report.passes] == ["normalize", "precision{precision=bf16}", "inplace",
                                                             "recompute{budget_gb=1.0}"]
 
 
-def test_each_pass_builds_itself_from_the_typed_arguments_it_names():
+def test_each_pass_builds_itself_from_the_one_checked_record():
     from graphopt.api import build_pipeline
-    from graphopt.passes.arguments import OptimizeArguments
-    from graphopt.passes.base import Pass
+    from graphopt.api import checked_options
 
-    built = {p.name: p.settings for p in build_pipeline("dce", OptimizeArguments(
-        budget_gb=2.0, precision="fp16", precision_policy="softmax:fp32", optimizer="sgd"))}
-    assert (built["recompute"].budget_gb, built["recompute"].optimizer) == (2.0, "sgd")
-    assert (built["precision"].dtype, built["precision"].policy) == ("fp16", "softmax:fp32")
-    staged = {p.name: p.settings for p in build_pipeline("dce", OptimizeArguments(stages=2, budget_gb=2.0))}
+    options = checked_options(dict(budget_gb=2.0, precision="fp16", precision_policy="softmax:fp32", optimizer="sgd"))
+    assert options.budget_bytes == 2 * 10**9  # bytes from the entry on
+    built = {p.name: p.settings for p in build_pipeline("dce", options)}
+    assert (built["recompute"].budget_bytes, built["recompute"].optimizer) == (2 * 10**9, "sgd")
+    assert (built["precision"].precision, built["precision"].precision_policy) == ("fp16", "softmax:fp32")
+    staged = {p.name: p.settings for p in build_pipeline("dce", checked_options(dict(stages=2, budget_gb=2.0)))}
     # an argument not given leaves its option at the default: each stage holds adam's state
-    assert "recompute" not in staged and (staged["pipeline"].budget_gb, staged["pipeline"].optimizer) == (2.0, "adam")
+    assert "recompute" not in staged and (staged["pipeline"].budget_bytes, staged["pipeline"].optimizer) == (2 * 10**9,
+                                                                                                           "adam")
     with pytest.raises(graphopt.OptionError, match=r"optimize\(budget_gb=...\): bad value -1"):
-        build_pipeline("dce", OptimizeArguments(budget_gb=-1))
-    with pytest.raises(TypeError, match="budget_mb"):
-        type("Mistaken", (Pass,), {"name": "mistaken", "arguments": ("budget_mb",)})
+        checked_options(dict(budget_gb=-1))
+    # the pass made from the record and the one a pipeline string names are one pass
+    assert parse_pipeline("recompute{budget_gb=2.0 optimizer=sgd}")[0].settings == built["recompute"]
 
 
 class SameLayoutViews(nn.Module):

@@ -54,7 +54,7 @@ def build(name):
 
 def optimized(name, dtype="bf16", **options):
     model, args, kwargs, frontend = build(name)
-    spec = f"{BEFORE},precision{{dtype={dtype}{''.join(f' {k}={v}' for k, v in options.items())}}}"
+    spec = f"{BEFORE},precision{{precision={dtype}{''.join(f' {k}={v}' for k, v in options.items())}}}"
     opt = graphopt.optimize(model, args, example_kwargs=kwargs, frontend=frontend, passes=spec)
     return model, args, kwargs, frontend, opt
 
@@ -179,7 +179,7 @@ def test_user_casts_are_kept_and_back_to_back_casts_fold():
     assert fc2.args[0] is kept["fc1"]
     stats = _precision_row(opt).stats
     assert stats["casts_folded"] >= 1 and stats["activation_casts"] == 1  # x, once
-    again = parse_pipeline("precision{dtype=bf16}")[0].run(opt, PassContext((x,), {}, train=True))
+    again = parse_pipeline("precision{precision=bf16}")[0].run(opt, PassContext((x,), {}, train=True))
     assert again.stats["casts_inserted"] == 0  # nothing left to cast, no cast of a cast
     for node in opt.graph.nodes:
         if is_cast(node):
@@ -219,7 +219,7 @@ def test_a_call_the_registry_does_not_know_runs_under_autocast_itself():
 
 def test_policy_overrides_the_autocast_class():
     *_, plain = optimized("gpt")
-    *_, opt = optimized("gpt", policy="linear:fp32;cross_entropy:low")
+    *_, opt = optimized("gpt", precision_policy="linear:fp32;cross_entropy:low")
     kinds = {n.name: ops.lookup(n, opt) for n in opt.graph.nodes}
     dtype = {n.name: tensor_info(n).dtype for n in opt.graph.nodes if isinstance(tensor_info(n), TensorInfo)}
     linears = [name for name, op in kinds.items() if op is not None and op.name == "linear"]
@@ -231,19 +231,19 @@ def test_policy_overrides_the_autocast_class():
     stats = _precision_row(opt).stats
     assert stats["policy"] == "cross_entropy:low;linear:fp32"
     # a dict and the text form are one policy, and the pass prints back as a pipeline
-    p = graphopt.passes.get("precision")(dtype="bf16", policy={"linear": "fp32", "cross_entropy": "low"})
-    assert p.spec() == "precision{dtype=bf16,policy=cross_entropy:low;linear:fp32}"
+    p = graphopt.passes.get("precision")(precision="bf16", precision_policy={"linear": "fp32", "cross_entropy": "low"})
+    assert p.spec() == "precision{precision=bf16,precision_policy=cross_entropy:low;linear:fp32}"
     assert parse_pipeline(p.spec())[0].settings == p.settings
 
 
 @pytest.mark.parametrize("options, message", [
-    ({}, "needs dtype=bf16 or dtype=fp16"),
-    ({"dtype": "fp8"}, "use bf16 or fp16"),
-    ({"dtype": "fp32"}, "use bf16 or fp16"),
-    ({"dtype": "bf16", "policy": {"sofmax": "low"}}, "did you mean softmax"),
-    ({"dtype": "bf16", "policy": {"softmax": "half"}}, "is not one of low, fp32, promote, follow"),
-    ({"dtype": "bf16", "policy": "softmax=low"}, "write each entry as op:mode"),
-    ({"dtype": "bf16", "policy": 3}, "give a dict"),
+    ({}, "needs precision=bf16 or precision=fp16"),
+    ({"precision": "fp8"}, "use bf16 or fp16"),
+    ({"precision": "fp32"}, "use bf16 or fp16"),
+    ({"precision": "bf16", "precision_policy": {"sofmax": "low"}}, "did you mean softmax"),
+    ({"precision": "bf16", "precision_policy": {"softmax": "half"}}, "is not one of low, fp32, promote, follow"),
+    ({"precision": "bf16", "precision_policy": "softmax=low"}, "write each entry as op:mode"),
+    ({"precision": "bf16", "precision_policy": 3}, "give a dict"),
 ])
 def test_bad_options_say_what_to_write(options, message):
     with pytest.raises(graphopt.OptionError, match=message):
@@ -251,8 +251,8 @@ def test_bad_options_say_what_to_write(options, message):
 
 
 def test_dtype_spellings_and_the_verifier_tolerance():
-    assert graphopt.passes.get("precision")(dtype=torch.bfloat16).settings.dtype == "bf16"
-    assert graphopt.passes.get("precision")(dtype="float16").settings.dtype == "fp16"
+    assert graphopt.passes.get("precision")(precision=torch.bfloat16).settings.precision == "bf16"
+    assert graphopt.passes.get("precision")(precision="float16").settings.precision == "fp16"
     model, args, kwargs = zoo.gpt()
     # verify=True compares against float32 eager: it passes only at the tolerance of the
     # compute dtype, which the pass reports to the manager
@@ -340,7 +340,7 @@ def test_type_promotion_and_finfo_fills_equal_autocast():
     model, frontend = Promotions(), "export"  # fx cannot ask finfo of a traced dtype
     x, mask = torch.randn(2, 8, 16), torch.rand(2, 8, 8) > 0.3
     mask[:, :, 0] = True
-    opt = graphopt.optimize(model, (x, mask), frontend=frontend, passes=f"{BEFORE},precision{{dtype=bf16}}")
+    opt = graphopt.optimize(model, (x, mask), frontend=frontend, passes=f"{BEFORE},precision{{precision=bf16}}")
     assert _precision_row(opt).stats["constants_of_the_new_dtype"] == 2
     given = graphopt.optimize(model, (x, mask), frontend=frontend, passes=BEFORE)
     reference = autocast_dtypes(given, placeholder_values(given, (x, mask), {}), torch.bfloat16, "cpu")

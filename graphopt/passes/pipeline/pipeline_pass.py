@@ -35,14 +35,15 @@ import torch.fx
 
 from ...analysis.cost import node_times, step_costs
 from ...analysis.effects import CALLS
-from ...analysis.memory import budget_bytes, budget_text, estimate_peak, size_text
+from ...analysis.memory import as_given, budget_text, estimate_peak, size_text
 from ...analysis.meta import TensorInfo, graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
 from ..notes import note
 from ...errors import BudgetError, OptionError
-from ..arguments import OptimizeArguments
-from ..base import Pass, PassContext, PassResult, count, option, plans_memory_after, positive, to_bool
+from ..options import OptimizeOptions, budget_in_bytes
+from ...vocabulary.sizes import in_gb
+from ..base import Pass, PassContext, PassResult, count, option, plans_memory_after, to_bool
 from ..registry import register
 from .partition import SCHEDULES, StageFacts, least_memory, partition
 from .split import split_stages
@@ -91,7 +92,8 @@ class PipelineOptions:
     stages: int | None = option(None, count, "number of pipeline stages")
     schedule: str = option("1f1b", str, "pipeline schedule the memory model assumes", SCHEDULES)
     microbatches: int | None = option(None, count, "microbatches per step (default: 2 x stages, at most the batch)")
-    budget_gb: float | None = option(None, positive, "memory cap per device, in GB of 10**9 bytes")
+    budget_bytes: int | None = option(None, budget_in_bytes, "memory cap per device, in GB of 10**9 bytes",
+                                      spelled="budget_gb", shown=in_gb)
     ranks: int | None = option(None, count, "devices the stages run on (default: one per stage; interleaved-1f1b: "
                                             "stages / ranks virtual stages each)")
     optimizer: str = option("adam", str, "optimizer whose state each stage holds", tuple(NAMED))
@@ -104,28 +106,17 @@ class Pipeline(Pass):
 
     name = "pipeline"
     runs_after = plans_memory_after("fuse", "inplace", "precision", "recompute")
-    # One device per stage: budget_gb caps each stage's memory, and profile costs the stages.
-    arguments = ("stages", "budget_gb", "profile", "optimizer")
     plans_memory = ("values written in place cannot be recomputed from, which can raise the least budget; name it "
                     "in passes= to run it anyway")
 
-    @classmethod
-    def from_arguments(cls, args: OptimizeArguments) -> "Pipeline":
-        return cls({name: name for name in cls.arguments}, stages=args.stages, budget_gb=args.budget_gb,
-                   profile=args.profile, optimizer=args.optimizer)
+    Options = PipelineOptions
 
     @classmethod
-    def check_arguments(cls, args: OptimizeArguments) -> None:
-        if args.calibrate:
-            raise OptionError("calibrate= measures a one-device step of the recompute plan; with stages=, "
-                              "budget_gb caps each stage's predicted memory: leave calibrate out.")
-        if args.accumulate:
-            raise OptionError("with stages=, the pipeline accumulates its microbatches' gradients itself and "
-                              "budget_gb caps each stage: leave accumulate out.")
-        if args.optimizer is not None and not isinstance(args.optimizer, str):
-            raise OptionError("with stages=, optimizer= names the optimizer whose state each stage holds "
-                              "(e.g. optimizer='adam'), not an instance.")
-    Options = PipelineOptions
+    def from_options(cls, options: OptimizeOptions) -> "Pipeline":
+        """The pass optimize()'s options ask for with stages: one device per stage, budget_gb the
+        cap of each, profile costing the stages."""
+        return cls.with_settings(PipelineOptions(stages=options.stages, budget_bytes=options.budget_bytes,
+                                                 profile=options.profile, optimizer=options.optimizer or "adam"))
 
     def microbatches_of(self, rows: int | None = None) -> int:
         """The microbatch count: as given, else 2 x stages but no more than the batch's rows."""
@@ -142,7 +133,7 @@ class Pipeline(Pass):
                                   "(or use schedule=interleaved-1f1b).")
             return stages
         if ranks is None:
-            if self.settings.budget_gb:
+            if self.settings.budget_bytes:
                 raise OptionError("with schedule=interleaved-1f1b, give ranks= (the devices) so that budget_gb "
                                   "caps what each device holds, e.g. pipeline{stages=8 ranks=4 ...}.")
             return None
@@ -155,7 +146,7 @@ class Pipeline(Pass):
         stages = self.settings.stages
         if stages is None:
             raise OptionError("the pipeline pass needs stages, e.g. pipeline{stages=4}.")
-        microbatches = ctx.microbatches or self.microbatches_of(None)
+        microbatches = ctx.microbatches  # optimize() derives it once, by microbatches_of
         # Step 1
         facts = stage_facts(gm, ctx.analysis, self.settings.optimizer, self.settings.profile)
         places = sum(facts.can_cut)
@@ -166,14 +157,14 @@ class Pipeline(Pass):
         # Step 2
         ranks = self._ranks(stages)
         per_rank = stages // ranks if ranks else 1  # a device's virtual stages each get an equal share
-        cap = budget_bytes(self.settings.budget_gb) // per_rank if self.settings.budget_gb else None
+        cap = self.settings.budget_bytes // per_rank if self.settings.budget_bytes else None
         plan = partition(facts, stages, microbatches=microbatches, schedule=self.settings.schedule, memory_cap=cap)
         if plan is None:
             need = least_memory(facts, stages, microbatches=microbatches, schedule=self.settings.schedule)
             balanced = partition(facts, stages, microbatches=microbatches, schedule=self.settings.schedule)
             share = f" ({per_rank} virtual stages per device)" if per_rank > 1 else ""
             raise BudgetError(
-                f"no cut into {stages} stages keeps every device under budget_gb={self.settings.budget_gb:g}"
+                f"no cut into {stages} stages keeps every device under {as_given(self.settings.budget_bytes)}"
                 f"{share}: the least any cut needs on its fullest device is {size_text(need * per_rank)} (the "
                 f"balanced cut's {size_text(max(balanced.stage_memory) * per_rank)}). Raise budget_gb to "
                 f"{budget_text(need * per_rank)} or more, use more "

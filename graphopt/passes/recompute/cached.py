@@ -111,7 +111,7 @@ def _replay(pass_, gm: torch.fx.GraphModule, ctx: PassContext, entry: dict) -> P
         outcome = entry["outcome"]
         if outcome == "refused":
             raise BudgetError(str(entry["message"]), int(entry["least"]), dict(entry["breakdown"]),
-                              float(entry["headroom"]))
+                              float(entry["headroom"]), pass_.settings.budget_bytes)
         fit = BudgetFit(*[int(v) for v in entry["fit"]])
         stats, peak = dict(entry["stats"]), int(entry["peak"])
         segments = [(int(a), int(b), bool(c)) for a, b, c in entry.get("segments", [])]
@@ -149,5 +149,5 @@ def _replay(pass_, gm: torch.fx.GraphModule, ctx: PassContext, entry: dict) -> P
         warn(str(entry["idle"]), BudgetWarning)
     _, target = pass_.setup(gm, ctx, optimizer)
     stats["plan_cache"] = "from the cache"
-    check = pass_.budget_check(pass_.settings.budget_gb, target, ctx)
+    check = pass_.budget_check(target, ctx)
     return PassResult(gm, bool(entry.get("changed", True)), stats, call_checks=[check], budget=fit, peak_bytes=peak)

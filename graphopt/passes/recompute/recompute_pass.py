@@ -69,7 +69,7 @@ from ... import ops
 from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
 from ...analysis.cuda_graphs import graphs_reserve
-from ...analysis.memory import Estimate, below_least, budget_bytes, estimate_peak, measure_step
+from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, held_to, measure_step
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
@@ -78,8 +78,9 @@ from ...errors import BudgetError, BudgetWarning, OptionError, warn
 from ..records import BudgetFit, MemoryCurves, idle_budget
 from ...runtime.budget_check import BudgetCheck
 from ...analysis.trial import trial_run
-from ..arguments import OptimizeArguments
-from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, positive, to_bool
+from ..options import OptimizeOptions, budget_in_bytes
+from ...vocabulary.sizes import in_gb
+from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, to_bool
 from ..fuse.head_loss_chunks import size_chunks
 from ..shard.rank_memory import RANK_ADVICE, rank_peak
 from ..registry import register
@@ -94,9 +95,6 @@ from .solver import SegmentCost
 from .tidy import attributes_first, hoist_state_writes
 
 CALIBRATIONS = 3  # re-plans after a measured step over budget
-# On CPU the estimate counts what a measured step counts, storage by storage. On CUDA the
-# allocator also holds what no tensor shows: cuBLAS and cuDNN workspaces, its rounding.
-CUDA_HEADROOM = 0.05
 
 
 def _fraction(value) -> float:
@@ -110,9 +108,10 @@ def _fraction(value) -> float:
 class RecomputeOptions:
     """The recompute pass's options."""
 
-    budget_gb: float | None = option(None, positive, "peak memory of one training step, in GB of 10**9 bytes")
+    budget_bytes: int | None = option(None, budget_in_bytes, "peak memory of one training step, in GB of 10**9 bytes",
+                                      spelled="budget_gb", shown=in_gb)
     headroom: float | None = option(None, _fraction, "fraction of the budget kept free for what the estimate "
-                                    "cannot see, in [0, 0.5); default 0 on CPU, CUDA_HEADROOM on CUDA")
+                                    "cannot see, in [0, 0.5); default the device's (analysis/memory.headroom)")
     profile: bool = option(False, to_bool, "cost recompute by each node's measured time instead of its estimate")
     calibrate: bool = option(False, to_bool, "measure one real step and plan again while it is over budget")
     optimizer: object = option(None, check_optimizer, "the optimizer whose state and step() the budget covers: "
@@ -129,25 +128,16 @@ class Recompute(Pass):
 
     name = "recompute"
     runs_after = plans_memory_after("fuse", "inplace", "precision")
-    arguments = ("budget_gb", "profile", "calibrate", "optimizer", "accumulate", "world_size")
-    yields_to = ("stages",)
     plans_memory = ("the recompute pass writes in place within its plan, as the inplace pass would but for the "
                     "values its segments recompute from")
     Options = RecomputeOptions
 
     @classmethod
-    def from_arguments(cls, args: OptimizeArguments) -> "Recompute":
-        return cls({name: name for name in cls.arguments}, budget_gb=args.budget_gb, profile=args.profile,
-                   calibrate=args.calibrate, optimizer=args.optimizer, accumulate=args.accumulate,
-                   world_size=args.world_size)
-
-    @classmethod
-    def check_arguments(cls, args: OptimizeArguments) -> None:
-        if args.world_size and not args.shard:
-            raise OptionError("world_size= is the ranks FSDP2 shards the step over: give shard='fsdp' too.")
-        if args.world_size and args.calibrate:
-            raise OptionError("with world_size=, the plan is held to a rank's estimated step; calibrate= measures "
-                              "one device's: leave it out.")
+    def from_options(cls, options: OptimizeOptions) -> "Recompute":
+        """The pass optimize()'s options ask for with budget_gb (and no stages)."""
+        return cls.with_settings(RecomputeOptions(
+            budget_bytes=options.budget_bytes, profile=options.profile, calibrate=options.calibrate,
+            optimizer=options.optimizer, accumulate=options.accumulate, world_size=options.world_size))
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         """The plan from the plan cache where an entry made for this graph and these settings is
@@ -159,25 +149,23 @@ class Recompute(Pass):
         """The budget in bytes and the target the step is planned for (less the headroom and what
         CUDA graphs hold); the optimizer's memory (measured, unless given: the plan cache's),
         accumulation and headroom kept on the pass."""
-        budget_gb = self.settings.budget_gb
-        if budget_gb is None:
+        limit = self.settings.budget_bytes
+        if limit is None:
             raise BudgetError("the recompute pass needs budget_gb, e.g. recompute{budget_gb=8}.")
-        limit = budget_bytes(budget_gb)
         self.headroom = self.settings.headroom
         if self.headroom is None:
-            self.headroom = CUDA_HEADROOM if graph_device(gm) == "cuda" else 0.0
+            self.headroom = headroom(graph_device(gm))
         if optimizer is None and self.settings.optimizer is not None and ctx.train:
             optimizer = optimizer_memory(self.settings.optimizer, list(gm.parameters()))
         self.optimizer = optimizer
         # a step captured as CUDA graphs holds more than the step itself: planned for that much less
         self.reserve = graphs_reserve(gm, ctx.flat_inputs(gm), self.optimizer) if ctx.cuda_graphs and ctx.train else 0
         self.accumulate = self.settings.accumulate and ctx.train
-        return limit, int(limit * (1 - self.headroom)) - self.reserve
+        return limit, held_to(limit, self.headroom) - self.reserve
 
     def _plan(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # what the plan cache keeps of this plan: (the plan, each node's decision) and the nodes it indexes
         self.chosen, self.planned_nodes, self.cacheable = None, None, True
-        budget_gb = self.settings.budget_gb
         limit, target = self.setup(gm, ctx)
         # Step 1 (with step 2's tidying first, so that one estimate serves the search too)
         tidied = ctx.train and bool(attributes_first(gm) + hoist_state_writes(gm))
@@ -198,9 +186,9 @@ class Recompute(Pass):
             target += before.peak_bytes - rank_before  # one device's step over a rank's, unplanned
         if not ctx.train:
             if before.peak_bytes > target:
-                raise self._error(budget_gb, before.peak_bytes, before.breakdown, inference=True)
+                raise self._error(before.peak_bytes, before.breakdown, inference=True)
             _warn_idle(fit(before.peak_bytes))
-            return PassResult(gm, False, stats, call_checks=[self.budget_check(budget_gb, target, ctx)],
+            return PassResult(gm, False, stats, call_checks=[self.budget_check(target, ctx)],
                               budget=fit(before.peak_bytes), peak_bytes=before.peak_bytes)
         chunk = size_chunks(gm, lambda g: self._estimate(g, ctx).peak_bytes, target)
         if chunk is not None:
@@ -214,7 +202,7 @@ class Recompute(Pass):
             return PassResult(gm, tidied or chunk is not None or bool(written),
                               {**stats, "segments": 0, "written_in_place": written},
                               memory=MemoryCurves({"as traced": before}, limit),
-                              call_checks=[self.budget_check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
+                              call_checks=[self.budget_check(target, ctx)], budget=fit(peak), peak_bytes=peak)
         # Step 2
         step = ctx.analysis(record_step, gm)
         facts = node_facts(gm, step)
@@ -237,10 +225,10 @@ class Recompute(Pass):
         if not self.settings.calibrate and not ranks:  # both measure the plan without the writes first
             search.finish = lambda plan: self._written(gm, ctx, search, plan)
         # Steps 4 and 5
-        plan, after = self._fit_rank(gm, ctx, search, target, budget_gb) if ranks else search.cheapest_within(target)
+        plan, after = self._fit_rank(gm, ctx, search, target) if ranks else search.cheapest_within(target)
         if plan is None:  # without a plan at all, nothing may be recomputed: the step as it is is the least
             least = min((e for e in (after, before) if e is not None), key=lambda e: e.peak_bytes)
-            raise self._error(budget_gb, least.peak_bytes, least.breakdown, inference=False)
+            raise self._error(least.peak_bytes, least.breakdown, inference=False)
         if self.settings.calibrate:
             search.rewrite(plan)
             for round_ in range(1, CALIBRATIONS + 1):
@@ -252,13 +240,13 @@ class Recompute(Pass):
                 search.undo()
                 plan, after = search.cheapest_within(target)
                 if plan is None:
-                    raise self._error(budget_gb, after.peak_bytes + measured - limit, after.breakdown,
+                    raise self._error(after.peak_bytes + measured - limit, after.breakdown,
                                       inference=False, measured=True)
                 search.rewrite(plan)
             else:
                 stats["measured_peak_bytes"] = _measure(gm, ctx, self.accumulate)
                 if stats["measured_peak_bytes"] > limit:
-                    raise self._error(budget_gb, stats["measured_peak_bytes"], after.breakdown,
+                    raise self._error(stats["measured_peak_bytes"], after.breakdown,
                                       inference=False, measured=True)
             search.undo()
         # Step 6, and the plan's segments cut, where the search did not do both
@@ -285,10 +273,10 @@ class Recompute(Pass):
         if ranks:
             peak = self._rank_peak(gm, ctx)
             # step 6 keeps its writes where they lower one device's step: a rank's is estimated again
-            if peak > int(limit * (1 - self.headroom)):
-                raise self._error(budget_gb, peak, {}, inference=False)
+            if peak > held_to(limit, self.headroom):
+                raise self._error(peak, {}, inference=False)
         return PassResult(gm, True, stats, memory=MemoryCurves({"as traced": before, "with recompute": after}, limit),
-                          call_checks=[self.budget_check(budget_gb, target, ctx)], budget=fit(peak), peak_bytes=peak)
+                          call_checks=[self.budget_check(target, ctx)], budget=fit(peak), peak_bytes=peak)
 
     def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
         """What a rank's step under FSDP2 may hold at most, by the estimate: its peak and what a
@@ -296,19 +284,19 @@ class Recompute(Pass):
         return rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size,
                          self.settings.optimizer, accumulate=self.accumulate).bound_bytes
 
-    def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int, budget_gb: float):
+    def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int):
         """Steps 4 and 5 for a rank's budget (world_size): the search's plan for the one-device target,
         estimated as a rank's step; while over, the search again for a target lowered by the
         overshoot from that plan's own one-device peak (its shift is its own: recompute's reruns
         run while a unit is gathered). Where the search finds none, the plan it estimated least
         may still fit a rank; else it names the least."""
-        limit = int(budget_bytes(budget_gb) * (1 - self.headroom))
+        limit = held_to(self.settings.budget_bytes, self.headroom)
         for _ in range(CALIBRATIONS):
             plan, after = search.cheapest_within(target)
             least = plan is None
             if least:
                 if not search.estimates:
-                    raise self._error(budget_gb, self._rank_peak(gm, ctx), {}, inference=False)
+                    raise self._error(self._rank_peak(gm, ctx), {}, inference=False)
                 k = min(search.estimates, key=lambda i: search.estimates[i].peak_bytes)
                 plan, after = search.candidates[k], search.estimates[k]
             search.rewrite(plan)
@@ -317,18 +305,18 @@ class Recompute(Pass):
             if peak <= limit:
                 return plan, after
             if least:  # a rank's breakdown is not the one-device step's: none given
-                raise self._error(budget_gb, peak, {}, inference=False)
+                raise self._error(peak, {}, inference=False)
             target = after.peak_bytes - (peak - limit)
-        raise self._error(budget_gb, peak, {}, inference=False)
+        raise self._error(peak, {}, inference=False)
 
     def _estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> Estimate:
         """The fake step of gm as it is now, with the optimizer and accumulation this plan is for."""
         return estimate_peak(gm, ctx.flat_inputs(gm), optimizer=self.optimizer, accumulate=self.accumulate)
 
-    def budget_check(self, budget_gb: float, target: int, ctx: PassContext) -> BudgetCheck:
+    def budget_check(self, target: int, ctx: PassContext) -> BudgetCheck:
         """The plan fits the budget at the example's sizes; other sizes run correctly but could
         exceed it, so a call at them is estimated first (runtime/budget_check.py)."""
-        return BudgetCheck(budget_gb, target, ctx.train, self.optimizer, self.accumulate,
+        return BudgetCheck(self.settings.budget_bytes, target, ctx.train, self.optimizer, self.accumulate,
                            (ctx.example_args, ctx.example_kwargs))
 
     def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, search: PlanSearch | None, plan,
@@ -384,20 +372,20 @@ class Recompute(Pass):
             search.nodes[:] = list(gm.graph.nodes)  # each write replaced its node where it stood
             search.rewrite(plan)
 
-    def _error(self, budget_gb: float, minimum: int, breakdown: dict, inference: bool,
+    def _error(self, minimum: int, breakdown: dict, inference: bool,
                measured: bool = False) -> BudgetError:
         minimum = int((minimum + self.reserve) / (1 - self.headroom))
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         ranks = self.settings.world_size
         if ranks and not inference:
-            return below_least(budget_gb, minimum, f"one rank's training step under FSDP2 over {ranks} ranks needs at "
+            return below_least(self.settings.budget_bytes, minimum, f"one rank's training step under FSDP2 over {ranks} ranks needs at "
                                f"least, {'as measured' if measured else 'by the estimate'}", breakdown, RANK_ADVICE,
                                self.headroom)
         how = "as measured" if measured else "by the estimate"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
-        return below_least(budget_gb, minimum, f"{what} needs at least, {how}", breakdown,
+        return below_least(self.settings.budget_bytes, minimum, f"{what} needs at least, {how}", breakdown,
                            f"halve activations with precision='bf16',{batch} or split the model over devices with "
                            "stages=N", self.headroom)
 

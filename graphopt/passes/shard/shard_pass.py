@@ -22,20 +22,17 @@ from ...analysis.blocks import outer_blocks
 from ...analysis.optimizer_memory import NAMED, check_optimizer
 from ...errors import OptionError, UsageError
 from ...runtime.fsdp import unit_modules
-from ..arguments import OptimizeArguments
 from ..base import Pass, PassContext, PassResult, count, option, to_bool
+from ..options import OptimizeOptions, shard_style
 from ..registry import register
 from .rank_memory import rank_peak
 from .units import make_units
-
-STYLES = ("fsdp",)
-
 
 @dataclass(frozen=True)
 class ShardOptions:
     """The shard pass's options."""
 
-    style: str = option("fsdp", str, "how the units are sharded", STYLES)
+    shard: str = option("fsdp", shard_style, "how the units are sharded")
     world_size: int | None = option(None, count, "ranks FSDP2 shards over: the report gives a rank's predicted peak")
     optimizer: object = option(None, check_optimizer, "the optimizer whose sharded state a rank's peak covers: "
                                                       "a torch.optim.Optimizer or " + ", ".join(NAMED))
@@ -51,25 +48,19 @@ class Shard(Pass):
     # it rewrites the graph the others planned: they must have run (and planned) first
     runs_after = {name: f"the units split the graph {name} rewrote; {name} plans on the whole graph"
                   for name in ("normalize", "cse", "dce", "fuse", "inplace", "precision", "recompute")}
-    arguments = ("shard", "world_size", "optimizer", "accumulate")
     makes_units = True
     Options = ShardOptions
 
     @classmethod
-    def from_arguments(cls, args: OptimizeArguments) -> "Shard":
-        return cls({"style": "shard", "world_size": "world_size", "optimizer": "optimizer", "accumulate": "accumulate"},
-                   style=args.shard, world_size=args.world_size, optimizer=args.optimizer, accumulate=args.accumulate)
-
-    @classmethod
-    def check_arguments(cls, args: OptimizeArguments) -> None:
-        if args.stages:
-            raise OptionError("shard= and stages= split the model two ways: FSDP units run on every rank, "
-                              "pipeline stages one per rank. Give one of them.")
+    def from_options(cls, options: OptimizeOptions) -> "Shard":
+        """The pass optimize()'s options ask for with shard="fsdp"."""
+        return cls.with_settings(ShardOptions(shard=options.shard, world_size=options.world_size,
+                                              optimizer=options.optimizer, accumulate=options.accumulate))
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # Step 1
         if not outer_blocks(list(gm.graph.nodes)):
-            raise UsageError(f"shard={self.settings.style!r}: the model repeats no block (no numbered children such "
+            raise UsageError(f"shard={self.settings.shard!r}: the model repeats no block (no numbered children such "
                              "as layers.0, layers.1 in its module tree), so there is nothing to make units of: "
                              "shard the whole model with torch's fully_shard, or leave shard out.")
         # Step 2
