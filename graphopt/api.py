@@ -9,13 +9,13 @@ import torch
 import torch.fx
 
 from . import passes as passes_pkg
-from .analysis.batch_wide import batch_wide, the_loss
+from .analysis.batch_wide import batch_wide, loss_reduction
 from .frontend.batch import batch_rows, splits_evenly
 from .reporting.dump import Dumper, check_dump_dir
 from .errors import OptionError, UsageError
 from .frontend.input_aliases import distinct
 from .runtime.lazy import MAX_GRAPHS, LazyOptimized
-from .runtime.microbatch_semantics import announce, check_batch_norm
+from .runtime.microbatch_semantics import check_microbatching, check_batch_norm
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .passes.options import ARGUMENTS, REFINES, OptimizeOptions
@@ -85,7 +85,7 @@ def checked_options(given: dict) -> OptimizeOptions:
 
 def _check_together(options: OptimizeOptions) -> None:
     """OptionError for arguments no pass takes together, or one given without what it refines."""
-    given = set(options.given())
+    given = set(options.asked())
     if options.stages is not None:
         if options.shard is not None:
             raise OptionError("shard= and stages= split the model two ways: FSDP units run on every rank, "
@@ -255,7 +255,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         trace_ms=(time.perf_counter() - start) * 1e3, nodes=len(gm.graph.nodes),
         dump_dir=str(dump_dir) if dump_dir else None, batch_wide=batch_wide(gm),
     )
-    report.notes += announce(report.batch_wide, microbatches or 1, batch_norm,
+    report.notes += check_microbatching(report.batch_wide, microbatches or 1, batch_norm,
                              f"the staged graph ({microbatches} microbatches)")
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
                       microbatches=microbatches, cuda_graphs=cuda_graphs, plan_cache=plan_cache)
@@ -271,7 +271,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     if dumper:
         dumper.svg(gm)
     report.runs_at = install_guards(gm, model, given, (args, kwargs), batch, microbatches, ctx.specialized,
-                                    ctx.call_checks, writes, the_loss(report.batch_wide))
+                                    ctx.call_checks, writes, loss_reduction(report.batch_wide))
     if cuda_graphs:
         report.cuda_graphs = capture(gm, *given, ctx)
     if other_batches and rows is not None and not microbatches:

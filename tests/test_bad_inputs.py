@@ -223,7 +223,7 @@ def test_dump_of_nested_tuple_outputs(tmp_path):
 def test_verify_in_bf16_compares_with_autocast():
     # a conv bias in front of a BatchNorm has a gradient that is zero in exact arithmetic: in bf16 it
     # is rounding noise, as it is under torch.autocast
-    from graphopt.verification.verify import TOLERANCE, compare, run_step
+    from graphopt.verification.verify import TOLERANCE, compare, outputs_and_grads
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
@@ -232,7 +232,7 @@ def test_verify_in_bf16_compares_with_autocast():
     record = next(r for r in opt.graphopt_report.passes if r.name.startswith("precision"))
     assert record.max_rel_err is not None and record.max_rel_err <= TOLERANCE[torch.bfloat16]
     # held to float32 eager instead, the same graph is refused: the bias's noise is all its gradient
-    against_eager = compare(run_step(model, args, {}, train=True, seed=0), run_step(opt, args, {}, train=True, seed=0))
+    against_eager = compare(outputs_and_grads(model, args, {}, train=True, seed=0), outputs_and_grads(opt, args, {}, train=True, seed=0))
     assert against_eager.worst == "grad[0.bias]" and against_eager.max_rel > TOLERANCE[torch.bfloat16]
 
 

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphopt
 from graphopt.analysis import fake_kernels
 from graphopt.verification.float64_reference import grouped_mm
-from graphopt.verification.verify import float64_step, run_step
+from graphopt.verification.verify import float64_step, outputs_and_grads
 
 OFFS = torch.tensor([8, 8, 32], dtype=torch.int32)  # three groups, the second empty
 
@@ -144,7 +144,7 @@ def test_a_float64_step_of_an_moe_model_runs_and_is_what_float32_rounds():
     with pytest.raises(RuntimeError):  # torch's own float64 step: no float64 kernel
         model.double()(ids, labels=ids).loss.backward()
     model.float().zero_grad(set_to_none=True)
-    single = run_step(model, (ids,), {"labels": ids}, train=True, seed=0)
+    single = outputs_and_grads(model, (ids,), {"labels": ids}, train=True, seed=0)
     double = float64_step(model, (ids,), {"labels": ids}, train=True, seed=0)
     assert single.keys() == double.keys() and next(model.parameters()).dtype == torch.float32
     # transformers' loss upcasts logits with .float(): the loss itself comes back float32

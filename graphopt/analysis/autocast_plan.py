@@ -38,7 +38,7 @@ from torch.fx.node import map_arg
 from .. import ops
 from ..ops.variants import VARIANT_OF
 from .fake_state import fake_run
-from .meta import TensorInfo, describe, tensor_info
+from .meta import TensorInfo, describe_value, tensor_info
 
 MODES = ("low", "fp32", "promote", "follow")  # what a policy may ask for
 ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -133,7 +133,7 @@ class _Planner(torch.fx.Interpreter):
     def run_node(self, n):
         if n.op not in ("call_function", "call_method", "call_module"):
             value = super().run_node(n)
-            self.plan.infos[n] = describe(value)
+            self.plan.infos[n] = describe_value(value)
             return value
         mode = self.modes[n]
         if mode == "check":
@@ -151,7 +151,7 @@ class _Planner(torch.fx.Interpreter):
             self.plan.declined[n.name] = f"{mode} inputs rejected ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
             mode, casts = "original", _wanted("original", inputs, self.low, self.original)
             value = self._call(n, casts)
-        self.plan.modes[n], self.plan.infos[n] = mode, describe(value)
+        self.plan.modes[n], self.plan.infos[n] = mode, describe_value(value)
         if casts:
             self.plan.casts[n] = casts
         traced, now = self.original.get(n), value.dtype if isinstance(value, torch.Tensor) else None

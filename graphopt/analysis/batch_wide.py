@@ -122,7 +122,7 @@ def batch_wide(gm: torch.fx.GraphModule) -> BatchWide:
             # a call graphopt does not know that makes a tensor may draw (torchvision's stochastic_depth);
             # one that builds the output's container does not
             draws.append(_where(node))
-    rows = batch_rows(gm)
+    rows = graph_batch_rows(gm)
     losses = [loss_reduction(gm, n, rows) for n in output_tensors(gm)
               if isinstance(i := tensor_info(n), TensorInfo) and i.shape == () and i.dtype.is_floating_point]
     losses = tuple(dataclasses.replace(r, count=counted_targets(gm, r)) if r.kind == "counted mean" else r
@@ -130,7 +130,7 @@ def batch_wide(gm: torch.fx.GraphModule) -> BatchWide:
     return BatchWide(tuple(dict.fromkeys(norms)), tuple(dict.fromkeys(draws)), losses)
 
 
-def the_loss(wide: BatchWide | None) -> LossReduction | None:
+def loss_reduction(wide: BatchWide | None) -> LossReduction | None:
     """The one scalar loss the graph returns, where it returns one."""
     return wide.losses[0] if wide is not None and len(wide.losses) == 1 else None
 
@@ -197,7 +197,7 @@ def counted_targets(gm: torch.fx.GraphModule, loss: LossReduction):
     return torch.fx.GraphModule(gm, graph)
 
 
-def batch_rows(gm: torch.fx.GraphModule) -> int | None:
+def graph_batch_rows(gm: torch.fx.GraphModule) -> int | None:
     """The example batch's rows: the fewest along dim 0 among the tensor inputs with a dim 0."""
     sizes = [i.shape[0] for n in gm.graph.nodes if n.op == "placeholder"
              if isinstance(i := tensor_info(n), TensorInfo) and len(i.shape)]

@@ -66,18 +66,18 @@ def dense(info: TensorInfo) -> bool:
     return True
 
 
-def describe(value):
+def describe_value(value):
     """TensorInfo for a tensor, a tuple of them for a tuple/list output, None otherwise."""
     if isinstance(value, torch.Tensor):
         return TensorInfo.of(value)
     if isinstance(value, (tuple, list)):
-        infos = tuple(describe(v) for v in value)
+        infos = tuple(describe_value(v) for v in value)
         return infos if any(i is not None for i in infos) else None
     return None
 
 
 def record(node: torch.fx.Node, value) -> None:
-    info = describe(value)
+    info = describe_value(value)
     if info is None:
         node.meta.pop(KEY, None)
     else:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from .group import Group
-from .kernel import header, indent, index, load, module, signature, store
+from .kernel import header, indent, index, load, module, kernel_signature, store
 from .program import Backward
 from .spec import Spec
 
@@ -38,4 +38,4 @@ def backward_source(group: Group, spec: Spec, program: Backward) -> str:
         assigned.add(c.target)
     body += [store(by_name[f"d{k}"], f"d{k}") for k in program.grads]
     title = f"gradients of inputs {list(program.grads)} of {group.describe()}"
-    return module(header(title, group.origin, spec), signature(KERNEL, spec) + indent(body))
+    return module(header(title, group.origin, spec), kernel_signature(KERNEL, spec) + indent(body))

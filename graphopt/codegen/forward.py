@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from .group import Group
-from .kernel import header, indent, index, load, module, signature, store
+from .kernel import header, indent, index, load, module, kernel_signature, store
 from .program import forward_lines
 from .spec import Spec
 
@@ -22,4 +22,4 @@ def forward_source(group: Group, spec: Spec, dtypes) -> str:
     body += [load(o) for o in spec.operands if o.name.startswith("x")]
     body += [f"{line.target} = {line.expr}  # {line.comment}" for line in forward_lines(group, dtypes)]
     body += [store(by_name[f"out{i}"], f"v{j}") for i, j in enumerate(group.outputs)]
-    return module(header(group.describe(), group.origin, spec), signature(KERNEL, spec) + indent(body))
+    return module(header(group.describe(), group.origin, spec), kernel_signature(KERNEL, spec) + indent(body))

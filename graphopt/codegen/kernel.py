@@ -1,4 +1,4 @@
-"""The Triton scaffolding every generated kernel shares: signature, flat index, unravel, loads, stores.
+"""The Triton scaffolding every generated kernel shares: kernel_signature, flat index, unravel, loads, stores.
 
 1. Signature: one pointer per tensor, n, the sizes the unravel divides by, the strides, BLOCK.
 2. offs = pid * BLOCK + arange(BLOCK), masked by offs < n; pid is widened first when offsets are 64-bit.
@@ -35,7 +35,7 @@ def _pattern(p) -> str:
     return "flat" if p == "flat" else "[" + ",".join(map(str, p)) + "]"
 
 
-def signature(name: str, spec: Spec) -> list[str]:
+def kernel_signature(name: str, spec: Spec) -> list[str]:
     params = [f"{o.name}_ptr" for o in spec.operands] + ["n"]
     params += [f"size{d}" for d in spec.size_params()]
     params += [f"{spec.operands[k].name}_stride{d}" for k, d in spec.stride_params()]

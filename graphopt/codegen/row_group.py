@@ -168,7 +168,7 @@ class RowGroup:
 INTEGERS = (torch.int32, torch.int64)
 
 
-def check_inputs(group: RowGroup, inputs, missing: bool = False) -> None:
+def check_row_inputs(group: RowGroup, inputs, missing: bool = False) -> None:
     """ValueError unless an index input is given as None and only it (or, with missing=True, an
     input a backward does not read); Unsupported unless every other input is of its RowInput's
     float dtype, a bool mask, or per-row integers (class indices: the forward kernel checks each is

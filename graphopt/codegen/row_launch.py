@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .compile import load
-from .row_group import COL, FULL, ROW, RowGroup, check_columns, check_inputs, remembered
+from .row_group import COL, FULL, ROW, RowGroup, check_columns, check_row_inputs, remembered
 from .row_kernel import LOOP_BLOCK, MAX_PERSISTENT, pointer_kinds, source
 from .row_program import RowProgram, backward_program, forward_program
 from .row_space import RowSpace, addressing, empty_like_order
@@ -30,7 +30,7 @@ def _space(group: RowGroup, inputs, space: RowSpace | None, missing: bool = Fals
     """The rows (by default over the leading dims of the first FULL input) and the inputs as the
     kernel reads them: a ROW input of one value per row but no col dims (a class index per row)
     viewed with them. ValueError when an input does not fit the rows."""
-    check_inputs(group, inputs, missing)
+    check_row_inputs(group, inputs, missing)
     if space is None:
         full = [t for k, t in enumerate(inputs) if group.input_kind(k) == FULL]
         if not full or full[0].dim() == 0:

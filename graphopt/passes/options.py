@@ -127,7 +127,7 @@ class OptimizeOptions:
     shard: str | None = None
     world_size: int | None = None
 
-    def given(self) -> tuple[str, ...]:
+    def asked(self) -> tuple[str, ...]:
         """optimize()'s arguments that ask for something, by their names there."""
         names = {name: argument for argument, (name, _, _) in ARGUMENTS.items()}
         return tuple(names[f.name] for f in dataclasses.fields(self)

@@ -17,7 +17,7 @@ import torch.fx
 from ..analysis.memory import as_given, estimate_peak, size_text
 from ..errors import BudgetError
 from ..frontend.call_signature import signature
-from .guards import describe
+from .guards import describe_call
 from ..frontend.graph_inputs import placeholder_values
 
 
@@ -50,8 +50,8 @@ class BudgetCheck:
         peak = self.peak(gm, args, kwargs)
         if peak is None or peak <= self.target:
             return None
-        return (f"at {describe(args, kwargs)} its step needs {size_text(peak)} by the estimate, over the "
-                f"{size_text(self.target)} its plan for {describe(*self.example)} keeps within "
+        return (f"at {describe_call(args, kwargs)} its step needs {size_text(peak)} by the estimate, over the "
+                f"{size_text(self.target)} its plan for {describe_call(*self.example)} keeps within "
                 f"{as_given(self.budget)}")
 
     def __call__(self, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:

@@ -8,7 +8,7 @@ import torch.fx
 
 from ..errors import UsageError
 from ..frontend.call_signature import signature
-from .guards import describe
+from .guards import describe_call
 from ..frontend.graph_inputs import placeholder_values
 
 
@@ -41,6 +41,6 @@ class CausalMaskCheck:
             raise UsageError(
                 f"this graphopt module runs its attention with is_causal=True where the model's masks, built "
                 f"from the input sizes alone, were causal for the example inputs; for inputs "
-                f"{describe(args, kwargs)} they are not causal, or not of one row per query and one column per "
+                f"{describe_call(args, kwargs)} they are not causal, or not of one row per query and one column per "
                 "key. Optimize the model again with example inputs of these sizes.")
         self.checked.add(key)

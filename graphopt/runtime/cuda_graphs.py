@@ -30,7 +30,7 @@ from ..analysis.memory import size_text
 from ..analysis.meta import graph_device
 from ..errors import OptionError, UsageError
 from ..analysis.trial import trial_run
-from .guards import describe
+from .guards import describe_call
 
 WARMUP_STEPS = 3  # before the capture: what runs once only (compiling, binding, cuBLAS's workspaces) runs there
 
@@ -156,5 +156,5 @@ def capture(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, ctx) -> str:
                          "leave cuda_graphs out.")
     install_cuda_graphs(gm, args, kwargs)
     held = graphs_reserve(gm, ctx.flat_inputs(gm))
-    return (f"forward and backward captured at {describe(args, kwargs)} (other calls run uncaptured); besides the "
+    return (f"forward and backward captured at {describe_call(args, kwargs)} (other calls run uncaptured); besides the "
             f"step they hold {size_text(held)} of static inputs and gradients")

@@ -168,7 +168,7 @@ def _arguments(args: tuple, kwargs: dict) -> dict[str, str]:
     return {**{f"argument {i + 1}": _one(a) for i, a in enumerate(args)}, **{k: _one(v) for k, v in kwargs.items()}}
 
 
-def describe(args: tuple, kwargs: dict) -> str:
+def describe_call(args: tuple, kwargs: dict) -> str:
     """The arguments of a call, short: 'float32[4, 8], input_ids=int64[4, 16], labels=None'."""
     return ", ".join([_one(a) for a in args] + [f"{k}={_one(v)}" for k, v in kwargs.items()])
 
@@ -184,16 +184,16 @@ def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, rea
                         also: tuple[tuple, dict] | None = None) -> None:
     """Raise when gm is called with other shapes than it was planned for (a pass said so), or
     than `also`'s, a second call it takes."""
-    expected, shapes = {signature(args, kwargs)}, describe(args, kwargs)
+    expected, shapes = {signature(args, kwargs)}, describe_call(args, kwargs)
     if also is not None:
         expected.add(signature(*also))
-        shapes += f" (or {describe(*also)})"
+        shapes += f" (or {describe_call(*also)})"
 
     @by_signature
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) not in expected:
             raise sizes_refused(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
-                             f"{describe(call_args, call_kwargs)} ({changes((args, kwargs), (call_args, call_kwargs))}); "
+                             f"{describe_call(call_args, call_kwargs)} ({changes((args, kwargs), (call_args, call_kwargs))}); "
                              f"{advice}")
 
     gm.register_forward_pre_hook(check, with_kwargs=True)
@@ -205,11 +205,11 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     dynamic (a branch the model took for the example holds inside it only), one batch for all
     inputs. Dtypes, devices and other values are install_call_guard's."""
     example = pytree.tree_leaves((args, kwargs))
-    shapes = describe(args, kwargs)
+    shapes = describe_call(args, kwargs)
 
     def refuse(call_args, call_kwargs, why):
         return sizes_refused(f"this graphopt module runs at {sizes}, other sizes as in the example inputs {shapes} "
-                          f"(torch.export traced it so), and got {describe(call_args, call_kwargs)}: {why}; "
+                          f"(torch.export traced it so), and got {describe_call(call_args, call_kwargs)}: {why}; "
                           f"{REPLAN}")
 
     @by_signature
@@ -217,7 +217,7 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
         call = pytree.tree_leaves((call_args, call_kwargs))
         past = sizes.past_model(call) if len(call) == len(example) else None
         if past is not None:  # no graph takes it: not a sizes_refused for another graph to take
-            raise SizeError(f"this graphopt module got {describe(call_args, call_kwargs)}: {past}.")
+            raise SizeError(f"this graphopt module got {describe_call(call_args, call_kwargs)}: {past}.")
         why = sizes.why_not(example, call) if len(call) == len(example) else \
             f"another structure of inputs ({changes((args, kwargs), (call_args, call_kwargs))})"
         if why is not None:
@@ -328,7 +328,7 @@ def install_call_guard(gm: torch.fx.GraphModule, model: torch.nn.Module, args: t
             names = [k for k in example if kinds.get(k) != example[k]]
             diff = "; ".join(f"{k}: {_one(was[k])} -> {_one(got[k])}" for k in names)
             raise UsageError(
-                f"this graphopt module was traced for {name}.forward called with {describe((), was)}, and this "
+                f"this graphopt module was traced for {name}.forward called with {describe_call((), was)}, and this "
                 f"call gives other kinds of arguments ({diff}): the graph computes what the model does with the "
                 "example's kinds only. Call it with arguments of those kinds, or use graphopt.optimize(model) "
                 "without example inputs, which builds a graph for each kind of call.")

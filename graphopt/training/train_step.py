@@ -21,11 +21,11 @@ from ..frontend.call_signature import signature
 from ..errors import OptionError, UsageError
 from ..frontend.export_batch import ExportCache, kept_exports, keeping_exports
 from .microbatch_choice import MicrobatchChoice
-from ..runtime.microbatch_semantics import announce, check_batch_norm, loss_kind
+from ..runtime.microbatch_semantics import check_microbatching, check_batch_norm, loss_kind
 from ..api import checked_options, optimize_with
 from ..passes.options import ARGUMENTS
 from ..runtime.fsdp import sharded
-from ..runtime.guards import describe
+from ..runtime.guards import describe_call
 from ..runtime.microbatch import split_batch
 from ..runtime.microbatch_step import REDUCTIONS, accumulate, loss_weights
 from ..runtime.step import step_loss
@@ -111,7 +111,7 @@ class TrainStep:
         self.reduction, self._loss = loss_kind(self.report.batch_wide, reduction, outside=loss_fn is not None)
         # the full batch's result, not only its microbatches': nothing batch-wide, the loss read and combined exactly
         self.whole = self.microbatches == 1 or (self._loss is not None and self.report.batch_wide.whole)
-        self.notes += announce(self.report.batch_wide, self.microbatches, settings.get("batch_norm", "warn"), "train_step")
+        self.notes += check_microbatching(self.report.batch_wide, self.microbatches, settings.get("batch_norm", "warn"), "train_step")
         self.report.notes += [f"train_step: {self._shape_text()}", *self.notes]
 
     # -- running ---------------------------------------------------------------------------
@@ -143,14 +143,14 @@ class TrainStep:
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         k = self.microbatches
         if self.budget_bytes is not None and signature(args, kwargs) != self._planned:
-            raise UsageError(f"this train step was planned for inputs {describe(*self._example)} "
-                             f"({self._shape_text()}, budget_gb={in_gb(self.budget_bytes):g}), and got {describe(args, kwargs)}: "
+            raise UsageError(f"this train step was planned for inputs {describe_call(*self._example)} "
+                             f"({self._shape_text()}, budget_gb={in_gb(self.budget_bytes):g}), and got {describe_call(args, kwargs)}: "
                              "call it with batches of those shapes, or build another train_step for these.")
         if k == 1:
             return [(args, kwargs)]
         if why_unsplittable(args, kwargs) or not splits_evenly(args, kwargs, k):
             raise UsageError(f"this train step splits each batch into {k} equal microbatches along dim 0 of every "
-                             f"tensor input, and the call's inputs {describe(args, kwargs)} do not split so: give a "
+                             f"tensor input, and the call's inputs {describe_call(args, kwargs)} do not split so: give a "
                              f"batch whose rows {k} divides, or build a train_step with microbatches= for it.")
         return split_batch(args, kwargs, k)
 

@@ -40,7 +40,7 @@ class Errors:
         return self.max_rel <= TOLERANCE.get(dtype, TOLERANCE[torch.float32])
 
 
-def run_step(module, args, kwargs, *, train: bool, seed: int) -> dict[str, torch.Tensor]:
+def outputs_and_grads(module, args, kwargs, *, train: bool, seed: int) -> dict[str, torch.Tensor]:
     """Outputs (and in training, parameter gradients) of one step, by name."""
     named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     with trial_run(module, (args, kwargs)):
@@ -129,16 +129,16 @@ def _deepcopy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def float64_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, seed: int) -> dict:
-    """run_step in float64, on a copy: what float32 rounds away from."""
-    return run_step(*float64_copy(module, args, kwargs), train=train, seed=seed)
+    """outputs_and_grads in float64, on a copy: what float32 rounds away from."""
+    return outputs_and_grads(*float64_copy(module, args, kwargs), train=train, seed=seed)
 
 
 def autocast_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, seed: int,
                   device: str, dtype: torch.dtype) -> dict:
-    """run_step under torch.autocast(device, dtype): what the user's own mixed precision computes,
+    """outputs_and_grads under torch.autocast(device, dtype): what the user's own mixed precision computes,
     the yardstick of a graph computing in half precision."""
     with torch.autocast(device_type=device, dtype=dtype):
-        return run_step(module, args, kwargs, train=train, seed=seed)
+        return outputs_and_grads(module, args, kwargs, train=train, seed=seed)
 
 
 class Reference:
@@ -149,11 +149,11 @@ class Reference:
 
     def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, label: str):
         self.model, self.args, self.kwargs, self.train, self.label = model, args, kwargs, train, label
-        self.eager = run_step(model, args, kwargs, train=train, seed=0)
+        self.eager = outputs_and_grads(model, args, kwargs, train=train, seed=0)
         self._truth = self._autocast = None
 
     def errors(self, gm: torch.nn.Module, dtype: torch.dtype, device: str) -> Errors:
-        got = run_step(gm, self.args, self.kwargs, train=self.train, seed=0)
+        got = outputs_and_grads(gm, self.args, self.kwargs, train=self.train, seed=0)
         errors = compare(self.eager, got)
         if errors.within(dtype):
             return errors

@@ -18,7 +18,7 @@ from graphopt.passes import PassContext, parse_pipeline
 from graphopt.passes.precision import CAST
 from graphopt.testing import zoo
 from graphopt.frontend.graph_inputs import placeholder_values
-from graphopt.verification.verify import TOLERANCE, run_step
+from graphopt.verification.verify import TOLERANCE, outputs_and_grads
 
 from conftest import FX_ZOO
 
@@ -119,9 +119,9 @@ def _vanishing(reference: dict, key: str) -> bool:
 def test_outputs_and_gradients_match_autocast_within_bf16_tolerance(name):
     model, args, kwargs, frontend, opt = optimized(name)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        reference = run_step(model, args, kwargs, train=True, seed=0)
-    got = run_step(opt, args, kwargs, train=True, seed=0)
-    exact = run_step(model, args, kwargs, train=True, seed=0)
+        reference = outputs_and_grads(model, args, kwargs, train=True, seed=0)
+    got = outputs_and_grads(opt, args, kwargs, train=True, seed=0)
+    exact = outputs_and_grads(model, args, kwargs, train=True, seed=0)
     assert reference.keys() == got.keys()
     for key, ref in reference.items():
         # Outputs keep the dtype their op produced. Export records GPT-2's `logits.float()`
@@ -209,12 +209,12 @@ def test_a_call_the_registry_does_not_know_runs_under_autocast_itself():
     assert stats["under_autocast"] == ["rnn"] and stats["declined"] == {}
     assert dict(opt.named_parameters()).keys() == dict(model.named_parameters()).keys()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        reference = run_step(model, (x,), {}, train=True, seed=0)
-    got = run_step(opt, (x,), {}, train=True, seed=0)
+        reference = outputs_and_grads(model, (x,), {}, train=True, seed=0)
+    got = outputs_and_grads(opt, (x,), {}, train=True, seed=0)
     assert reference.keys() == got.keys()
     for key in reference:
         assert torch.equal(got[key], reference[key]), key
-    assert model.rnn.weight_ih_l0.grad is None  # run_step restores gradients
+    assert model.rnn.weight_ih_l0.grad is None  # outputs_and_grads restores gradients
 
 
 def test_policy_overrides_the_autocast_class():

@@ -18,7 +18,7 @@ Where plans come from:
      5 of them selective, priced 17% dearer. The full-only solve is skipped at an allowance
      where the selective one chose no selective segment: it would choose the same plan among
      fewer. Each line (a view, selective or full only) is solved from its largest allowance
-     down as the search needs it (Scan): its cheapest plan that fits is its first from the top
+     down as the search needs it (LinePlans): its cheapest plan that fits is its first from the top
      that does, and the least budget, which no plan meets, is among its lowest. A solve is
      given a cost its least is likely within, which only saves it time (solver.solve's bound):
      the line's least at the allowance below, solved first for it, and the first line's plan
@@ -173,7 +173,7 @@ class PlanSpace:
         return sorted(found.values(), key=lambda p: p.recompute_cost)
 
 
-class Scan:
+class LinePlans:
     """The lines' plans solved as the search needs them, each line from its largest allowance
     down: the solver's cost falls as the allowance grows, so the cheapest plan of a line that
     fits is its first from the top that does. Past it, one allowance more (a plan a little

@@ -85,12 +85,12 @@ from ..fuse.head_loss_chunks import size_chunks
 from ..shard.rank_memory import RANK_ADVICE, rank_peak
 from ..registry import register
 from .cached import cached_plan
-from .candidates import PlanSpace, Scan
+from .candidates import PlanSpace, LinePlans
 from .in_place import write_within
 from .node_facts import node_facts
 from .pricing import PlanPricer
 from .rewrite import note_segments
-from .search import PlanSearch, put_back
+from .search import PlanSearch, restore_graph
 from .solver import SegmentCost
 from .tidy import attributes_first, hoist_state_writes
 
@@ -221,7 +221,7 @@ class Recompute(Pass):
         # Step 3
         pricer = PlanPricer(before.log, step, nodes, facts.saves)
         search = PlanSearch(gm, space, sorted(space.blocks, key=lambda p: (p.recompute_cost, p.predicted_peak)),
-                            lambda: self._estimate(gm, ctx), pricer, Scan(space))
+                            lambda: self._estimate(gm, ctx), pricer, LinePlans(space))
         if not self.settings.calibrate and not ranks:  # both measure the plan without the writes first
             search.finish = lambda plan: self._written(gm, ctx, search, plan)
         # Steps 4 and 5
@@ -334,7 +334,7 @@ class Recompute(Pass):
             written, after, before = found
             if after.peak_bytes <= estimate.peak_bytes:
                 return written, after
-            put_back(gm, before, search)
+            restore_graph(gm, before, search)
         self._cut(gm, search, plan)
         return {}, estimate
 
@@ -342,7 +342,7 @@ class Recompute(Pass):
                  known: Estimate | None = None) -> tuple[dict, Estimate, torch.fx.Graph] | None:
         """Where the pipeline has the inplace pass (which a budget skips by default) and its rules
         and the plan's allow a write (in_place.py): the writes, by name, made in gm with the plan's
-        segments cut, the step's estimate and gm's graph as it was (for put_back); None, gm
+        segments cut, the step's estimate and gm's graph as it was (for restore_graph); None, gm
         untouched, where no write is allowed. known: that estimate, made before on the same graph."""
         if not ctx.writes_in_place:
             return None

@@ -15,7 +15,7 @@ import torch.fx
 
 from ...analysis.memory import Estimate
 from ..notes import note
-from .candidates import PlanSpace, Scan
+from .candidates import PlanSpace, LinePlans
 from .pricing import PlanPricer
 from .rewrite import checkpoint_segments, inline_segments
 from .solver import rerun_end
@@ -41,7 +41,7 @@ class PlanSearch:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, space: PlanSpace, candidates: list,
-                 estimate_step: Callable[[], Estimate], pricer: PlanPricer | None = None, scan: Scan | None = None):
+                 estimate_step: Callable[[], Estimate], pricer: PlanPricer | None = None, scan: LinePlans | None = None):
         """candidates: the plans to start from (the space's blocks); estimate_step: the fake step of
         gm as it is now."""
         self.gm, self.candidates, self.estimate_step = gm, candidates, estimate_step
@@ -140,11 +140,11 @@ class PlanSearch:
             self.finished = written, estimate
             return True
         self.with_writes[tuple(self.candidates[hi].segments)] = estimate  # step 6 reads it again
-        put_back(self.gm, before, self)
+        restore_graph(self.gm, before, self)
         return False
 
     def _lowest(self) -> None:
-        """The solver's plans priced lowest, solved where not yet (candidates.Scan.up)."""
+        """The solver's plans priced lowest, solved where not yet (candidates.LinePlans.up)."""
         if self.scan is not None:
             for plan in self.scan.up(lambda plan: self.peak(self._add(plan, solved=True)), LOOK_LEAST):
                 self._add(plan, solved=True)
@@ -234,7 +234,7 @@ class PlanSearch:
                 note(n, "recompute", self.decision.get(n, "kept"))
 
 
-def put_back(gm: torch.fx.GraphModule, before: torch.fx.Graph, search: PlanSearch | None) -> None:
+def restore_graph(gm: torch.fx.GraphModule, before: torch.fx.Graph, search: PlanSearch | None) -> None:
     """gm's graph as it was before _written wrote in place and cut, and the search's nodes with it."""
     gm.graph = before
     gm.recompile()

@@ -145,11 +145,11 @@ def _whole_grid(space) -> list[RecomputePlan]:
 
 
 def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid():
-    # Scan solves each line from the top until a plan fits, one allowance more; the search's
+    # LinePlans solves each line from the top until a plan fits, one allowance more; the search's
     # choice, the cheapest plan that fits, is the one every allowance solved would give
     from types import SimpleNamespace
 
-    from graphopt.passes.recompute.candidates import LINES, PlanSpace, Scan
+    from graphopt.passes.recompute.candidates import LINES, PlanSpace, LinePlans
     rng = random.Random(5)
     for trial in range(6):
         n = 40
@@ -174,7 +174,7 @@ def test_a_scan_down_the_lines_finds_the_cheapest_fitting_plan_of_the_whole_grid
                 assert space.cost_in(first.segments, 0, selective=False) > space.cost_in(first.segments)
         peaks = [p.predicted_peak for p in every]
         target = sorted(peaks)[len(peaks) // 2]  # the solver's model stands in for the price
-        scan = Scan(space)
+        scan = LinePlans(space)
         found = scan.down(lambda plan: plan.predicted_peak <= target)
         cheapest = lambda plans: min((p.recompute_cost for p in plans if p.predicted_peak <= target), default=None)  # noqa: E731
         assert cheapest(found) == cheapest(p for p in every if p not in space.blocks)
