@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from . import compute, creation, elementwise, other, views
+from . import creation, elementwise, movement, reducing, views
 from .opinfo import OpInfo
-from .precision import PRECISION
+from .autocast_classes import PRECISION
 from .schema import derive, is_out_argument
 from .spellings import FIXED, RENAMES, SPELLINGS
 from .variants import VARIANT_OF
@@ -34,7 +34,7 @@ class Spelling:
 
 def _ops():
     specs = {}
-    for table in (elementwise.SPECS, views.SPECS, compute.SPECS, creation.SPECS, other.SPECS):
+    for table in (elementwise.SPECS, views.SPECS, reducing.SPECS, creation.SPECS, movement.SPECS):
         assert not specs.keys() & table.keys(), specs.keys() & table.keys()
         specs.update(table)
     ops, order, renames = {}, {}, {}

@@ -1,5 +1,6 @@
-"""Everything that is neither arithmetic nor a view: joins, gathers and scatters, copies, embedding
-lookups, shape queries, asserts and higher-order ops (which the registry only names)."""
+"""Ops that move or index data rather than compute it (joins, gathers and scatters, copies,
+embedding lookups), and the rest that is neither arithmetic nor a view: shape queries, asserts
+and higher-order ops (which the registry only names)."""
 from .schema import explicit, ref
 
 SIDE_EFFECT = dict(side_effect=True, output="none")  # kept by DCE though nothing uses them

@@ -1,4 +1,5 @@
-"""Reductions, normalizations, matmuls and losses: the ops that do most of a model's arithmetic.
+"""Ops that reduce along a dimension: reductions, normalizations, matmuls and losses, the ops that
+do most of a model's arithmetic.
 
 softmax and log_softmax are kind "normalization": like layer_norm they reduce along a dim and
 broadcast back, keeping the input's shape, which is what recompute and fusion decisions care about.
