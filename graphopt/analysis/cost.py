@@ -14,18 +14,10 @@ autograd, in the forward and again in the rerun: a batch norm that updates its s
 is six calls, a linear on a 3-d input four; analysis/saved.py counts them). The rates rank
 plans; they do not predict time.
 
-On CPU the rates come from wall time measured on this project's 2-core machine: about 6 us
-per small elementwise op with autograd recording (5 taken), 1 us per view (1.5 taken); a
-checkpointed segment that reruns one op, forward and backward against no checkpoint, about
-115 us (110 taken); a selective segment whose policy keeps nothing against a full one of the
-same ops, 34 to 60 us per aten call on the seven selective segments of DenseNet-121's plan
-(about two calls per graph node), 16 us on a chain of 1K-element elementwise ops and 41 us on
-one of 64K-element ones (40 taken); 13 GB/s for ReLU and concatenation over timm DenseNet-121's
-activations, 3.4 GFLOP/s for its training-mode batch norms (five FLOPs per element,
-ops/flops.py); its convolutions' FLOPs at 1e11 per second came within 10% and 20% of their
-measured time in two runs. On CUDA the FLOP rates and bandwidth are round figures (an H100
-does more), and the per-op, per-segment and per-op policy costs, which are host-side Python
-and dispatch, are taken from the CPU's: no GPU has checked them yet.
+On CPU the rates are wall times measured on this project's 2-core machine, rounded; on CUDA the
+FLOP rates and bandwidth are round figures, and the per-op, per-segment and per-call policy
+costs, which are host-side Python and dispatch, are the CPU's until a GPU measures them. The
+measurements behind each constant are in docs/benchmarks.md ("The cost model's constants").
 
 node_times runs the graph's forward on the example inputs (real tensors, the model's own
 parameters), timing each call node by itself; the median of a few runs. Buffers and the RNG

@@ -4,8 +4,8 @@ torch gives each cuBLAS handle a workspace from its caching allocator the first 
 runs a matrix product on a stream, and keeps it for the life of the process (cuBLASLt shares it).
 Handles are per thread: a training step's forward runs on the caller's thread and its backward on
 autograd's thread for the device, so a step that multiplies matrices holds two, one without
-backward. torch.cuda.max_memory_allocated counts them; FakeTensors show none (the allocator's
-snapshots in bench/results/h200-2026-11-28/second-run/memory_gap/).
+backward. torch.cuda.max_memory_allocated counts them; FakeTensors show none (bench/gpu_memory_gap.py
+shows them in the allocator's snapshots).
 """
 from __future__ import annotations
 

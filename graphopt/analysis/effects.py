@@ -142,8 +142,8 @@ def settled_check(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     so that dead-code elimination may drop it with what it alone reads.
 
     torch.export writes `aten._assert_tensor_metadata` before each `.to()`, also on tensors the
-    graph computes from its inputs alone: GPT-NeoX's causal mask, built from `cumsum` and
-    `index`, stays alive for them only after the mask goes from attention. An export graph's
+    graph computes from its inputs alone: a causal mask built from `cumsum` and `index` stays
+    alive for them only after the mask goes from attention. An export graph's
     every call passes a guard on its inputs' dtypes and devices first (api.py installs one), so
     the dtype of a tensor computed from those inputs alone, through known ops, is the traced
     one. Not for floating results (autocast, around the call, changes those), nor for tensors

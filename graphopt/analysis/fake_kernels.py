@@ -14,8 +14,8 @@ and the backward its input's gradient, out in the input's suggested memory forma
 or channels-last for a channels-last 4-d or 5-d input. Their fakes (torch's decompositions) keep
 the input's strides. A batch norm over a transposed tensor (PatchTST normalizes its patches so,
 and transposes back) then reads as contiguous after the transpose in the fake step, where the
-real one copies it before the next matmul: the estimate missed that copy and the lifetimes after
-it (-11% on PatchTST's step). Some losses' backwards allocate their gradient contiguous whatever
+real one copies it before the next matmul: the estimate would miss that copy and the lifetimes
+after it. Some losses' backwards allocate their gradient contiguous whatever
 their input's layout (mse_loss, smooth_l1_loss, huber_loss), and some CPU kernels lay theirs out
 as their input is laid out, or contiguous, where their fakes follow TensorIterator's rules
 (_LAYOUTS). Losses that ATen reduces in the buffer of their elementwise values (mse_loss,

@@ -8,7 +8,7 @@ Two frontends:
 "auto" tries fx first and falls back to export.
 
 Annotation runs the graph on FakeTensors (shapes only, no memory) and records a
-TensorInfo on every tensor-producing node: a 10 GB model traces on a laptop.
+TensorInfo on every tensor-producing node: a model larger than the machine's memory traces.
 """
 from __future__ import annotations
 

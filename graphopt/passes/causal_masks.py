@@ -5,8 +5,8 @@ Why: transformers builds its causal mask in Python, and in eager passes none whe
 nothing to causality (no padding, no packed sequences): SDPA then runs its causal kernel. That
 test reads the inputs' values, so torch.export cannot take it, and an exported graph builds a
 boolean [batch, 1, L, S] mask and hands it to every attention. Each SDPA converts it to an
-additive float mask per call and saves that for backward (GPT-NeoX: two 64 kB masks more than
-eager), and a masked kernel cannot skip the blocks above the diagonal.
+additive float mask per call and saves that for backward (memory eager does not hold), and a
+masked kernel cannot skip the blocks above the diagonal.
 
 Soundness: the rewrite holds only where the mask is a function of sizes:
   1. Every node the mask depends on is a pure, deterministic op or Python arithmetic on sizes;

@@ -16,8 +16,8 @@ Algorithm:
           sigmoid saves its output, so relu on sigmoid's output stays out of place. Nor is x a
           view autograd tracks (a linear's 3-d output is a view of its 2-d matmul): a write into
           one makes autograd's backward copy the base's whole gradient, and the view's, which
-          can cost more than the write saves (GPT-NeoX's residual adds into its linears' outputs
-          raised a recompute plan's peak from 2.89 to 3.15 MB).
+          can cost more than the write saves (a residual add into a linear's output raises the
+          peak it was meant to lower).
        d. nothing reads x's storage again after the forward: with a budget, the recompute
           pass runs these steps within its plan, where a segment's rerun reads its inputs again
           in backward (recompute/in_place.py).

@@ -6,7 +6,7 @@ forward keeps only the segment's inputs and the backward runs it again, with the
 the first run where the segment draws (dropout draws the same mask). A segment that draws
 nothing skips saving and restoring the RNG state, and checkpoint calls its forward directly: the
 rerun stops early with an exception, and GraphModule's call wrapper would format a traceback for
-each one (about 60 us per segment on CPU, a third of what a segment costs).
+each one, a large share of what a small segment costs on the host.
 
 BatchNorm in training becomes batch_norm_once in a segment: its rerun (flagged by checkpoint's
 context_fn) normalizes with the same batch statistics and updates copies of the running

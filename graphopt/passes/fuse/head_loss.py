@@ -16,7 +16,7 @@ Algorithm:
   4. It stays where the estimate (memory.estimate_peak) puts the step lower: what chunking
      spares, the logits' gradient (and the logits, which the loss keeps for backward, where the
      graph does not use them otherwise), against what it makes in the forward, the gradients of
-     the head's input and weight (a head of few classes: the corpus's 256). Rows per chunk:
+     the head's input and weight (which outweigh the logits for a head of few classes). Rows per chunk:
      Liger's (chunk_rows: a chunk's logits about as large as the head's input); with a budget
      the recompute pass takes the largest that fits it (head_loss_chunks.py).
 """

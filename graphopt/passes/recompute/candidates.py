@@ -13,9 +13,8 @@ Where plans come from:
      with full segments only, under the first view: a selective segment's price is the least
      certain part of the cost (its policy's dispatch, the FLOP rate of the matmuls it keeps),
      and where it is priced a little low the solver fills every allowance with selective plans.
-     On timm's DenseNet-121 at its own checkpointing's peak, a plan of 26 full segments, the
-     cheapest that fits by the price as well, was never proposed: the search took 6 segments,
-     5 of them selective, priced 17% dearer. The full-only solve is skipped at an allowance
+     A plan of full segments that is the cheapest that fits by the price too can then go
+     unproposed (timm's DenseNet-121 at its own checkpointing's peak). The full-only solve is skipped at an allowance
      where the selective one chose no selective segment: it would choose the same plan among
      fewer. Each line (a view, selective or full only) is solved from its largest allowance
      down as the search needs it (LinePlans): its cheapest plan that fits is its first from the top

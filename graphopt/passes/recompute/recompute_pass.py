@@ -323,8 +323,7 @@ class Recompute(Pass):
                         estimate: Estimate, known: Estimate | None = None) -> tuple[dict, Estimate]:
         """Step 6, on gm before its segments are cut, which it then cuts: the ops written in
         place within the plan, by name, and the step's estimate. Measured, not assumed: where the
-        writes raise the estimate, the graph goes back to the plan without them (GPT-NeoX's
-        per-layer plan, before the inplace rules left views autograd tracks alone). known: the
+        writes raise the estimate, the graph goes back to the plan without them. known: the
         estimate of the plan with its writes, where the search made it already."""
         if known is not None and known.peak_bytes > estimate.peak_bytes:
             self._cut(gm, search, plan)

@@ -31,9 +31,9 @@ LOOK_GROWN = 8    # grown plans priced against the budget
 PRICE_MARGIN = 0.01
 LOOK_NEAR = 4
 LOOK_LEAST = 3
-# Plans a line solves at larger allowances keep more: when its lowest are priced this far over
-# the target, the search looks for the least only (the corpus's prices rise along each line
-# by a few percent an allowance, and fall back by less).
+# Plans a line solves at larger allowances keep more, so their prices rise along the line: when
+# its lowest are priced this far over the target, no larger allowance of it fits, and the search
+# looks for the least only.
 REACH = 0.1
 
 
