@@ -1,5 +1,5 @@
-"""The elementwise op cases that tests/test_ops.py (the registry's templates) and
-tests/test_fused_runtime.py (the generated kernels) both check against eager torch: per op,
+"""The elementwise op cases that tests/ops/test_ops.py (the registry's templates) and
+tests/runtime/test_fused_runtime.py (the generated kernels) both check against eager torch: per op,
 inputs that reach its hard regions (kinks, ties, cancellation, broadcasting, scalars)."""
 import math
 

@@ -202,7 +202,10 @@ def _same(model, opt, *args, tol=1e-6):
     want = model(*args)
     torch.manual_seed(0)
     got = opt(*args)
-    for w, g in zip(torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got)):
+    want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
+    got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
+    assert got_spec == want_spec, f"outputs of another structure: {got_spec} vs {want_spec}"
+    for w, g in zip(want_leaves, got_leaves):
         torch.testing.assert_close(g, w, atol=tol, rtol=tol)
 
 

@@ -23,7 +23,7 @@ smooth_l1_loss, soft_margin_loss; on CPU binary_cross_entropy too) return their 
 0-dim tensor over that whole buffer, which lives as long as the loss does (through the
 backward): their fakes hold 4 bytes. `Fakes`, the FakeTensorMode graphopt's analyses run in,
 gives such outputs the real kernel's layout and storage after the op's own fake ran.
-tests/test_fake_kernels.py holds each against the real kernel on CPU.
+tests/analysis/test_fake_kernels.py holds each against the real kernel on CPU.
 
 `active()` puts a fake that mirrors the real kernel's checks and output layout in place while
 graphopt traces and runs its FakeTensor analyses, and takes it out again on exit: the user's

@@ -40,7 +40,7 @@ def mode(request, monkeypatch):
 
 
 # The generated kernels compute in fp32 and store the promoted dtype: a cast to float64 is
-# declined with that reason (tests/test_codegen.py), not fused.
+# declined with that reason (tests/codegen/test_codegen.py), not fused.
 CASES = [c for c in CASES if c[3].get("dtype") != torch.float64]
 CASE_IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
 EAGER = {name: fn for name, fn, _, _ in reversed(CASES)}

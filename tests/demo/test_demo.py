@@ -54,7 +54,7 @@ def test_an_unwritable_record_is_refused_before_the_run(tmp_path, capsys):
 
 def test_the_readme_quotes_the_recorded_run():
     # the README's demo figures are docs/demo.md's, the record the demo itself wrote: none typed by hand
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     recorded = (root / "docs" / "demo.md").read_text().split("```\n")[1].rstrip("\n").splitlines()
     readme = (root / "README.md").read_text()
     assert len(recorded) >= 5 and "\n".join("    " + line if line else "" for line in recorded) in readme
