@@ -7,20 +7,20 @@
 
 See README.md to start, and docs/ for the passes, the dumps and the architecture.
 """
-from .analysis.meta import TensorInfo, tensor_info
 from .analysis.estimate_check import Divergence, EstimateCheck
+from .analysis.meta import TensorInfo, tensor_info
 from .api import DEFAULT_PASSES, optimize
-from .verification.check_estimate import check_estimate
 from .errors import (BudgetError, BudgetWarning, GraphoptError, GraphoptWarning, MicrobatchWarning, ModeError,
                      OptionError, SizeError, TraceError, UsageError, VerifyError)
-from .passes import available as available_passes
-from .plan import StepPlan, plan
-from .passes.records import PassRecord
-from .reporting.report import Report
-from .measure import measure_step
-from .runtime.step import StepMeasure
 from .frontend.trace import trace
+from .measure import measure_step
+from .passes import available as available_passes
+from .passes.records import PassRecord
+from .plan import StepPlan, plan
+from .reporting.report import Report
+from .runtime.step import StepMeasure
 from .training.train_step import TrainStep, train_step
+from .verification.check_estimate import check_estimate
 
 __version__ = "0.1.0"
 

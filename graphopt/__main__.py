@@ -11,19 +11,19 @@ import sys
 import torch
 
 from .analysis.memory import size_text
-from .vocabulary.sizes import budget_bytes
+from .analysis.trial import trial_run
 from .api import DEFAULT_PASSES, optimize
 from .demo.before_after import measure
-from .verification.check_estimate import check_estimate
-from .reporting.cli_text import cli_text, graphopt_warnings
 from .demo.run import dumps_line, record_markdown, run_demo
 from .errors import GraphoptError, UsageError
 from .passes import available
 from .plan import plan
 from .plan_cache.store import PlanStore
-from .vocabulary.precisions import PRECISIONS
+from .reporting.cli_text import cli_text, graphopt_warnings
 from .runtime.step import output_loss
-from .analysis.trial import trial_run
+from .verification.check_estimate import check_estimate
+from .vocabulary.precisions import PRECISIONS
+from .vocabulary.sizes import budget_bytes
 
 
 def _demo(args) -> int:

@@ -9,29 +9,29 @@ import torch
 import torch.fx
 
 from . import passes as passes_pkg
-from .analysis.batch_wide import batch_wide, loss_reduction
-from .frontend.batch import batch_rows, splits_evenly
-from .reporting.dump import Dumper, check_dump_dir
+from .analysis.batch_wide import batch_wide, traced_loss
 from .errors import OptionError, UsageError
+from .frontend.batch import batch_rows, splits_evenly
 from .frontend.input_aliases import distinct
-from .runtime.lazy import MAX_GRAPHS, LazyOptimized
-from .runtime.microbatch_semantics import check_microbatching, check_batch_norm
+from .frontend.trace import FRONTENDS, check_inputs, trace
 from .passes.base import Pass, PassContext
 from .passes.manager import PassManager
 from .passes.options import ARGUMENTS, REFINES, OptimizeOptions
 from .passes.pipeline.pipeline_pass import Pipeline
 from .passes.precision import Precision
 from .passes.recompute.recompute_pass import Recompute
-from .passes.shard.shard_pass import Shard
 from .passes.records import PassLog
+from .passes.shard.shard_pass import Shard
 from .plan_cache.store import plan_store
+from .reporting.dump import Dumper, check_dump_dir
 from .reporting.report import Report
 from .runtime.batch_graphs import install_batch_graphs
 from .runtime.cuda_graphs import capture, check_cuda_graphs
 from .runtime.guards import install_guards
 from .runtime.input_writes import WriteAliasCheck
+from .runtime.lazy import MAX_GRAPHS, LazyOptimized
 from .runtime.microbatch import first_microbatch
-from .frontend.trace import FRONTENDS, check_inputs, trace
+from .runtime.microbatch_semantics import check_microbatching, check_batch_norm
 
 # Passes run when the caller gives no pipeline: cleanups that every later pass benefits from,
 # then those that pay without being asked; each says where it does not (Pass.skip_by_default:
@@ -85,7 +85,7 @@ def checked_options(given: dict) -> OptimizeOptions:
 
 def _check_together(options: OptimizeOptions) -> None:
     """OptionError for arguments no pass takes together, or one given without what it refines."""
-    given = set(options.asked())
+    asked = set(options.asked())
     if options.stages is not None:
         if options.shard is not None:
             raise OptionError("shard= and stages= split the model two ways: FSDP units run on every rank, "
@@ -106,7 +106,7 @@ def _check_together(options: OptimizeOptions) -> None:
             raise OptionError("with world_size=, the plan is held to a rank's estimated step; calibrate= measures "
                               "one device's: leave it out.")
     for argument, leads in REFINES.items():
-        if argument in given and not given & set(leads):
+        if argument in asked and not asked & set(leads):
             if len(leads) == 1:
                 raise OptionError(f"{argument}= refines what {leads[0]}= asks for: give {leads[0]} too.")
             raise OptionError(f"{argument}= refines what {' or '.join(f'{lead}=' for lead in leads)} asks for: give "
@@ -256,7 +256,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         dump_dir=str(dump_dir) if dump_dir else None, batch_wide=batch_wide(gm),
     )
     report.notes += check_microbatching(report.batch_wide, microbatches or 1, batch_norm,
-                             f"the staged graph ({microbatches} microbatches)")
+                                        f"the staged graph ({microbatches} microbatches)")
     ctx = PassContext(example_args=args, example_kwargs=kwargs, train=model.training, reference=model,
                       microbatches=microbatches, cuda_graphs=cuda_graphs, plan_cache=plan_cache)
     dumper = Dumper(dump_dir) if dump_dir else None
@@ -271,7 +271,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     if dumper:
         dumper.svg(gm)
     report.runs_at = install_guards(gm, model, given, (args, kwargs), batch, microbatches, ctx.specialized,
-                                    ctx.call_checks, writes, loss_reduction(report.batch_wide))
+                                    ctx.call_checks, writes, traced_loss(report.batch_wide))
     if cuda_graphs:
         report.cuda_graphs = capture(gm, *given, ctx)
     if other_batches and rows is not None and not microbatches:

@@ -9,10 +9,10 @@ import torch
 
 from .analysis.memory import measure_peak
 from .analysis.optimizer_memory import check_optimizer, rebuilt
+from .analysis.trial import trial_run
 from .errors import OptionError, UsageError
 from .runtime.step import StepMeasure, clear_grads, run_step, step_seconds
 from .training.train_step import TrainStep
-from .analysis.trial import trial_run
 
 
 def measure_step(model, args, kwargs: dict | None = None, loss_fn: Callable | None = None, *, optimizer=None,

@@ -24,10 +24,10 @@ import torch
 
 from .analysis.memory import headroom, headroom_text, size_text
 from .analysis.planning_device import planning_for
+from .analysis.trial import tensor_leaves
 from .errors import BudgetError, BudgetWarning, OptionError
 from .frontend.export_batch import ExportCache, keeping_exports
 from .training.train_step import TrainStep
-from .analysis.trial import tensor_leaves
 
 DEVICES = ("cpu", "cuda")
 _REAL_STEPS = ("calibrate", "profile", "verify")  # optimize options that run the model for real

@@ -130,7 +130,7 @@ def batch_wide(gm: torch.fx.GraphModule) -> BatchWide:
     return BatchWide(tuple(dict.fromkeys(norms)), tuple(dict.fromkeys(draws)), losses)
 
 
-def loss_reduction(wide: BatchWide | None) -> LossReduction | None:
+def traced_loss(wide: BatchWide | None) -> LossReduction | None:
     """The one scalar loss the graph returns, where it returns one."""
     return wide.losses[0] if wide is not None and len(wide.losses) == 1 else None
 

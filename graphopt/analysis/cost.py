@@ -34,10 +34,10 @@ import torch
 import torch.fx
 
 from .. import ops
-from .trial import trial_run
 from .effects import CALLS
 from .meta import leaves, tensor_info
 from .saved import params_read
+from .trial import trial_run
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from .trial import trial_run
 from .fake_state import fake_run
 from .memory import size_text, traced_step
+from .trial import trial_run
 
 
 @dataclass(frozen=True)

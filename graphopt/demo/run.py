@@ -17,8 +17,8 @@ import time
 import torch
 
 from ..analysis.memory import GB, size_text
-from .before_after import BeforeAfter, measure
 from ..runtime.step import step_peak
+from .before_after import BeforeAfter, measure
 
 BATCH, TOKENS, WIDTH, LAYERS = 4, 256, 256, 4
 

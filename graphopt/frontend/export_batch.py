@@ -28,10 +28,10 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from ..analysis.position_limits import PositionLimit, position_limits
+from ..errors import SizeError
 from .batch import batch_rows
 from .call_signature import signature
 from .graph_inputs import program_inputs
-from ..errors import SizeError
 
 
 @dataclass(frozen=True)

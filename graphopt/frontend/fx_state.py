@@ -20,8 +20,8 @@ import torch
 import torch.fx
 
 from ..analysis import meta
-from ..errors import TraceError
 from ..analysis.trial import Snapshot
+from ..errors import TraceError
 
 WRITE_BACK = "graphopt_write_back"  # on the copy_ that writes a buffer forward rebinds: its name
 

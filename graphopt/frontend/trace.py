@@ -24,14 +24,14 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import custom_functions, export_batch
-from ..analysis import fake_kernels
 from .. import ops
+from ..analysis import fake_kernels
 from ..analysis import meta
 from ..analysis.dispatched import DISPATCHED, recording, summary
 from ..analysis.fake_state import fake_run
 from ..analysis.planning_device import meta_literals_on_cpu, planning_device
 from ..errors import SizeError, TraceError, UsageError
+from . import custom_functions, export_batch
 from .fx_state import StateWatch, Unreplayable, check_write_backs
 from .graph_inputs import placeholder_values, register_dataclasses
 from .input_aliases import distinct

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import creation, elementwise, movement, reducing, views
-from .opinfo import OpInfo
 from .autocast_classes import PRECISION
+from .opinfo import OpInfo
 from .schema import derive, is_out_argument
 from .spellings import FIXED, RENAMES, SPELLINGS
 from .variants import VARIANT_OF

@@ -21,7 +21,7 @@ import torch.fx
 from ..analysis.cache import Analyses
 from ..errors import OptionError
 from ..frontend.graph_inputs import placeholder_values
-from .options import OptimizeOptions, Text, count, positive, to_bool  # noqa: F401  (the converters passes declare)
+from .options import Text, count, positive, to_bool  # noqa: F401  (the converters passes declare)
 from .records import BudgetFit, MemoryCurves
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .. import ops
 from ..analysis import meta
 from ..analysis.effects import pure_op, size_arithmetic
-from .notes import note
 from ..runtime.causal_check import CausalMaskCheck, is_causal_mask
+from .notes import note
 
 ATTENTION = ("scaled_dot_product_attention", "scaled_dot_product_attention_dropout")
 SIZE_READS = ("size", "numel", "dim")

@@ -45,9 +45,9 @@ from ..analysis.effects import state_effect
 from ..analysis.memory import estimate_peak, output_tensors
 from ..analysis.meta import tensor_info
 from ..analysis.saved import StepFacts, record_step
-from .notes import note
 from ..ops.twins import inplace_call
 from .base import Pass, PassContext, PassResult
+from .notes import note
 from .registry import register
 
 

@@ -16,8 +16,8 @@ import torch.fx
 
 from ..analysis.meta import graph_device, is_annotated
 from ..errors import GraphoptError, VerifyError
-from ..verification.second_batch import second_batch
 from ..frontend.trace import annotate
+from ..verification.second_batch import second_batch
 from ..verification.verify import TOLERANCE, Reference
 from .base import Pass, PassContext
 from .records import Dumps, PassLog, PassRecord

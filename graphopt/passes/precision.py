@@ -41,13 +41,13 @@ import torch.utils._pytree as pytree
 from .. import ops
 from ..analysis.autocast_plan import ELIGIBLE, MODES, op_mode, parse_policy, plan, policy_dict
 from ..analysis.meta import TensorInfo, graph_device, invalidate, leaves, tensor_info
-from .notes import note
 from ..errors import OptionError
-from ..vocabulary.precisions import LOW, low_precision, short
 from ..runtime.autocast import under_autocast
-from .options import OptimizeOptions
+from ..vocabulary.precisions import LOW, low_precision, short
 from .base import Pass, PassContext, PassResult, option
 from .normalize import _canonical_callable
+from .notes import note
+from .options import OptimizeOptions
 from .registry import register
 
 CAST = "cast"  # the note on casts this pass inserted

@@ -21,8 +21,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..frontend.batch import batch_rows
 from ..errors import BudgetError, GraphoptError, UsageError
+from ..frontend.batch import batch_rows
 from .guards import call_key
 
 MAX_ROUTES = 1024  # call signatures remembered, all forgotten past it (each a handful of shapes)

@@ -17,8 +17,8 @@ import torch.fx
 from ..analysis.memory import as_given, estimate_peak, size_text
 from ..errors import BudgetError
 from ..frontend.call_signature import signature
-from .guards import describe_call
 from ..frontend.graph_inputs import placeholder_values
+from .guards import describe_call
 
 
 @dataclass

@@ -8,8 +8,8 @@ import torch.fx
 
 from ..errors import UsageError
 from ..frontend.call_signature import signature
-from .guards import describe_call
 from ..frontend.graph_inputs import placeholder_values
+from .guards import describe_call
 
 
 def is_causal_mask(mask) -> bool:

@@ -28,8 +28,8 @@ import torch.utils._pytree as pytree
 from ..analysis.cuda_graphs import graphs_reserve, host_syncs, random_reruns
 from ..analysis.memory import size_text
 from ..analysis.meta import graph_device
-from ..errors import OptionError, UsageError
 from ..analysis.trial import trial_run
+from ..errors import OptionError, UsageError
 from .guards import describe_call
 
 WARMUP_STEPS = 3  # before the capture: what runs once only (compiling, binding, cuBLAS's workspaces) runs there

@@ -23,9 +23,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..analysis.planning_device import seen_as
+from ..errors import GraphoptError, ModeError, SizeError, UsageError
 from ..frontend.batch import batch_rows
 from ..frontend.call_signature import signature
-from ..errors import GraphoptError, ModeError, SizeError, UsageError
 from ..frontend.export_batch import guards_failure
 from .microbatch_call import install_microbatch_split
 

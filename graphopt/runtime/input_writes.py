@@ -7,8 +7,8 @@ import torch
 import torch.fx
 
 from ..errors import UsageError
-from ..frontend.input_aliases import input_names, storage_of
 from ..frontend.graph_inputs import placeholder_values
+from ..frontend.input_aliases import input_names, storage_of
 
 
 class WriteAliasCheck:

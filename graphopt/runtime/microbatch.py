@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..frontend.batch import differing_rows, rows_differ
 from ..errors import UsageError
+from ..frontend.batch import differing_rows, rows_differ
 
 __all__ = ["first_microbatch", "split_batch"]
 

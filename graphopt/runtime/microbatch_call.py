@@ -18,8 +18,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..frontend.batch import batch_rows
 from ..errors import UsageError
+from ..frontend.batch import batch_rows
 from ..frontend.graph_inputs import register_dataclasses
 from .microbatch import split_batch
 from .microbatch_step import loss_weights, reduction_of

@@ -10,7 +10,7 @@ normalize microbatches; and how the microbatches' losses combine into the full b
 """
 from __future__ import annotations
 
-from ..analysis.batch_wide import BatchWide, LossReduction, loss_reduction
+from ..analysis.batch_wide import BatchWide, LossReduction, traced_loss
 from ..errors import MicrobatchWarning, OptionError, UsageError, warn
 from .microbatch_step import reduction_of
 
@@ -45,7 +45,7 @@ def loss_kind(wide: BatchWide | None, declared: str | None, outside: bool) -> tu
     graph's own reduction where it reads one; `declared` (train_step's reduction=) must agree
     with it; a loss outside the graph (loss_fn), or one not read, reduces as declared, else as a
     mean."""
-    loss = None if outside else loss_reduction(wide)
+    loss = None if outside else traced_loss(wide)
     if loss is None or loss.kind == "unknown":
         return declared or reduction_of(None), None
     found = reduction_of(loss)

@@ -31,7 +31,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ..analysis.batch_wide import loss_reduction
+from ..analysis.batch_wide import traced_loss
 from ..analysis.saved import storage_key
 from ..errors import UsageError
 from ..frontend.graph_inputs import placeholder_values, register_dataclasses
@@ -122,7 +122,7 @@ class PipelineRunner:
         self.user_loss = loss_fn
         wrapped = self._loss if loss_fn is not None else None
         report = getattr(staged, "graphopt_report", None)
-        self.graph_loss = loss_reduction(report.batch_wide if report is not None else None)
+        self.graph_loss = traced_loss(report.batch_wide if report is not None else None)
         self.reduction = reduction or reduction_of(self.graph_loss)
         self.declared = reduction is not None
         self.loss: torch.Tensor | None = None

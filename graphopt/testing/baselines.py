@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..analysis.batch_wide import loss_reduction
+from ..analysis.batch_wide import traced_loss
 from ..analysis.memory import GB, Estimate
-from ..passes.pipeline.partition import Partition, StageFacts, partition
 from ..frontend.batch import batch_rows
+from ..passes.pipeline.partition import Partition, StageFacts, partition
 from ..runtime.microbatch import split_batch
 from ..runtime.microbatch_call import merge_outputs
 from ..runtime.microbatch_step import loss_weights, reduction_of
@@ -26,7 +26,7 @@ class Microbatched(torch.nn.Module):
     def forward(self, *args, **kwargs):
         parts = split_batch(args, kwargs, self.microbatches)
         report = getattr(self.graph, "graphopt_report", None)
-        loss = loss_reduction(report.batch_wide) if report is not None else None
+        loss = traced_loss(report.batch_wide) if report is not None else None
         shares = loss_weights(self.graph, parts, reduction_of(loss), loss) if report is not None else None
         return merge_outputs([self.model(*a, **k) for a, k in parts], [batch_rows(a, k) for a, k in parts], shares)
 

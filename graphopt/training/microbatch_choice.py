@@ -28,15 +28,15 @@ from ..analysis.memory import below_least, headroom, held_to, measure_peak, pred
 from ..analysis.meta import graph_device
 from ..analysis.optimizer_memory import optimizer_memory
 from ..analysis.planning_device import planning_device
+from ..analysis.trial import tensor_leaves, trial_run
 from ..api import optimize_with
-from ..frontend.batch import why_unsplittable
 from ..errors import BudgetError, BudgetWarning, TraceError, UsageError
+from ..frontend.batch import why_unsplittable
 from ..passes.options import OptimizeOptions
 from ..passes.shard.rank_memory import RANK_ADVICE, rank_peak
 from ..runtime.microbatch import split_batch
 from ..runtime.microbatch_step import accumulate
 from ..runtime.step import step_loss
-from ..analysis.trial import tensor_leaves, trial_run
 from ..vocabulary.sizes import in_gb
 
 REPLANS = 3  # plans again for a lower budget after a predicted step over it

@@ -16,21 +16,21 @@ from typing import Callable
 
 import torch
 
+from ..api import checked_options, optimize_with
+from ..errors import OptionError, UsageError
 from ..frontend.batch import batch_rows, microbatch_counts, splits_evenly, why_unsplittable
 from ..frontend.call_signature import signature
-from ..errors import OptionError, UsageError
 from ..frontend.export_batch import ExportCache, kept_exports, keeping_exports
-from .microbatch_choice import MicrobatchChoice
-from ..runtime.microbatch_semantics import check_microbatching, check_batch_norm, loss_kind
-from ..api import checked_options, optimize_with
+from ..frontend.trace import check_inputs
 from ..passes.options import ARGUMENTS
 from ..runtime.fsdp import sharded
 from ..runtime.guards import describe_call
 from ..runtime.microbatch import split_batch
+from ..runtime.microbatch_semantics import check_microbatching, check_batch_norm, loss_kind
 from ..runtime.microbatch_step import REDUCTIONS, accumulate, loss_weights
 from ..runtime.step import step_loss
-from ..frontend.trace import check_inputs
 from ..vocabulary.sizes import in_gb
+from .microbatch_choice import MicrobatchChoice
 
 
 def train_step(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *,
@@ -111,7 +111,8 @@ class TrainStep:
         self.reduction, self._loss = loss_kind(self.report.batch_wide, reduction, outside=loss_fn is not None)
         # the full batch's result, not only its microbatches': nothing batch-wide, the loss read and combined exactly
         self.whole = self.microbatches == 1 or (self._loss is not None and self.report.batch_wide.whole)
-        self.notes += check_microbatching(self.report.batch_wide, self.microbatches, settings.get("batch_norm", "warn"), "train_step")
+        self.notes += check_microbatching(self.report.batch_wide, self.microbatches, settings.get("batch_norm", "warn"),
+                                          "train_step")
         self.report.notes += [f"train_step: {self._shape_text()}", *self.notes]
 
     # -- running ---------------------------------------------------------------------------

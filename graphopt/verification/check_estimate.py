@@ -10,9 +10,9 @@ import torch.fx
 from ..analysis.estimate_check import EstimateCheck, check_estimate as _check
 from ..analysis.optimizer_memory import check_optimizer, optimizer_memory
 from ..errors import UsageError
+from ..frontend.graph_inputs import placeholder_values
 from ..frontend.input_aliases import distinct
 from ..frontend.trace import check_inputs, trace
-from ..frontend.graph_inputs import placeholder_values
 
 
 def check_estimate(module: torch.nn.Module, example_inputs, example_kwargs: dict | None = None, *,

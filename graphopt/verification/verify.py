@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from .float64_reference import runs_in_float64
 from ..analysis.trial import tensor_leaves, trial_run
+from .float64_reference import runs_in_float64
 
 # Relative tolerance (max |a - b| / max |reference|) per dtype the rewritten graph computes in.
 TOLERANCE = {

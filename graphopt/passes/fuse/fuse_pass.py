@@ -52,12 +52,12 @@ from ...codegen.row_group import RowGroup
 from ...codegen.row_kernel import source as row_source
 from ...codegen.row_launch import layout as row_layout
 from ...codegen.row_program import backward_program, forward_program
-from ..notes import note
+from ...frontend.trace import annotate
 from ...runtime import FusedOp, repro_script, source
 from ...runtime.fused import interpreting
 from ...runtime.fused_row import FusedRowOp
-from ...frontend.trace import annotate
 from ..base import Pass, PassContext, PassResult, option, to_bool
+from ..notes import note
 from ..registry import register
 from .dropout_members import DrawnMask
 from .epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree

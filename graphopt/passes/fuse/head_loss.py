@@ -31,9 +31,9 @@ from ... import ops
 from ...analysis.memory import size_text
 from ...analysis.meta import KEY, tensor_info
 from ...codegen.row_group import FULL
-from ..notes import note, notes
 from ...runtime.chunked_loss import ChunkedHeadLoss
 from ...runtime.fused_row import FusedRowOp
+from ..notes import note, notes
 from .row_members import StateInput, as_state
 
 

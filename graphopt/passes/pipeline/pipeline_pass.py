@@ -39,11 +39,11 @@ from ...analysis.memory import as_given, budget_text, estimate_peak, size_text
 from ...analysis.meta import TensorInfo, graph_device, tensor_info
 from ...analysis.optimizer_memory import NAMED, state_per_byte
 from ...analysis.saved import params_read, record_step, storage_key
-from ..notes import note
 from ...errors import BudgetError, OptionError
-from ..options import OptimizeOptions, budget_in_bytes
 from ...vocabulary.sizes import in_gb
 from ..base import Pass, PassContext, PassResult, count, option, plans_memory_after, to_bool
+from ..notes import note
+from ..options import OptimizeOptions, budget_in_bytes
 from ..registry import register
 from .partition import SCHEDULES, StageFacts, least_memory, partition
 from .split import split_stages

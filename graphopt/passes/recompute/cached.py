@@ -21,14 +21,14 @@ import torch.fx
 
 from ... import ops
 from ...analysis.optimizer_memory import OptimizerMemory
-from ..notes import note
 from ...errors import BudgetError, BudgetWarning, warn
+from ...ops.twins import inplace_call
 from ...plan_cache.key import environment_key, graph_key
 from ...plan_cache.store import digest
-from ...ops.twins import inplace_call
-from ..records import BudgetFit, idle_budget
 from ..base import PassContext, PassResult
 from ..inplace import write_in_place, written_as
+from ..notes import note
+from ..records import BudgetFit, idle_budget
 from .rewrite import checkpoint_segments, note_segments
 from .tidy import attributes_first, hoist_state_writes
 

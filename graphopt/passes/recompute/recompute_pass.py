@@ -73,17 +73,17 @@ from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, h
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
-from ..notes import note
-from ...errors import BudgetError, BudgetWarning, OptionError, warn
-from ..records import BudgetFit, MemoryCurves, idle_budget
-from ...runtime.budget_check import BudgetCheck
 from ...analysis.trial import trial_run
-from ..options import OptimizeOptions, budget_in_bytes
+from ...errors import BudgetError, BudgetWarning, OptionError, warn
+from ...runtime.budget_check import BudgetCheck
 from ...vocabulary.sizes import in_gb
 from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, to_bool
 from ..fuse.head_loss_chunks import size_chunks
-from ..shard.rank_memory import RANK_ADVICE, rank_peak
+from ..notes import note
+from ..options import OptimizeOptions, budget_in_bytes
+from ..records import BudgetFit, MemoryCurves, idle_budget
 from ..registry import register
+from ..shard.rank_memory import RANK_ADVICE, rank_peak
 from .cached import cached_plan
 from .candidates import PlanSpace, LinePlans
 from .in_place import write_within

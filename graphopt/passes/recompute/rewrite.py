@@ -32,8 +32,8 @@ from ...analysis.effects import CALLS, declared_functional, function_writes, may
 from ...analysis.meta import gather
 from ...analysis.segments import SegmentCall
 from ...frontend.custom_functions import FunctionCall
-from ..notes import note
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
+from ..notes import note
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 

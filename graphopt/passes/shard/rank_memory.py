@@ -30,11 +30,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from ...analysis.fake_kernels import active as fake_kernels_active
 from ...analysis.fake_state import fake_copy
 from ...analysis.memory import backward_roots
 from ...analysis.optimizer_memory import optimizer_over
 from ...errors import UsageError
-from ...analysis.fake_kernels import active as fake_kernels_active
 from ...runtime.fsdp import fully_shard_units, unit_modules
 from .units import make_units
 
