@@ -66,11 +66,11 @@ def build_pipeline(passes=None, options: OptimizeOptions = OptimizeOptions()) ->
     return pipeline
 
 
-def checked_options(given: dict) -> OptimizeOptions:
+def checked_options(arguments: dict) -> OptimizeOptions:
     """The record of optimize()'s arguments that ask for passes, given by name, or OptionError
     naming the argument at fault: a bad value, or a combination no pass takes."""
     fields = {}
-    for argument, value in given.items():
+    for argument, value in arguments.items():
         name, convert, what = ARGUMENTS[argument]
         if value is None or value is False:  # not given: the record's default
             continue
@@ -233,8 +233,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
                  cuda_graphs=False, plan_cache=None, other_batches=False):
     """Trace `model` in its current mode and run `pipeline` over it. other_batches: a call at a batch
     size the graph does not take builds a graph for it (runtime/batch_graphs.py)."""
-    given = check_inputs(model, example_inputs, example_kwargs)
-    args, kwargs = distinct(*given)  # what the passes plan for is what the frontend traced
+    as_called = check_inputs(model, example_inputs, example_kwargs)  # inputs sharing storage still share it
+    args, kwargs = distinct(*as_called)  # what the passes plan for is what the frontend traced
     rows = batch_rows(args, kwargs)
     microbatches = next((m for m in (p.microbatches_of(rows) for p in pipeline) if m), None)
     batch = args, kwargs
@@ -243,7 +243,7 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     start = time.perf_counter()
     gm = trace(model, args, kwargs, frontend=frontend)
     writes = WriteAliasCheck(model, gm, gm.meta["graphopt_written_inputs"])
-    writes.check(gm, *given, "the example")
+    writes.check(gm, *as_called, "the example")
     if microbatches and gm.meta["graphopt_frontend"] == "export" and gm.meta["graphopt_batch"] is None \
             and not splits_evenly(*batch, microbatches):
         raise UsageError(
@@ -270,10 +270,10 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     gm.train(model.training)  # modules a pass made (the pipeline's stages) start in training mode
     if dumper:
         dumper.svg(gm)
-    report.runs_at = install_guards(gm, model, given, (args, kwargs), batch, microbatches, ctx.specialized,
+    report.runs_at = install_guards(gm, model, as_called, (args, kwargs), batch, microbatches, ctx.specialized,
                                     ctx.call_checks, writes, traced_loss(report.batch_wide))
     if cuda_graphs:
-        report.cuda_graphs = capture(gm, *given, ctx)
+        report.cuda_graphs = capture(gm, *as_called, ctx)
     if other_batches and rows is not None and not microbatches:
         settings = dict(pipeline=pipeline, frontend=frontend, verify=verify, batch_norm=batch_norm,
                         cuda_graphs=cuda_graphs, plan_cache=plan_cache)

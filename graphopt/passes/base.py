@@ -155,8 +155,9 @@ class Pass:
         if "options" in cls.__dict__:  # it would be replaced below, and its options lost without a word
             raise TypeError(f"pass {cls.__name__} declares `options`: declare them as fields of a frozen "
                             "dataclass of option() fields and set `Options = ThatClass`.")
-        cls.options = {f.metadata[OPTION].spelled or f.name: f.metadata[OPTION] for f in dataclasses.fields(cls.Options)}
-        cls._fields = {f.metadata[OPTION].spelled or f.name: f.name for f in dataclasses.fields(cls.Options)}
+        declared = {f.metadata[OPTION].spelled or f.name: f for f in dataclasses.fields(cls.Options)}
+        cls.options = {key: f.metadata[OPTION] for key, f in declared.items()}
+        cls._fields = {key: f.name for key, f in declared.items()}
 
     def skip_by_default(self, gm: torch.fx.GraphModule, ctx: PassContext, pipeline: list["Pass"]) -> str | None:
         """Why this pass, in the pipeline because optimize() was given no passes, does not pay on

@@ -105,9 +105,9 @@ ARGUMENTS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "world_size": ("world_size", count, "ranks FSDP2 shards the step over"),
 }
 # an argument that refines what others ask for -> those others (one must be given with it)
-REFINES = {"profile": ("budget_gb", "stages"), "calibrate": ("budget_gb",), "optimizer": ("budget_gb", "stages", "shard"),
-           "accumulate": ("budget_gb", "shard"), "world_size": ("budget_gb", "shard"),
-           "precision_policy": ("precision",)}
+REFINES = {"profile": ("budget_gb", "stages"), "calibrate": ("budget_gb",),
+           "optimizer": ("budget_gb", "stages", "shard"), "accumulate": ("budget_gb", "shard"),
+           "world_size": ("budget_gb", "shard"), "precision_policy": ("precision",)}
 
 
 @dataclass(frozen=True)

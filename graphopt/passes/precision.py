@@ -184,7 +184,8 @@ class Precision(Pass):
     @classmethod
     def from_options(cls, options: OptimizeOptions) -> "Precision":
         """The pass optimize()'s options ask for with precision (bf16 or fp16)."""
-        return cls.with_settings(PrecisionOptions(precision=options.precision, precision_policy=options.precision_policy))
+        return cls.with_settings(PrecisionOptions(precision=options.precision,
+                                                  precision_policy=options.precision_policy))
 
     def check_settings(self) -> None:
         if self.settings.precision is None:

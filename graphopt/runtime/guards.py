@@ -192,9 +192,9 @@ def install_shape_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, rea
     @by_signature
     def check(module, call_args, call_kwargs):
         if signature(call_args, call_kwargs) not in expected:
+            changed = changes((args, kwargs), (call_args, call_kwargs))
             raise sizes_refused(f"this graphopt module was built for inputs {shapes} ({reason}), and got "
-                             f"{describe_call(call_args, call_kwargs)} ({changes((args, kwargs), (call_args, call_kwargs))}); "
-                             f"{advice}")
+                                f"{describe_call(call_args, call_kwargs)} ({changed}); {advice}")
 
     gm.register_forward_pre_hook(check, with_kwargs=True)
 

@@ -145,14 +145,15 @@ class TrainStep:
         k = self.microbatches
         if self.budget_bytes is not None and signature(args, kwargs) != self._planned:
             raise UsageError(f"this train step was planned for inputs {describe_call(*self._example)} "
-                             f"({self._shape_text()}, budget_gb={in_gb(self.budget_bytes):g}), and got {describe_call(args, kwargs)}: "
-                             "call it with batches of those shapes, or build another train_step for these.")
+                             f"({self._shape_text()}, budget_gb={in_gb(self.budget_bytes):g}), and got "
+                             f"{describe_call(args, kwargs)}: call it with batches of those shapes, or build another "
+                             "train_step for these.")
         if k == 1:
             return [(args, kwargs)]
         if why_unsplittable(args, kwargs) or not splits_evenly(args, kwargs, k):
             raise UsageError(f"this train step splits each batch into {k} equal microbatches along dim 0 of every "
-                             f"tensor input, and the call's inputs {describe_call(args, kwargs)} do not split so: give a "
-                             f"batch whose rows {k} divides, or build a train_step with microbatches= for it.")
+                             f"tensor input, and the call's inputs {describe_call(args, kwargs)} do not split so: "
+                             f"give a batch whose rows {k} divides, or build a train_step with microbatches= for it.")
         return split_batch(args, kwargs, k)
 
     def _shape_text(self) -> str:

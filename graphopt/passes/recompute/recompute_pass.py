@@ -377,7 +377,8 @@ class Recompute(Pass):
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         ranks = self.settings.world_size
         if ranks and not inference:
-            return below_least(self.settings.budget_bytes, minimum, f"one rank's training step under FSDP2 over {ranks} ranks needs at "
+            return below_least(self.settings.budget_bytes, minimum,
+                               f"one rank's training step under FSDP2 over {ranks} ranks needs at "
                                f"least, {'as measured' if measured else 'by the estimate'}", breakdown, RANK_ADVICE,
                                self.headroom)
         how = "as measured" if measured else "by the estimate"

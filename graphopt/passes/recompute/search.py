@@ -41,7 +41,8 @@ class PlanSearch:
     """Candidate plans, each rewritten into gm and estimated at most once."""
 
     def __init__(self, gm: torch.fx.GraphModule, space: PlanSpace, candidates: list,
-                 estimate_step: Callable[[], Estimate], pricer: PlanPricer | None = None, scan: LinePlans | None = None):
+                 estimate_step: Callable[[], Estimate], pricer: PlanPricer | None = None,
+                 scan: LinePlans | None = None):
         """candidates: the plans to start from (the space's blocks); estimate_step: the fake step of
         gm as it is now."""
         self.gm, self.candidates, self.estimate_step = gm, candidates, estimate_step
