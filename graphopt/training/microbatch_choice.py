@@ -180,8 +180,13 @@ class MicrobatchChoice:
     @staticmethod
     def _target(graph, budget: int) -> int:
         """The bytes a plan for `budget` is held to: less the headroom of the device it is planned
-        for (CUDA keeps some free)."""
-        return held_to(budget, headroom(graph_device(graph)))
+        for (CUDA keeps some free) and what the graph's CUDA graphs hold beyond the step (the bytes
+        recompute's BudgetFit planned below its own budget less headroom)."""
+        kept = headroom(graph_device(graph))
+        record = graph.graphopt_report.recompute()
+        fit = record.budget if record is not None else None
+        reserve = held_to(fit.budget_bytes, kept) - fit.planned_for_bytes if fit is not None else 0
+        return held_to(budget, kept) - reserve
 
     def _microbatch(self, k: int) -> tuple[tuple, dict]:
         return self._example if k == 1 else split_batch(*self._example, k)[0]
