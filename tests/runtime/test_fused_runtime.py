@@ -18,18 +18,13 @@ from hypothesis_profiles import examples
 from graphopt.codegen import Group, Step
 from graphopt.codegen import layout as layout_module
 from graphopt.ops import canonical_ops
-from op_cases import ATOL, CASES, GEN, randn
+from op_cases import ATOL, CASES, GEN, randn, seeded
 from graphopt.runtime import FusedOp, cache_info, fused_call, launch_count, repro_script, running_fused
 
 pytest.importorskip("triton")
 # the interpreter evaluates masked-off lanes too (log of 0 there): numpy warns, the stores are masked
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 aten = torch.ops.aten
-
-
-@pytest.fixture(autouse=True)
-def seeded(request):
-    GEN.manual_seed(sum(map(ord, request.node.name)))
 
 
 @pytest.fixture(params=["kernel", "reference"])
