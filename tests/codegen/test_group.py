@@ -7,6 +7,7 @@ import torch
 from graphopt.codegen import Group, Step, Unsupported, step_dtypes, supports
 from codegen_groups import BF16, F16, meta
 
+
 @pytest.mark.parametrize("steps, outputs, message", [
     ([Step("no_such_op", (("input", 0),))], [0], "unknown op"),
     ([Step("sum", (("input", 0),))], [0], "only elementwise"),

@@ -5,6 +5,7 @@ from graphopt.codegen import Group, Step
 from graphopt.codegen.spec import plan_backward, plan_forward
 from codegen_groups import F16, chain, meta
 
+
 def key(group, *inputs):
     return plan_forward(group, list(inputs)).spec
 
