@@ -222,7 +222,6 @@ def test_the_torch_path_equals_the_kernels(monkeypatch, case):
     assert_same_step(model, opt, (x,), {}, exact=False)
 
 
-
 def test_the_estimate_counts_what_a_fused_step_allocates_and_the_norm_saves_less():
     """FakeTensors take the kernels' allocations, so the estimate equals the measured step; a fused
     layer norm keeps its input only, not eager's input, mean and rstd, nor the add's output."""
@@ -415,27 +414,6 @@ def test_transformers_gpt2_with_a_large_vocabulary_runs_its_head_over_chunks():
     (head,) = opt.graphopt_report.passes[-1].stats["chunked_heads"]
     assert head["returns_logits"]
     assert_same_step(model, opt, (ids,), {"labels": ids}, exact=False)
-
-
-def test_a_chunked_head_sums_its_chunks_as_eager_and_refuses_a_second_backward():
-    from graphopt.codegen.row_group import cross_entropy
-
-    h, weight, bias = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True), \
-        torch.randn(50, requires_grad=True)
-    target = torch.randint(0, 50, (37,))
-    target[3] = -100
-    for reduction in ("mean", "sum"):
-        op = ChunkedHeadLoss(FusedRowOp(cross_entropy(), ((reduction, 1, -100),)), 0, chunk=8)
-        loss = op(h, weight, bias, target)
-        want = F.cross_entropy(F.linear(h, weight, bias), target, reduction=reduction)
-        torch.testing.assert_close(loss, want)
-        got = torch.autograd.grad(loss, (h, weight, bias), retain_graph=True)
-        for g, w in zip(got, torch.autograd.grad(want, (h, weight, bias))):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-        with pytest.raises(RuntimeError, match="backpropagated through once"):
-            torch.autograd.grad(loss, (h,))
-    with pytest.raises(IndexError, match="Target 50 is out of bounds"):
-        op(h, weight, bias, torch.full((37,), 50))
 
 
 def test_a_per_row_cross_entropy_is_not_chunked_and_says_why():
