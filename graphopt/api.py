@@ -10,6 +10,7 @@ import torch.fx
 
 from . import passes as passes_pkg
 from .analysis.batch_wide import batch_wide, traced_loss
+from .analysis.planning_device import planning_device
 from .errors import OptionError, UsageError
 from .frontend.batch import batch_rows, splits_evenly
 from .frontend.input_aliases import distinct
@@ -28,6 +29,7 @@ from .reporting.report import Report
 from .runtime.batch_graphs import install_batch_graphs
 from .runtime.cuda_graphs import capture, check_cuda_graphs
 from .runtime.guards import install_guards
+from .runtime.host_optimizer import install_host_optimizer
 from .runtime.input_writes import WriteAliasCheck
 from .runtime.lazy import MAX_GRAPHS, LazyOptimized
 from .runtime.microbatch import first_microbatch
@@ -268,6 +270,10 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
         if dumper:
             dumper.summary(report)
     gm.train(model.training)  # modules a pass made (the pipeline's stages) start in training mode
+    if ctx.host_step is not None:
+        report.host_step = ctx.host_step
+        if planning_device() is None:  # graphopt.plan plans the step; a real one steps the optimizer on the host
+            install_host_optimizer(next(p.settings.optimizer for p in pipeline if isinstance(p, Recompute)))
     if dumper:
         dumper.svg(gm)
     report.runs_at = install_guards(gm, model, as_called, (args, kwargs), batch, microbatches, ctx.specialized,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .analysis.host_step import HostStep
 from .analysis.memory import headroom, headroom_text, size_text
 from .analysis.planning_device import planning_for
 from .analysis.trial import tensor_leaves
@@ -50,6 +51,7 @@ class StepPlan:
     world_size: int | None = None      # with shard='fsdp': the bytes are one rank's under FSDP2 over so many
     headroom: float = 0.0              # the fraction of a budget kept free above the step's peak (CUDA's)
     refusal: str = ""                  # where the budget does not fit: why, with the least plan's parts
+    host_step: HostStep | None = None  # where the plan steps the optimizer on the host: what it moves and costs
 
     @property
     def fits(self) -> bool:
@@ -69,6 +71,11 @@ class StepPlan:
                          f"{self.recompute_overhead_pct:g}% of a step)") if self.segments else "nothing recomputed"
                 lines.append(f"{budget}: fits as {batch}, predicted peak {size_text(self.predicted_peak_bytes)}{free}; "
                              f"{rerun}")
+                if self.host_step is not None:
+                    h = self.host_step
+                    lines.append(f"the optimizer's state and step on the host: {size_text(h.device_bytes_freed)} off "
+                                 f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds:.2f} s more "
+                                 "a step")
             else:
                 lines.append(f"{budget}: does not fit in any number of equal microbatches: {self.refusal}")
         return "\n".join(lines + self.notes)
@@ -113,7 +120,7 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
     return StepPlan(device, step.budget_bytes, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
-                    headroom=kept)
+                    headroom=kept, host_step=step.report.host_step)
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

@@ -63,6 +63,11 @@ class Rates:
     eager_op: CallCost = CallCost(2.3e-6, 9e-6)
     fused: CallCost = CallCost(1.5e-5, 4e-5)         # an elementwise group (runtime/fused.py)
     fused_rows: CallCost = CallCost(1.5e-5, 6.2e-5)  # a row group (runtime/fused_row.py)
+    # The optimizer's step on the host (analysis/host_step.py), measured by `python bench/host_link.py`:
+    # copies between device and host memory, each way, and the host's AdamW step per byte of the
+    # parameters it updates (the host is the same CPU on every device until a GPU machine measures its own).
+    host_bytes_per_s: float = 5e9
+    host_step_bytes_per_s: float = 3.5e8
 
 
 LAUNCH_S = 3e-6  # one CUDA kernel launch's host time, from ATen or from a bound Triton launcher
@@ -71,7 +76,7 @@ RATES = {
     # on CUDA an eager op launches a kernel forward and one backward, as a fused call does (and a
     # row call a third: its weights' partial sums added up)
     "cuda": Rates(flops_per_s=2e14, vector_flops_per_s=3e13, bytes_per_s=2.5e12, op_s=5e-6, view_s=1.5e-6,
-                  segment_s=1.1e-4, policy_op_s=4e-5,
+                  segment_s=1.1e-4, policy_op_s=4e-5, host_bytes_per_s=2.5e10,
                   eager_op=CallCost(2.3e-6 + LAUNCH_S, 9e-6 + 2 * LAUNCH_S),
                   fused=CallCost(1.5e-5 + LAUNCH_S, 4e-5 + 2 * LAUNCH_S),
                   fused_rows=CallCost(1.5e-5 + LAUNCH_S, 6.2e-5 + 3 * LAUNCH_S)),

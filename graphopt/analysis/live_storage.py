@@ -7,6 +7,9 @@ however many views share it; tensors given as resident count from the start. Thi
 torch's MemTracker does for storages, but MemTracker also hooks every module and refuses a
 module called more than once per step, which is how a pipeline stage runs its microbatches.
 
+Storages made by host work (host_tier.on_host: an optimizer step kept on the host) are the
+host's, not counted.
+
 Each storage is counted in a category (what `where()` says when it appears); the bytes by
 category at the peak and, with `timeline=True`, the live bytes after every change are kept.
 """
@@ -20,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .host_tier import host_work
 from .planning_device import planning_device
 
 
@@ -128,7 +132,7 @@ class LiveStorage(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if not host_work() else []
         if tensors:
             category, event = self.where()
             sizes = self.sizes(func, args, kwargs or {}, tensors)

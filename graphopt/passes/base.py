@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from ..analysis.cache import Analyses
+from ..analysis.host_step import HostStep
 from ..errors import OptionError
 from ..frontend.graph_inputs import placeholder_values
 from .options import Text, count, positive, to_bool  # noqa: F401  (the converters passes declare)
@@ -51,6 +52,9 @@ class PassResult:
     budget: BudgetFit | None = None
     # The step's predicted peak after the pass, where it estimated one (recompute, inplace): the report's.
     peak_bytes: int | None = None
+    # A memory plan that runs the optimizer's step on the host (analysis/host_step.py): optimize()
+    # installs it on the optimizer the plan was made for.
+    host_step: HostStep | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class PassContext:
     compute_dtype: torch.dtype = torch.float32
     specialized: str | None = None
     call_checks: list = field(default_factory=list)
+    host_step: HostStep | None = None
     # what the other passes of the pipeline do, as the manager finds it from their declarations
     staged: bool = False           # one runs the graph as stages on microbatches (Pass.microbatches_of)
     units: bool = False            # one makes each repeated block a submodule (Pass.makes_units)

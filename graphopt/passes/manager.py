@@ -79,6 +79,7 @@ class PassManager:
             ctx.compute_dtype = result.compute_dtype or ctx.compute_dtype
             ctx.specialized = result.specialized or ctx.specialized
             ctx.call_checks.extend(result.call_checks)
+            ctx.host_step = result.host_step or ctx.host_step
             elapsed = (time.perf_counter() - start) * 1e3
             record = PassRecord(
                 name=p.spec(), time_ms=elapsed, nodes_before=before, nodes_after=_count(gm),

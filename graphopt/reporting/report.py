@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..analysis.batch_wide import BatchWide
+from ..analysis.host_step import HostStep
 from ..analysis.memory import size_text
 from ..passes.records import BudgetFit, PassRecord, idle_budget  # noqa: F401  (read from here by users)
 
@@ -30,6 +31,8 @@ class Report:
     batch_wide: BatchWide | None = None
     # with cuda_graphs=True: the signature captured and the bytes its graphs hold beyond the step
     cuda_graphs: str | None = None
+    # where the memory plan runs the optimizer's step on the host: what it moves and costs
+    host_step: HostStep | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # batch_wide's loss counters are small graphs: their facts, not the graphs
@@ -81,6 +84,11 @@ class Report:
         lines = [idle] if idle else []
         lines += [f"runs at: {self.runs_at}"] if self.runs_at else []
         lines += [f"cuda graphs: {self.cuda_graphs}"] if self.cuda_graphs else []
+        if self.host_step is not None:
+            h = self.host_step
+            lines.append(f"optimizer on the host: its state and step, {size_text(h.device_bytes_freed)} off the device, "
+                         f"in {size_text(h.host_bytes)} of host memory; about {h.seconds * 1e3:.0f} ms more a step "
+                         "(gradients down, the host's step, parameters up)")
         ran = [r.name for r in self.passes if r.by_default]
         if not ran and not self.skipped:
             return lines + self.notes

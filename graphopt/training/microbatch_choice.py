@@ -209,7 +209,8 @@ class MicrobatchChoice:
         them (a .item(), say), measured on one real step that leaves no trace."""
         if self.ranks:
             return self._rank_peak(graph, args, kwargs, k, optimizer)
-        extra = optimizer_memory(optimizer, list(self.model.parameters())) if optimizer is not None else None
+        on_device = optimizer is not None and graph.graphopt_report.host_step is None  # else the host steps it
+        extra = optimizer_memory(optimizer, list(self.model.parameters())) if on_device else None
 
         def run(a, kw):  # a microbatch after the first: the running total exists
             total = torch.zeros((), device=tensor_leaves((a, kw))[0].device) if k > 1 else None

@@ -55,6 +55,11 @@ instead: the segments, the writes in place and the report's figures, or the refu
   8. The plan is made for the example's sizes; a call at others (a shorter sequence, a dynamic
      batch) first estimates its step there, once per signature, and raises BudgetError where it
      does not fit (runtime/budget_check.py): a plan for the longest length serves the shorter.
+  9. Where no plan fits with the optimizer on the device (keep-or-recompute's least is above the
+     target), steps 1 to 8 again with its state and step on the host (analysis/host_step.py):
+     the device then holds neither. The plan says so, with the host memory it takes and the
+     time it adds; optimize() installs it on the optimizer (runtime/host_optimizer.py). Not
+     where the budget covers no optimizer, nor on one rank's step, stages, CUDA graphs or calibrate.
 """
 from __future__ import annotations
 
@@ -68,8 +73,9 @@ import torch.fx
 from ... import ops
 from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
+from ...analysis.host_step import host_step
 from ...analysis.cuda_graphs import graphs_reserve
-from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, held_to, measure_step
+from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, held_to, measure_step, size_text
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
@@ -142,6 +148,7 @@ class Recompute(Pass):
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         """The plan from the plan cache where an entry made for this graph and these settings is
         there (cached.py), else planned (and kept there)."""
+        self.host = None  # the optimizer's step on the host, where the plan chose it
         return cached_plan(self, gm, ctx, self._plan)
 
     def setup(self, gm: torch.fx.GraphModule, ctx: PassContext, optimizer: OptimizerMemory | None = None
@@ -155,7 +162,7 @@ class Recompute(Pass):
         self.headroom = self.settings.headroom
         if self.headroom is None:
             self.headroom = headroom(graph_device(gm))
-        if optimizer is None and self.settings.optimizer is not None and ctx.train:
+        if optimizer is None and self.settings.optimizer is not None and ctx.train and self.host is None:
             optimizer = optimizer_memory(self.settings.optimizer, list(gm.parameters()))
         self.optimizer = optimizer
         # a step captured as CUDA graphs holds more than the step itself: planned for that much less
@@ -164,6 +171,32 @@ class Recompute(Pass):
         return limit, held_to(limit, self.headroom) - self.reserve
 
     def _plan(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        """Steps 1 to 8 with the optimizer on the device; where no plan fits, again with its state
+        and step on the host (step 9)."""
+        try:
+            return self._plan_on_device(gm, ctx)
+        except BudgetError as refused:
+            if not self._may_step_on_host(ctx):
+                raise
+            least = refused.min_budget_bytes
+        # Step 9
+        self.host = host_step(gm.parameters(), self.optimizer, "cuda" if graph_device(gm) == "cuda" else "cpu")
+        result = self._plan_on_device(gm, ctx)
+        self.cacheable = False  # the plan cache keeps plans of the step on the device only
+        result.host_step = self.host
+        result.stats["host_step"] = f"on the device the least plan needs {size_text(least)}"
+        return result
+
+    def _may_step_on_host(self, ctx: PassContext) -> bool:
+        """Whether step 9 may run: an optimizer in the budget, with memory of its own, on a step
+        the host step composes with (not one rank's under FSDP2, which has its own CPUOffloadPolicy,
+        nor stages, nor a step captured as CUDA graphs, whose optimizer step is in the capture, nor one
+        calibrated by real steps, which run no optimizer)."""
+        o = self.optimizer
+        return (o is not None and o.state_bytes + o.step_bytes > 0 and ctx.train and not self.settings.world_size
+                and not self.settings.calibrate and not ctx.staged and not ctx.cuda_graphs)
+
+    def _plan_on_device(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # what the plan cache keeps of this plan: (the plan, each node's decision) and the nodes it indexes
         self.chosen, self.planned_nodes, self.cacheable = None, None, True
         limit, target = self.setup(gm, ctx)
@@ -172,8 +205,10 @@ class Recompute(Pass):
         if tidied:
             gm.recompile()
         before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
+        if self.host is None:
+            self.peak_on_device = before.peak_bytes  # the step as traced, the optimizer on the device
         stats = {}  # the budget, its target and the peaks are the result's BudgetFit
-        fit = functools.partial(BudgetFit, limit, target, before.peak_bytes)
+        fit = functools.partial(BudgetFit, limit, target, self.peak_on_device)
         # Per rank (world_size): the search plans one device's step, for the target that puts a rank's at
         # it; calls at other sizes are held to that target too (the call check)
         ranks = self.settings.world_size if ctx.train else None
@@ -187,7 +222,7 @@ class Recompute(Pass):
         if not ctx.train:
             if before.peak_bytes > target:
                 raise self._error(before.peak_bytes, before.breakdown, inference=True)
-            _warn_idle(fit(before.peak_bytes))
+            self._warn_idle(fit(before.peak_bytes))
             return PassResult(gm, False, stats, call_checks=[self.budget_check(target, ctx)],
                               budget=fit(before.peak_bytes), peak_bytes=before.peak_bytes)
         chunk = size_chunks(gm, lambda g: self._estimate(g, ctx).peak_bytes, target)
@@ -196,7 +231,7 @@ class Recompute(Pass):
             stats["loss_chunk_rows"] = chunk
             before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
         if before.peak_bytes <= target:
-            _warn_idle(fit(rank_before if ranks else before.peak_bytes))
+            self._warn_idle(fit(rank_before if ranks else before.peak_bytes))
             written, before = self._write_in_place(gm, ctx, None, None, before)
             peak = before.peak_bytes if not ranks else self._rank_peak(gm, ctx) if written else rank_before
             return PassResult(gm, tidied or chunk is not None or bool(written),
@@ -277,6 +312,14 @@ class Recompute(Pass):
                 raise self._error(peak, {}, inference=False)
         return PassResult(gm, True, stats, memory=MemoryCurves({"as traced": before, "with recompute": after}, limit),
                           call_checks=[self.budget_check(target, ctx)], budget=fit(peak), peak_bytes=peak)
+
+    def _warn_idle(self, fit: BudgetFit) -> None:
+        """BudgetWarning where the step as traced fits the budget: a budget that asks for nothing is
+        most often one in the wrong unit. Not of a step fitting with the optimizer on the host, which
+        did not fit with it on the device."""
+        idle = idle_budget(fit) if self.host is None else None
+        if idle:
+            warn(idle, BudgetWarning)
 
     def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
         """What a rank's step under FSDP2 may hold at most, by the estimate: its peak and what a
@@ -382,6 +425,8 @@ class Recompute(Pass):
                                f"least, {'as measured' if measured else 'by the estimate'}", breakdown, RANK_ADVICE,
                                self.headroom)
         how = "as measured" if measured else "by the estimate"
+        if self.host is not None:
+            what += " with the optimizer's state and step on the host"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
@@ -402,10 +447,4 @@ def _measure(gm: torch.fx.GraphModule, ctx: PassContext, accumulate: bool) -> in
         return measure_step(gm, ctx.example_args, ctx.example_kwargs, accumulate=accumulate)
 
 
-def _warn_idle(fit: BudgetFit) -> None:
-    """BudgetWarning where the step as traced fits the budget: a budget that asks for nothing is
-    most often one in the wrong unit."""
-    idle = idle_budget(fit)
-    if idle:
-        warn(idle, BudgetWarning)
 

@@ -1,0 +1,57 @@
+"""The optimizer's step on the host, as ZeRO-Offload and torchao's CPUOffloadOptimizer run it:
+the optimizer's state and a copy of the trainable parameters live in host memory; at each step
+the gradients are copied down to the host, the host steps, and the parameters are copied back.
+The device then holds neither the state (Adam's two moments per parameter) nor the step's
+temporaries; the gradients stay on the device until the step, where code between backward and
+step (clipping, logging) reads them.
+
+What it frees and what it costs are facts of the plan: the device bytes are the optimizer's
+measured state and step (optimizer_memory.py); the time it adds to a step is the gradients
+down and the parameters up over the device's host link, then the host's own step, at the rates
+of analysis/cost.py. Nothing of it overlaps the step's compute: the step needs every gradient,
+and the next forward every parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import rates
+from .optimizer_memory import OptimizerMemory
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """The optimizer's step on the host, as a plan chose it: bytes and seconds of one step."""
+
+    param_bytes: int   # the trainable parameters: their host copy, and their gradients' as many
+    state_bytes: int   # the optimizer's state, in host memory from the first step on
+    step_bytes: int    # the temporaries of its step(), in host memory
+    seconds: float     # what it adds to a step: gradients down, the host's step, parameters up
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory it holds: the parameters' copy and gradients (pinned on CUDA), the state and
+        the step's temporaries."""
+        return 2 * self.param_bytes + self.state_bytes + self.step_bytes
+
+    @property
+    def device_bytes_freed(self) -> int:
+        return self.state_bytes + self.step_bytes
+
+
+def trainable_bytes(params) -> int:
+    """Bytes of the trainable parameters among `params`, each storage once (tied weights)."""
+    seen, total = set(), 0
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def host_step(params, optimizer: OptimizerMemory, device: str) -> HostStep:
+    """The host step of an optimizer whose memory is `optimizer`, over `params` on `device`."""
+    nbytes = trainable_bytes(params)
+    r = rates(device)
+    seconds = 2 * nbytes / r.host_bytes_per_s + nbytes / r.host_step_bytes_per_s
+    return HostStep(nbytes, optimizer.state_bytes, optimizer.step_bytes, seconds)

@@ -1,0 +1,112 @@
+"""The optimizer's step on the host (analysis/host_step.py says what it frees and what it costs),
+installed on the user's own optimizer, so that `loss.backward(); optimizer.step();
+optimizer.zero_grad()` stays as it was.
+
+Installed through torch.optim.Optimizer's own hooks:
+- a step pre-hook copies each gradient down into its parameter's host copy, copies the user's
+  param-group settings (a scheduler's learning rate) to the host optimizer's groups, runs the
+  host optimizer's step, copies each parameter back up, and sets the device gradients aside, so
+  that the user's own step, which runs next, finds none and changes nothing;
+- a step post-hook gives the gradients back: zero_grad, and code after the step, see them as
+  they would without the host step;
+- state_dict hooks put the host optimizer's state in the user's state_dict, and take a loaded
+  one to the host, so a checkpoint holds the state where it lives.
+
+The host optimizer is the user's built again (class, groups and settings) over the host copies:
+on CPU the same kernels on the same values, bitwise the device step's; on CUDA the host's
+kernels, within rounding. Host work runs in host_tier.on_host(): it is not device memory.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..analysis.host_tier import on_host
+from ..analysis.optimizer_memory import rebuilt
+from ..errors import UsageError
+
+_INSTALLED = "_graphopt_host_optimizer"
+
+
+class HostOptimizer:
+    """The host side of `optimizer`: host copies of its parameters and the optimizer over them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.user = optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        pinned = any(p.device.type == "cuda" for p in self.params)
+        with torch.no_grad(), on_host():
+            self.hosts = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned).copy_(p) for p in self.params}
+            for h in self.hosts.values():
+                h.requires_grad_(True)
+            self.host = rebuilt(optimizer, self.params, swap=lambda p: self.hosts[p])
+            if optimizer.state:  # a resumed optimizer: its state moves to the host
+                self.host.load_state_dict(_on_host(optimizer.state_dict()))
+                optimizer.state.clear()
+        self._set_aside: list | None = None
+        self.handles = [optimizer.register_step_pre_hook(self._before_step),
+                        optimizer.register_step_post_hook(self._after_step),
+                        optimizer.register_state_dict_post_hook(self._state_dict),
+                        optimizer.register_load_state_dict_pre_hook(self._load_state_dict)]
+
+    def _before_step(self, optimizer, args, kwargs):
+        if args[1:] or kwargs.get("closure") is not None:  # args[0] is the optimizer itself
+            raise UsageError("graphopt's plan steps this optimizer on the host, which a closure cannot run in "
+                             "(it would compute gradients after the host took them): call step() without one.")
+        for mine, theirs in zip(self.host.param_groups, optimizer.param_groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})  # a scheduler's lr, say
+        with torch.no_grad(), on_host():
+            for p, h in self.hosts.items():
+                if p.grad is None:
+                    h.grad = None
+                    continue
+                if h.grad is None:
+                    h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
+                h.grad.copy_(p.grad, non_blocking=True)
+            if any(p.device.type == "cuda" for p in self.params):
+                torch.cuda.current_stream().synchronize()  # every gradient is down before the host reads it
+            self.host.step()
+        with torch.no_grad():
+            for p, h in self.hosts.items():
+                if h.grad is not None:
+                    p.copy_(h, non_blocking=True)
+        self._set_aside = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def _after_step(self, optimizer, args, kwargs):
+        if self._set_aside is not None:
+            for p, g in zip(self.params, self._set_aside):
+                p.grad = g
+            self._set_aside = None
+
+    def _state_dict(self, optimizer, state_dict):
+        with on_host():
+            state_dict["state"] = self.host.state_dict()["state"]
+        return state_dict
+
+    def _load_state_dict(self, optimizer, state_dict):
+        with torch.no_grad(), on_host():
+            self.host.load_state_dict(_on_host(state_dict))
+        return {**state_dict, "state": {}}
+
+
+def _on_host(state_dict: dict) -> dict:
+    """state_dict with its state's tensors copied to host memory: loading would otherwise keep the
+    given tensors themselves where they already are on the CPU, shared with their owner."""
+    copied = {k: {name: v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for name, v in s.items()}
+              for k, s in state_dict["state"].items()}
+    return {**state_dict, "state": copied}
+
+
+def install_host_optimizer(optimizer) -> HostOptimizer:
+    """The host step on `optimizer` (a torch.optim.Optimizer), installed once however many graphs
+    planned it (one per batch size, one per microbatch count)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"the plan steps the optimizer on the host, which needs the optimizer itself, got "
+                         f"optimizer={optimizer!r}: give optimizer=torch.optim.AdamW(model.parameters(), ...), "
+                         "the one you step, or a budget_gb that holds its state on the device.")
+    found = getattr(optimizer, _INSTALLED, None)
+    if found is None:
+        found = HostOptimizer(optimizer)
+        setattr(optimizer, _INSTALLED, found)
+    return found

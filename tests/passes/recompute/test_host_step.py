@@ -1,0 +1,56 @@
+"""The recompute pass's step 9: below what keep-or-recompute reaches with the optimizer on the
+device, the optimizer's state and step go to the host (analysis/host_step.py); above it, they stay."""
+import pytest
+import torch
+
+import graphopt
+from graphopt.testing import zoo
+
+MB = 1e-3  # budget_gb of one MB
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return zoo.mlp(batch=64, width=256, depth=4)  # AdamW's step: 4.9 MB on the device, 2.3 MB without its state
+
+
+@pytest.mark.filterwarnings("ignore::graphopt.BudgetWarning")  # 6 MB holds the step as traced
+@pytest.mark.parametrize("budget_mb, on_host", [(6.0, False), (3.0, True)])
+def test_the_host_step_is_chosen_only_below_what_the_device_reaches(budget_mb, on_host):
+    model, args, _ = _mlp()
+    opt = graphopt.optimize(model, args, budget_gb=budget_mb * MB, optimizer=torch.optim.AdamW(model.parameters()),
+                            plan_cache=False)
+    report = opt.graphopt_report
+    assert (report.host_step is not None) == on_host
+    fit = report.recompute().budget
+    assert fit.predicted_peak_bytes <= fit.planned_for_bytes
+    if on_host:
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert report.host_step.param_bytes == params and report.host_step.state_bytes >= 2 * params
+        assert fit.peak_before_bytes - fit.predicted_peak_bytes >= report.host_step.state_bytes  # the state is off
+        assert "optimizer on the host" in str(report) and "host_step=on the device the least plan needs" in str(report)
+    else:
+        assert "on the host" not in str(report)
+
+
+def test_below_the_host_step_s_least_the_refusal_says_it_was_tried():
+    model, args, _ = _mlp()
+    with pytest.raises(graphopt.BudgetError, match="with the optimizer's state and step on the host needs at least"):
+        graphopt.optimize(model, args, budget_gb=1.0 * MB, optimizer=torch.optim.AdamW(model.parameters()),
+                          plan_cache=False)
+    with pytest.raises(graphopt.BudgetError) as refused:  # no optimizer in the budget: nothing to move
+        graphopt.optimize(model, args, budget_gb=1.0 * MB, plan_cache=False)
+    assert "on the host" not in str(refused.value)
+
+
+def test_plan_answers_with_the_host_step_on_the_meta_device():
+    with torch.device("meta"):
+        model = zoo.MLP(256, 4)
+    x = torch.randn(64, 256, device="meta")
+    loss = lambda out, x: out.square().mean()  # noqa: E731
+    answer = graphopt.plan(model, (x,), budget_gb=3.0 * MB, device="cpu", optimizer="adamw", loss_fn=loss)
+    assert answer.fits and answer.host_step is not None
+    assert "the optimizer's state and step on the host" in str(answer)
+    assert answer.predicted_peak_bytes <= answer.budget_bytes
+    on_device = graphopt.plan(model, (x,), budget_gb=6.0 * MB, device="cpu", optimizer="adamw", loss_fn=loss)
+    assert on_device.fits and on_device.host_step is None
