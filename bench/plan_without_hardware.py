@@ -9,10 +9,13 @@ per budget (80 and 24 GB): the least budget of the whole batch, the microbatches
 plan graphopt.train_step would take, the predicted peak, and the seconds plan() took.
 
 350M part: 24 layers, 1024 wide, MLP 2816, 16 heads, 8 KV heads, vocabulary 32000, float32, AdamW,
-2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget and the unplanned
-step's peak; halfway between them, the plan; then the same config built for real, graphopt.train_step at that budget, one step with
-optimizer.step() to make AdamW's state, and the next step measured (live storages, the state
-resident): predicted against measured.
+2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget (with the optimizer's
+state and step on the host) and the unplanned step's peak; at two budgets, one where the optimizer
+stays on the device and recompute plans, one below what the device reaches with AdamW's state on
+it, the plan; then the same config built for real, graphopt.train_step at that budget with the
+AdamW it plans for, one step with optimizer.step() to make AdamW's state, and the next step
+measured (live storages of the device: the state resident where it is the device's, the host's
+copies not counted): predicted against measured.
 --passes gives optimize's passes (default: its default pipeline, which on CUDA fuses). With
 --out DIR, writes plan_without_hardware-<device>-<date>.json and .md there (with --passes,
 plan_without_hardware-<passes>-...).
@@ -63,42 +66,61 @@ def part_8b(passes: str | None) -> list[dict]:
             start = time.perf_counter()
             found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cuda", optimizer="adamw",
                                   passes=passes)
+            host = found.host_step
             rows.append({"tokens": f"{batch} x 2048", "budget_gb": budget_gb, "least_gb": found.least_bytes / GB,
                          "microbatches": found.microbatches, "segments": found.segments,
+                         "host_gb": None if host is None else host.host_bytes / GB,
+                         "host_step_s": None if host is None else host.seconds,
                          "predicted_gb": None if found.predicted_peak_bytes is None else found.predicted_peak_bytes / GB,
                          "overhead_pct": found.recompute_overhead_pct, "seconds": time.perf_counter() - start})
             print(rows[-1], flush=True)
     return rows
 
 
-def part_350m(passes: str | None) -> dict:
+def part_350m(passes: str | None) -> list[dict]:
+    """Two budgets: one a quarter of the way from the unplanned step down to the least (the optimizer
+    on the device, a plan that recomputes), and one at the least plus the parameters' bytes, below
+    what the device reaches with AdamW's state on it (twice the parameters): its state and step on
+    the host."""
+    model, args, kwargs = llama(LLAMA_350M, 2, 512, "meta")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    least = graphopt_plan(model, args, kwargs, None, passes).least_bytes  # the optimizer's step on the host
+    unplanned = graphopt_plan(model, args, kwargs, 1e3, passes).predicted_peak_bytes
+    return [one_350m(passes, least, unplanned, (unplanned - (unplanned - least) / 4) / GB),
+            one_350m(passes, least, unplanned, (least + params) / GB)]
+
+
+def graphopt_plan(model, args, kwargs, budget_gb, passes):
+    import graphopt
+
+    return graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cpu", optimizer="adamw", passes=passes)
+
+
+def one_350m(passes: str | None, least: int, unplanned: int, budget_gb: float) -> dict:
     import graphopt
     from graphopt.analysis.memory import measure_peak
 
     model, args, kwargs = llama(LLAMA_350M, 2, 512, "meta")
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    least = graphopt.plan(model, args, kwargs, device="cpu", optimizer="adamw", passes=passes).least_bytes
-    unplanned = graphopt.plan(model, args, kwargs, budget_gb=1e3, device="cpu", optimizer="adamw",
-                              passes=passes).predicted_peak_bytes
-    budget_gb = (least + unplanned) / 2 / GB  # halfway: a plan that recomputes
-    found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cpu", optimizer="adamw", passes=passes)
+    found = graphopt_plan(model, args, kwargs, budget_gb, passes)
     plan_s = time.perf_counter() - start
     del model
     model, args, kwargs = llama(LLAMA_350M, 2, 512, "cpu")
-    step = graphopt.train_step(model, args, kwargs, budget_gb=budget_gb, optimizer="adamw", passes=passes)
     optimizer = torch.optim.AdamW(model.parameters())
+    step = graphopt.train_step(model, args, kwargs, budget_gb=budget_gb, optimizer=optimizer, passes=passes)
 
     def one_step():
         step(*args, **kwargs)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    one_step()  # AdamW's state exists from the first step on
+    one_step()  # AdamW's state exists from the first step on (on the host: not the device's)
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     measured = measure_peak(one_step, model, *args, *kwargs.values(), *state)
     row = {"parameters": params, "least_gb": least / GB, "unplanned_gb": unplanned / GB, "budget_gb": budget_gb,
-           "plan_s": plan_s,
+           "plan_s": plan_s, "host_step": found.host_step is not None,
+           "host_gb": found.host_step.host_bytes / GB if found.host_step else None,
            "planned_microbatches": found.microbatches, "real_microbatches": step.microbatches,
            "planned_segments": found.segments, "predicted_gb": found.predicted_peak_bytes / GB,
            "real_train_step_predicted_gb": step.predicted_peak_bytes / GB, "measured_gb": measured / GB,
@@ -111,25 +133,29 @@ def markdown(result: dict) -> str:
     lines = [f"# graphopt.plan without the hardware (bench/plan_without_hardware.py)\n",
              f"{result['device']}, torch {result['torch']}, {result['date']}; passes: {result['passes']}\n"]
     if result.get("llama_8b"):
-        lines += ["Llama-3-8B shape, bf16 parameters, AdamW, planned for CUDA on the meta device:\n",
+        lines += ["Llama-3-8B shape, bf16 parameters, AdamW, planned for CUDA on the meta device (least: with the "
+                  "optimizer's state and step on the host):\n",
                   "| tokens | budget | least (whole batch) | microbatches | recompute segments | predicted peak | "
-                  "recompute, share of a step | plan() took |", "|---|---|---|---|---|---|---|---|"]
+                  "recompute, share of a step | optimizer on the host | plan() took |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in result["llama_8b"]:
             if r["microbatches"] is None:
-                chosen = "none fits | - | - | -"
+                chosen = "none fits | - | - | - | -"
             else:
+                host = "no" if r.get("host_gb") is None else f"{r['host_gb']:.1f} GB, {r['host_step_s']:.1f} s a step"
                 chosen = (f"{r['microbatches']} | {r['segments']} | {r['predicted_gb']:.2f} GB | "
-                          f"{r['overhead_pct']:g}%")
+                          f"{r['overhead_pct']:g}% | {host}")
             lines.append(f"| {r['tokens']} | {r['budget_gb']} GB | {r['least_gb']:.2f} GB | {chosen} | "
                          f"{r['seconds']:.0f} s |")
-    if result.get("llama_350m"):
-        r = result["llama_350m"]
+    for r in result.get("llama_350m") or []:
         lines += ["", f"~350M Llama ({r['parameters'] / 1e6:.0f}M parameters, float32, AdamW, 2 x 512 tokens) on "
-                  "this CPU: planned on the meta device, then built for real and measured:\n",
-                  "| least | unplanned | budget | plan: microbatches, segments | predicted | real train_step's "
-                  "prediction | measured | predicted vs measured |", "|---|---|---|---|---|---|---|---|",
+                  "this CPU: planned on the meta device, then built for real and measured (device bytes: the host's "
+                  "are not counted):\n",
+                  "| least | unplanned | budget | optimizer on the host | plan: microbatches, segments | predicted | "
+                  "real train_step's prediction | measured | predicted vs measured |",
+                  "|---|---|---|---|---|---|---|---|---|",
                   f"| {r['least_gb']:.3f} GB | {r['unplanned_gb']:.3f} GB | {r['budget_gb']:.3f} GB | "
-                  f"{r['planned_microbatches']}, "
+                  f"{'%.2f GB' % r['host_gb'] if r.get('host_gb') else 'no'} | {r['planned_microbatches']}, "
                   f"{r['planned_segments']} | {r['predicted_gb']:.4f} GB | {r['real_train_step_predicted_gb']:.4f} GB | "
                   f"{r['measured_gb']:.4f} GB | {r['error_pct']:+.2f}% |"]
     return "\n".join(lines) + "\n"
@@ -144,7 +170,7 @@ def main(argv=None) -> int:
     parts = args.part.split(",")
     result = {"device": device_name(), "date": today(), "torch": torch.__version__, "passes": args.passes or "default",
               "llama_8b": part_8b(args.passes) if "8b" in parts else [],
-              "llama_350m": part_350m(args.passes) if "350m" in parts else None}
+              "llama_350m": part_350m(args.passes) if "350m" in parts else []}
     text = markdown(result)
     print(text)
     if args.out:

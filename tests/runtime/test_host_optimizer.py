@@ -92,3 +92,31 @@ def test_a_closure_is_refused_and_a_named_optimizer_needs_the_instance():
     model, args, _ = _mlp()
     with pytest.raises(graphopt.UsageError, match="optimizer=torch.optim.AdamW"):
         graphopt.optimize(model, args, budget_gb=BELOW_ON_DEVICE, optimizer="adamw", plan_cache=False)
+
+
+def test_train_step_plans_and_steps_with_the_optimizer_on_the_host():
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=4, seq=32, layers=2)
+    ref = copy.deepcopy(model)
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    with pytest.raises(graphopt.BudgetError) as least:  # the least with the state and step on the host
+        graphopt.optimize(copy.deepcopy(model), args, kwargs, budget_gb=1e-9, plan_cache=False,
+                          optimizer=torch.optim.AdamW(model.parameters()))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = (least.value.min_budget_bytes + params) / 1e9  # AdamW's state is twice the parameters: not on the device
+    step = graphopt.train_step(model, args, kwargs, budget_gb=budget, optimizer=ours)
+    assert step.report.host_step is not None and step.predicted_peak_bytes <= budget * 1e9
+    for _ in range(3):
+        idx, targets = torch.randint(0, 256, args[0].shape), torch.randint(0, 256, args[0].shape)
+        torch.manual_seed(1)
+        loss = step(idx, targets=targets)
+        ours.step()
+        ours.zero_grad()
+        torch.manual_seed(1)
+        want = ref(idx, targets=targets).loss
+        want.backward()
+        theirs.step()
+        theirs.zero_grad()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
