@@ -71,6 +71,7 @@ def part_8b(passes: str | None) -> list[dict]:
                          "microbatches": found.microbatches, "segments": found.segments,
                          "host_gb": None if host is None else host.host_bytes / GB,
                          "host_step_s": None if host is None else host.seconds,
+                         "host_step_pct": found.host_step_overhead_pct,
                          "predicted_gb": None if found.predicted_peak_bytes is None else found.predicted_peak_bytes / GB,
                          "overhead_pct": found.recompute_overhead_pct, "seconds": time.perf_counter() - start})
             print(rows[-1], flush=True)
@@ -142,7 +143,8 @@ def markdown(result: dict) -> str:
             if r["microbatches"] is None:
                 chosen = "none fits | - | - | - | -"
             else:
-                host = "no" if r.get("host_gb") is None else f"{r['host_gb']:.1f} GB, {r['host_step_s']:.1f} s a step"
+                host = "no" if r.get("host_gb") is None else (f"{r['host_gb']:.1f} GB, {r['host_step_s']:.1f} s a step "
+                                                              f"({r['host_step_pct']:g}% of the step on the device)")
                 chosen = (f"{r['microbatches']} | {r['segments']} | {r['predicted_gb']:.2f} GB | "
                           f"{r['overhead_pct']:g}% | {host}")
             lines.append(f"| {r['tokens']} | {r['budget_gb']} GB | {r['least_gb']:.2f} GB | {chosen} | "

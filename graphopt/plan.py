@@ -52,6 +52,7 @@ class StepPlan:
     headroom: float = 0.0              # the fraction of a budget kept free above the step's peak (CUDA's)
     refusal: str = ""                  # where the budget does not fit: why, with the least plan's parts
     host_step: HostStep | None = None  # where the plan steps the optimizer on the host: what it moves and costs
+    host_step_overhead_pct: float = 0.0  # its seconds, per cent of the step's estimated time on the device
 
     @property
     def fits(self) -> bool:
@@ -75,7 +76,7 @@ class StepPlan:
                     h = self.host_step
                     lines.append(f"the optimizer's state and step on the host: {size_text(h.device_bytes_freed)} off "
                                  f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds:.2f} s more "
-                                 "a step")
+                                 f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the estimate)")
             else:
                 lines.append(f"{budget}: does not fit in any number of equal microbatches: {self.refusal}")
         return "\n".join(lines + self.notes)
@@ -120,7 +121,8 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
     return StepPlan(device, step.budget_bytes, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
-                    headroom=kept, host_step=step.report.host_step)
+                    headroom=kept, host_step=step.report.host_step,
+                    host_step_overhead_pct=stats.get("host_step_overhead_pct", 0.0))
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

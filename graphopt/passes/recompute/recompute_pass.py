@@ -80,7 +80,7 @@ from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
 from ...analysis.trial import trial_run
-from ...errors import BudgetError, BudgetWarning, OptionError, warn
+from ...errors import BudgetError, BudgetWarning, warn
 from ...runtime.budget_check import BudgetCheck
 from ...vocabulary.sizes import in_gb
 from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, to_bool
@@ -180,11 +180,16 @@ class Recompute(Pass):
                 raise
             least = refused.min_budget_bytes
         # Step 9
-        self.host = host_step(gm.parameters(), self.optimizer, "cuda" if graph_device(gm) == "cuda" else "cpu")
+        device = "cuda" if graph_device(gm) == "cuda" else "cpu"
+        self.host = host_step(gm.parameters(), self.optimizer, device)
         result = self._plan_on_device(gm, ctx)
         self.cacheable = False  # the plan cache keeps plans of the step on the device only
         result.host_step = self.host
-        result.stats["host_step"] = f"on the device the least plan needs {size_text(least)}"
+        calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
+        step_s = STEP_FORWARDS * sum(forward_costs(gm, calls, device)) / 1e9
+        result.stats.update({"host_step": f"on the device the least plan needs {size_text(least)}",
+                             "host_step_ms": round(self.host.seconds * 1e3, 1),
+                             "host_step_overhead_pct": round(100 * self.host.seconds / max(step_s, 1e-12), 1)})
         return result
 
     def _may_step_on_host(self, ctx: PassContext) -> bool:
