@@ -273,7 +273,8 @@ def optimize_now(model, example_inputs, example_kwargs, *, pipeline, frontend, v
     if ctx.host_step is not None:
         report.host_step = ctx.host_step
         if planning_device() is None:  # graphopt.plan plans the step; a real one steps the optimizer on the host
-            install_host_optimizer(next(p.settings.optimizer for p in pipeline if isinstance(p, Recompute)))
+            install_host_optimizer(next(p.settings.optimizer for p in pipeline if isinstance(p, Recompute)),
+                                   gradients=ctx.host_step.gradients)
     if dumper:
         dumper.svg(gm)
     report.runs_at = install_guards(gm, model, as_called, (args, kwargs), batch, microbatches, ctx.specialized,

@@ -3,7 +3,10 @@ the optimizer's state and a copy of the trainable parameters live in host memory
 the gradients are copied down to the host, the host steps, and the parameters are copied back.
 The device then holds neither the state (Adam's two moments per parameter) nor the step's
 temporaries; the gradients stay on the device until the step, where code between backward and
-step (clipping, logging) reads them.
+step (clipping, logging) reads them. A plan that needs still less also moves the gradients
+(`gradients=True`): each is copied to the host as backward makes it and leaves the device, so
+the device holds one at a time; a parameter's .grad on the device is then a stand-in that
+refuses to be read (runtime/host_optimizer.py), not a silently missing gradient.
 
 What it frees and what it costs are facts of the plan: the device bytes are the optimizer's
 measured state and step (optimizer_memory.py); the time it adds to a step is the gradients
@@ -27,6 +30,7 @@ class HostStep:
     state_bytes: int   # the optimizer's state, in host memory from the first step on
     step_bytes: int    # the temporaries of its step(), in host memory
     seconds: float     # what it adds to a step: gradients down, the host's step, parameters up
+    gradients: bool = False  # the gradients too, off the device as backward makes them
 
     @property
     def host_bytes(self) -> int:
@@ -36,7 +40,9 @@ class HostStep:
 
     @property
     def device_bytes_freed(self) -> int:
-        return self.state_bytes + self.step_bytes
+        """What leaves the device: the state and the step's temporaries, and the gradients with them
+        (all but the one backward is making)."""
+        return self.state_bytes + self.step_bytes + (self.param_bytes if self.gradients else 0)
 
 
 def trainable_bytes(params) -> int:
@@ -49,9 +55,9 @@ def trainable_bytes(params) -> int:
     return total
 
 
-def host_step(params, optimizer: OptimizerMemory, device: str) -> HostStep:
+def host_step(params, optimizer: OptimizerMemory, device: str, gradients: bool = False) -> HostStep:
     """The host step of an optimizer whose memory is `optimizer`, over `params` on `device`."""
     nbytes = trainable_bytes(params)
     r = rates(device)
     seconds = 2 * nbytes / r.host_bytes_per_s + nbytes / r.host_step_bytes_per_s
-    return HostStep(nbytes, optimizer.state_bytes, optimizer.step_bytes, seconds)
+    return HostStep(nbytes, optimizer.state_bytes, optimizer.step_bytes, seconds, gradients)

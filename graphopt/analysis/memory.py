@@ -150,7 +150,8 @@ def backward_roots(out) -> list[torch.Tensor]:
 
 
 def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = True,
-                  optimizer: OptimizerMemory | None = None, accumulate: bool = False) -> Estimate:
+                  optimizer: OptimizerMemory | None = None, accumulate: bool = False,
+                  host_gradients: bool = False) -> Estimate:
     """Predicted peak bytes of one training step of gm on the example inputs: forward, then
     backward from backward_roots; with train=False, of a forward without grad.
 
@@ -163,28 +164,33 @@ def estimate_peak(gm: torch.fx.GraphModule, flat_inputs: list, *, train: bool = 
     while every gradient is alive (analysis/optimizer_memory.py).
     accumulate: every trainable parameter's gradient is resident from the start, and backward
     adds into it; else none is (whatever .grad the real parameters hold now).
+    host_gradients: each gradient leaves the device as soon as backward has made it (analysis/
+    host_step.py: copied to the host), and none is resident from the start, accumulating or not.
     """
 
     with fake_run(gm, flat_inputs) as (mode, inputs):
-        tracker = traced_step(gm, inputs, mode, train=train, optimizer=optimizer, accumulate=accumulate)
+        tracker = traced_step(gm, inputs, mode, train=train, optimizer=optimizer, accumulate=accumulate,
+                              host_gradients=host_gradients)
     return Estimate(tracker.peak, tracker.at_peak, tracker.timeline, tracker.work, tracker.step_log())
 
 
 def traced_step(gm: torch.fx.GraphModule, inputs: list, mode, *, train: bool = True,
-                optimizer: OptimizerMemory | None = None, accumulate: bool = False) -> "_StepTracker":
+                optimizer: OptimizerMemory | None = None, accumulate: bool = False,
+                host_gradients: bool = False) -> "_StepTracker":
     """estimate_peak's step of gm on `inputs` under `mode` (a fake_run's FakeTensorMode, or a
     null context for a real step), in its instrument, which it returns."""
     params = list(gm.parameters())
     tracker = _StepTracker(recomputing, threads=2 if train else 1)
     tracker.add(params, "parameters")
     with mode:
-        tracker.add(_set_gradients(params, present=accumulate and train), "parameter gradients")
+        tracker.add(_set_gradients(params, present=accumulate and train and not host_gradients), "parameter gradients")
     tracker.add(list(gm.buffers()), "buffers")
     tracker.add([v for v in inputs if isinstance(v, torch.Tensor)], "inputs")
     if optimizer is not None:
         tracker.add_bytes("optimizer state", optimizer.state_bytes, "optimizer state")
     hooks = [p.register_post_accumulate_grad_hook(tracker.parameter_gradient)
              for p in params if p.requires_grad] if train else []
+    hooks += gradients_to_host(params) if train and host_gradients else []
     try:
         with mode, tracker, torch.set_grad_enabled(train):
             # Only the roots outlive the forward, as in `model(x).loss.backward()`.
@@ -204,20 +210,36 @@ def traced_step(gm: torch.fx.GraphModule, inputs: list, mode, *, train: bool = T
     return tracker
 
 
-def predict_peak(run, mode, resident: list, optimizer: OptimizerMemory | None = None) -> int:
+def predict_peak(run, mode, resident: list, optimizer: OptimizerMemory | None = None,
+                 host_gradients: list | None = None) -> int:
     """Peak bytes of run(), a step on FakeTensors of `mode` (fake_state.fake_run) beyond what a
     graph holds (a loss computed outside it, say), with `resident` alive throughout and, with
     an optimizer, its state and its step after run(): estimate_peak's instrument, for a
-    caller's own step."""
+    caller's own step. host_gradients: the parameters whose gradients leave the device as
+    backward makes them."""
     tracker = _StepTracker(recomputing)
     tracker.add(resident, "resident")
     if optimizer is not None:
         tracker.add_bytes("optimizer state", optimizer.state_bytes, "optimizer state")
-    with mode, tracker:
-        run()
-        if optimizer is not None:
-            tracker.add_bytes("optimizer step", optimizer.step_bytes, "optimizer step")
+    hooks = gradients_to_host(host_gradients or [])
+    try:
+        with mode, tracker:
+            run()
+            if optimizer is not None:
+                tracker.add_bytes("optimizer step", optimizer.step_bytes, "optimizer step")
+    finally:
+        for h in hooks:
+            h.remove()
     return tracker.peak
+
+
+def gradients_to_host(params: list) -> list:
+    """Hooks that take each trainable parameter's gradient off the device once backward has made
+    it, as the host step's runtime copies it out (runtime/host_optimizer.py): the handles."""
+    def gone(p):
+        p.grad = None
+
+    return [p.register_post_accumulate_grad_hook(gone) for p in params if p.requires_grad]
 
 
 def _set_gradients(params: list, present: bool) -> list[torch.Tensor]:

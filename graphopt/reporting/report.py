@@ -86,7 +86,8 @@ class Report:
         lines += [f"cuda graphs: {self.cuda_graphs}"] if self.cuda_graphs else []
         if self.host_step is not None:
             h = self.host_step
-            lines.append(f"optimizer on the host: its state and step, {size_text(h.device_bytes_freed)} off the device, "
+            what = "its state, step and gradients" if h.gradients else "its state and step"
+            lines.append(f"optimizer on the host: {what}, {size_text(h.device_bytes_freed)} off the device, "
                          f"in {size_text(h.host_bytes)} of host memory; about {h.seconds * 1e3:.0f} ms more a step "
                          "(gradients down, the host's step, parameters up)")
         ran = [r.name for r in self.passes if r.by_default]

@@ -31,6 +31,7 @@ class BudgetCheck:
     optimizer: object  # analysis.optimizer_memory.OptimizerMemory or None
     accumulate: bool
     example: tuple  # (args, kwargs) the plan was made for
+    host_gradients: bool = False  # the plan takes each gradient off the device as backward makes it
     peaks: dict = field(default_factory=dict)  # by signature: the estimated peak bytes there
 
     def __post_init__(self):
@@ -42,7 +43,8 @@ class BudgetCheck:
         key = signature(args, kwargs)
         if key not in self.peaks:
             self.peaks[key] = estimate_peak(gm, placeholder_values(gm, args, kwargs), train=self.train,
-                                            optimizer=self.optimizer, accumulate=self.accumulate).peak_bytes
+                                            optimizer=self.optimizer, accumulate=self.accumulate,
+                                            host_gradients=self.host_gradients).peak_bytes
         return self.peaks[key]
 
     def why_not(self, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str | None:

@@ -12,11 +12,20 @@ Installed through torch.optim.Optimizer's own hooks:
 - state_dict hooks put the host optimizer's state in the user's state_dict, and take a loaded
   one to the host, so a checkpoint holds the state where it lives.
 
+Where the plan takes the gradients to the host too (HostStep.gradients), each parameter's gradient
+is copied down as backward makes it (a post-accumulate-grad hook, added into what the host holds
+while the user accumulates) and leaves the device; at the end of backward its .grad on the device
+becomes a HostGradient, a stand-in that any op refuses, so that code reading .grad (clipping,
+logging) stops with a UsageError instead of finding no gradient. zero_grad() (wrapped on the
+instance) clears both sides.
+
 The host optimizer is the user's built again (class, groups and settings) over the host copies:
 on CPU the same kernels on the same values, bitwise the device step's; on CUDA the host's
 kernels, within rounding. Host work runs in host_tier.on_host(): it is not device memory.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -25,6 +34,26 @@ from ..analysis.optimizer_memory import rebuilt
 from ..errors import UsageError
 
 _INSTALLED = "_graphopt_host_optimizer"
+ON_HOST = ("this parameter's gradient is on the host: graphopt's plan takes each gradient off the device as "
+           "backward makes it, to fit the budget, and steps the optimizer there. Read the gradients with "
+           "graphopt.runtime.host_optimizer.host_gradients(optimizer), or give a budget_gb that holds them on "
+           "the device.")
+
+
+class HostGradient(torch.Tensor):
+    """A parameter's .grad on the device while its gradient is on the host: its shape, dtype and
+    device, and no storage; any op on it raises UsageError."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise UsageError(ON_HOST)
+
+    def __repr__(self) -> str:
+        return f"HostGradient({tuple(self.shape)}, {self.dtype}: on the host)"
 
 
 class HostOptimizer:
@@ -43,10 +72,61 @@ class HostOptimizer:
                 self.host.load_state_dict(_on_host(optimizer.state_dict()))
                 optimizer.state.clear()
         self._set_aside: list | None = None
+        self.gradients = False  # each gradient copied down as backward makes it (move_gradients)
+        self._standing_in = False  # the end of this backward puts the stand-ins in
         self.handles = [optimizer.register_step_pre_hook(self._before_step),
                         optimizer.register_step_post_hook(self._after_step),
                         optimizer.register_state_dict_post_hook(self._state_dict),
                         optimizer.register_load_state_dict_pre_hook(self._load_state_dict)]
+
+    def move_gradients(self) -> None:
+        """From now on each gradient leaves the device for the host as backward makes it."""
+        if self.gradients:
+            return
+        self.gradients = True
+        for p in self.params:
+            if p.requires_grad:
+                self.handles += [p.register_hook(functools.partial(self._clear_stand_in, p)),
+                                 p.register_post_accumulate_grad_hook(self._gradient_down)]
+        self._zero_grad = self.user.zero_grad
+        self.user.zero_grad = self._zero_both  # on the instance: the user's calls reach it
+
+    def _clear_stand_in(self, p, grad):
+        """Before a gradient accumulates into p.grad: a stand-in left there goes (the host holds it)."""
+        if isinstance(p.grad, HostGradient):
+            p.grad = None
+        return grad
+
+    def _gradient_down(self, p) -> None:
+        h = self.hosts[p]
+        with torch.no_grad(), on_host():
+            if h.grad is None:
+                h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
+                h.grad.copy_(p.grad, non_blocking=True)  # read only after the step's synchronize
+            else:  # accumulating: added to what the host holds
+                h.grad.add_(p.grad.to(h.device, copy=True))
+        p.grad = None
+        if not self._standing_in:
+            self._standing_in = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._stand_in)
+
+    def _stand_in(self) -> None:
+        self._standing_in = False
+        for p, h in self.hosts.items():
+            if h.grad is not None and p.grad is None:
+                p.grad = HostGradient(p)
+
+    def _zero_both(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if isinstance(p.grad, HostGradient):
+                p.grad = None
+        self._zero_grad(set_to_none)
+        with torch.no_grad(), on_host():
+            for h in self.hosts.values():
+                if set_to_none:
+                    h.grad = None
+                elif h.grad is not None:
+                    h.grad.zero_()
 
     def _before_step(self, optimizer, args, kwargs):
         if args[1:] or kwargs.get("closure") is not None:  # args[0] is the optimizer itself
@@ -56,6 +136,8 @@ class HostOptimizer:
             mine.update({k: v for k, v in theirs.items() if k != "params"})  # a scheduler's lr, say
         with torch.no_grad(), on_host():
             for p, h in self.hosts.items():
+                if isinstance(p.grad, HostGradient) or (self.gradients and p.grad is None):
+                    continue  # the host holds it already (or holds none: a parameter backward did not reach)
                 if p.grad is None:
                     h.grad = None
                     continue
@@ -98,9 +180,19 @@ def _on_host(state_dict: dict) -> dict:
     return {**state_dict, "state": copied}
 
 
-def install_host_optimizer(optimizer) -> HostOptimizer:
+def host_gradients(optimizer: torch.optim.Optimizer) -> dict:
+    """The gradients graphopt's plan keeps on the host, by parameter, for code that reads them
+    between backward and step: {parameter: its gradient in host memory, or None}."""
+    found = getattr(optimizer, _INSTALLED, None)
+    if found is None:
+        raise UsageError("this optimizer does not step on the host: its parameters' .grad hold the gradients.")
+    return {p: h.grad for p, h in found.hosts.items()}
+
+
+def install_host_optimizer(optimizer, gradients: bool = False) -> HostOptimizer:
     """The host step on `optimizer` (a torch.optim.Optimizer), installed once however many graphs
-    planned it (one per batch size, one per microbatch count)."""
+    planned it (one per batch size, one per microbatch count); with gradients, the gradients too,
+    from the first plan that moves them on."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"the plan steps the optimizer on the host, which needs the optimizer itself, got "
                          f"optimizer={optimizer!r}: give optimizer=torch.optim.AdamW(model.parameters(), ...), "
@@ -109,4 +201,6 @@ def install_host_optimizer(optimizer) -> HostOptimizer:
     if found is None:
         found = HostOptimizer(optimizer)
         setattr(optimizer, _INSTALLED, found)
+    if gradients:
+        found.move_gradients()
     return found

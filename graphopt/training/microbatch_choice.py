@@ -209,18 +209,21 @@ class MicrobatchChoice:
         them (a .item(), say), measured on one real step that leaves no trace."""
         if self.ranks:
             return self._rank_peak(graph, args, kwargs, k, optimizer)
-        on_device = optimizer is not None and graph.graphopt_report.host_step is None  # else the host steps it
-        extra = optimizer_memory(optimizer, list(self.model.parameters())) if on_device else None
+        host = graph.graphopt_report.host_step  # the optimizer stepped on the host: its memory is not the device's
+        extra = optimizer_memory(optimizer, list(self.model.parameters())) if optimizer is not None and not host else None
+        host_gradients = host is not None and host.gradients  # and none resident on the device, accumulating or not
 
         def run(a, kw):  # a microbatch after the first: the running total exists
             total = torch.zeros((), device=tensor_leaves((a, kw))[0].device) if k > 1 else None
             accumulate(step_loss(graph, a, kw, self.loss_fn), total, 1.0 / k)  # the weight moves no memory
 
         try:
-            with _gradients(self.model, present=k > 1), fake_run(graph, (args, kwargs)) as (mode, (fa, fkw)):
+            with _gradients(self.model, present=k > 1 and not host_gradients), \
+                    fake_run(graph, (args, kwargs)) as (mode, (fa, fkw)):
                 grads = [p.grad for p in graph.parameters() if p.grad is not None]
                 return predict_peak(lambda: run(fa, fkw), mode,
-                                    [*graph.parameters(), *graph.buffers(), *grads, *tensor_leaves((fa, fkw))], extra)
+                                    [*graph.parameters(), *graph.buffers(), *grads, *tensor_leaves((fa, fkw))], extra,
+                                    list(graph.parameters()) if host_gradients else None)
         except UsageError:
             raise
         except Exception as e:  # noqa: BLE001 (a loss_fn that needs real values): measure one real step
@@ -231,7 +234,7 @@ class MicrobatchChoice:
                           "small, and a meta tensor outside the example inputs is not planned for the device)")
                 raise UsageError(f"graphopt.plan runs the step on FakeTensors, and the loss around the graph does "
                                  f"not run on them ({why}): give {advice}.") from None
-            with trial_run(self.model, (args, kwargs)), _gradients(self.model, present=k > 1):
+            with trial_run(self.model, (args, kwargs)), _gradients(self.model, present=k > 1 and not host_gradients):
                 peak = measure_peak(lambda: run(args, kwargs), self.model, *tensor_leaves((args, kwargs)))
             return peak + (extra.state_bytes + extra.step_bytes if extra is not None else 0)
 

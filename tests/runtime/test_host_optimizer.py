@@ -7,7 +7,7 @@ import torch
 
 import graphopt
 from graphopt.analysis.memory import backward_roots, measure_peak
-from graphopt.runtime.host_optimizer import install_host_optimizer
+from graphopt.runtime.host_optimizer import host_gradients, install_host_optimizer
 from graphopt.testing import zoo
 
 BELOW_ON_DEVICE = 3.0e-3  # GB: the MLP below steps with AdamW's state in 4.9 MB on the device, 2.3 MB off it
@@ -120,3 +120,44 @@ def test_train_step_plans_and_steps_with_the_optimizer_on_the_host():
         torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_on_the_host_step_as_on_the_device_and_refuse_to_be_read_there():
+    torch.manual_seed(0)
+    model, args, _ = zoo.mlp(batch=4, width=512, depth=4)  # parameters over activations: gradients matter
+    ref = copy.deepcopy(model)
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref))
+    opt = graphopt.optimize(model, args, budget_gb=6.5e-3, optimizer=ours, plan_cache=False)
+    host = opt.graphopt_report.host_step
+    assert host is not None and host.gradients and "state, step and gradients" in str(opt.graphopt_report)
+
+    def step(m, o, x, microbatches):
+        for k in range(microbatches):  # accumulated by hand: the host adds them up
+            torch.manual_seed(1 + k)
+            loss = m(x).square().mean()
+            loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    for microbatches in (1, 2, 1):
+        x = torch.randn_like(args[0])
+        assert torch.equal(step(opt, ours, x, microbatches), step(ref, theirs, x, microbatches))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    torch.manual_seed(3)
+    opt(args[0]).square().mean().backward()
+    with pytest.raises(graphopt.UsageError, match="gradient is on the host"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # never a silent clip of nothing
+    torch.manual_seed(3)
+    ref(args[0]).square().mean().backward()
+    on_host = host_gradients(ours)
+    assert all(torch.equal(on_host[p], q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    ours.zero_grad()
+
+    def measured_step():
+        roots = backward_roots(opt(*args))
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        ours.step()
+
+    fit = opt.graphopt_report.recompute().budget
+    assert measure_peak(measured_step, opt, *args) == fit.predicted_peak_bytes <= fit.planned_for_bytes

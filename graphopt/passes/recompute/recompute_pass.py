@@ -57,7 +57,8 @@ instead: the segments, the writes in place and the report's figures, or the refu
      does not fit (runtime/budget_check.py): a plan for the longest length serves the shorter.
   9. Where no plan fits with the optimizer on the device (keep-or-recompute's least is above the
      target), steps 1 to 8 again with its state and step on the host (analysis/host_step.py):
-     the device then holds neither. The plan says so, with the host memory it takes and the
+     the device then holds neither; where that does not fit either, again with the gradients
+     on the host too, each leaving the device as backward makes it. The plan says so, with the host memory it takes and the
      time it adds; optimize() installs it on the optimizer (runtime/host_optimizer.py). Not
      where the budget covers no optimizer, nor on one rank's step, stages, CUDA graphs or calibrate.
 """
@@ -179,10 +180,16 @@ class Recompute(Pass):
             if not self._may_step_on_host(ctx):
                 raise
             least = refused.min_budget_bytes
-        # Step 9
-        device = "cuda" if graph_device(gm) == "cuda" else "cpu"
-        self.host = host_step(gm.parameters(), self.optimizer, device)
-        result = self._plan_on_device(gm, ctx)
+        # Step 9: the state and step first; then the gradients too
+        device, memory = "cuda" if graph_device(gm) == "cuda" else "cpu", self.optimizer
+        for gradients in (False, True):
+            self.host = host_step(gm.parameters(), memory, device, gradients)
+            try:
+                result = self._plan_on_device(gm, ctx)
+                break
+            except BudgetError:
+                if gradients:
+                    raise
         self.cacheable = False  # the plan cache keeps plans of the step on the device only
         result.host_step = self.host
         calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
@@ -191,6 +198,11 @@ class Recompute(Pass):
                              "host_step_ms": round(self.host.seconds * 1e3, 1),
                              "host_step_overhead_pct": round(100 * self.host.seconds / max(step_s, 1e-12), 1)})
         return result
+
+    @property
+    def host_gradients(self) -> bool:
+        """The plan takes each gradient off the device as backward makes it (step 9's second form)."""
+        return self.host is not None and self.host.gradients
 
     def _may_step_on_host(self, ctx: PassContext) -> bool:
         """Whether step 9 may run: an optimizer in the budget, with memory of its own, on a step
@@ -209,7 +221,8 @@ class Recompute(Pass):
         tidied = ctx.train and bool(attributes_first(gm) + hoist_state_writes(gm))
         if tidied:
             gm.recompile()
-        before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
+        before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate,
+                              host_gradients=self.host_gradients)
         if self.host is None:
             self.peak_on_device = before.peak_bytes  # the step as traced, the optimizer on the device
         stats = {}  # the budget, its target and the peaks are the result's BudgetFit
@@ -234,7 +247,8 @@ class Recompute(Pass):
         if chunk is not None:
             self.cacheable = False  # the chunked head's rows are not replayed from the cache
             stats["loss_chunk_rows"] = chunk
-            before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate)
+            before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate,
+                              host_gradients=self.host_gradients)
         if before.peak_bytes <= target:
             self._warn_idle(fit(rank_before if ranks else before.peak_bytes))
             written, before = self._write_in_place(gm, ctx, None, None, before)
@@ -359,13 +373,14 @@ class Recompute(Pass):
 
     def _estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> Estimate:
         """The fake step of gm as it is now, with the optimizer and accumulation this plan is for."""
-        return estimate_peak(gm, ctx.flat_inputs(gm), optimizer=self.optimizer, accumulate=self.accumulate)
+        return estimate_peak(gm, ctx.flat_inputs(gm), optimizer=self.optimizer, accumulate=self.accumulate,
+                             host_gradients=self.host_gradients)
 
     def budget_check(self, target: int, ctx: PassContext) -> BudgetCheck:
         """The plan fits the budget at the example's sizes; other sizes run correctly but could
         exceed it, so a call at them is estimated first (runtime/budget_check.py)."""
         return BudgetCheck(self.settings.budget_bytes, target, ctx.train, self.optimizer, self.accumulate,
-                           (ctx.example_args, ctx.example_kwargs))
+                           (ctx.example_args, ctx.example_kwargs), self.host_gradients)
 
     def _write_in_place(self, gm: torch.fx.GraphModule, ctx: PassContext, search: PlanSearch | None, plan,
                         estimate: Estimate, known: Estimate | None = None) -> tuple[dict, Estimate]:
@@ -431,7 +446,7 @@ class Recompute(Pass):
                                self.headroom)
         how = "as measured" if measured else "by the estimate"
         if self.host is not None:
-            what += " with the optimizer's state and step on the host"
+            what += f" with the optimizer's state, step{' and gradients' if self.host.gradients else ''} on the host"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
