@@ -3,7 +3,8 @@ installed on the user's own optimizer, so that `loss.backward(); optimizer.step(
 optimizer.zero_grad()` stays as it was.
 
 Installed through torch.optim.Optimizer's own hooks:
-- a step pre-hook copies each gradient down into its parameter's host copy, copies the user's
+- a step pre-hook copies each gradient down into its parameter's host copy (and a parameter
+  written on the device since, a checkpoint loaded into the model, say, down first), copies the user's
   param-group settings (a scheduler's learning rate) to the host optimizer's groups, runs the
   host optimizer's step, copies each parameter back up, and sets the device gradients aside, so
   that the user's own step, which runs next, finds none and changes nothing;
@@ -71,6 +72,7 @@ class HostOptimizer:
             if optimizer.state:  # a resumed optimizer: its state moves to the host
                 self.host.load_state_dict(_on_host(optimizer.state_dict()))
                 optimizer.state.clear()
+        self.versions = {p: p._version for p in self.params}  # what the host copies hold
         self._set_aside: list | None = None
         self.gradients = False  # each gradient copied down as backward makes it (move_gradients)
         self._standing_in = False  # the end of this backward puts the stand-ins in
@@ -136,6 +138,8 @@ class HostOptimizer:
             mine.update({k: v for k, v in theirs.items() if k != "params"})  # a scheduler's lr, say
         with torch.no_grad(), on_host():
             for p, h in self.hosts.items():
+                if p._version != self.versions[p]:  # written since the host's copy (a checkpoint loaded)
+                    h.copy_(p, non_blocking=True)
                 if isinstance(p.grad, HostGradient) or (self.gradients and p.grad is None):
                     continue  # the host holds it already (or holds none: a parameter backward did not reach)
                 if p.grad is None:
@@ -151,6 +155,7 @@ class HostOptimizer:
             for p, h in self.hosts.items():
                 if h.grad is not None:
                     p.copy_(h, non_blocking=True)
+                self.versions[p] = p._version
         self._set_aside = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None

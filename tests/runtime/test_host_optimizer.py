@@ -161,3 +161,17 @@ def test_gradients_on_the_host_step_as_on_the_device_and_refuse_to_be_read_there
 
     fit = opt.graphopt_report.recompute().budget
     assert measure_peak(measured_step, opt, *args) == fit.predicted_peak_bytes <= fit.planned_for_bytes
+
+
+def test_parameters_written_on_the_device_reach_the_host_copy_before_its_step():
+    model, args, _ = _mlp()
+    ref = copy.deepcopy(model)
+    ours, theirs = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    install_host_optimizer(ours)
+    _step(model, ours, args[0]), _step(ref, theirs, args[0])
+    loaded = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}  # a checkpoint loaded between steps
+    model.load_state_dict(loaded)
+    ref.load_state_dict(loaded)
+    x = torch.randn_like(args[0])
+    assert torch.equal(_step(model, ours, x), _step(ref, theirs, x))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
