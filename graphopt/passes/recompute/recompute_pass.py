@@ -58,9 +58,10 @@ instead: the segments, the writes in place and the report's figures, or the refu
   9. Where no plan fits with the optimizer on the device (keep-or-recompute's least is above the
      target), steps 1 to 8 again with its state and step on the host (analysis/host_step.py):
      the device then holds neither; where that does not fit either, again with the gradients
-     on the host too, each leaving the device as backward makes it. The plan says so, with the host memory it takes and the
-     time it adds; optimize() installs it on the optimizer (runtime/host_optimizer.py). Not
-     where the budget covers no optimizer, nor on one rank's step, stages, CUDA graphs or calibrate.
+     on the host too, each leaving the device as backward makes it. The plan says so, with the
+     host memory it takes and the time it adds; optimize() installs it on the optimizer
+     (runtime/host_optimizer.py). Not where the budget covers no optimizer, nor on one rank's
+     step, stages, CUDA graphs or calibrate.
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ import torch.fx
 from ... import ops
 from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
-from ...analysis.host_step import host_step
 from ...analysis.cuda_graphs import graphs_reserve
+from ...analysis.host_step import host_step
 from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, held_to, measure_step, size_text
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
@@ -247,8 +248,8 @@ class Recompute(Pass):
         if chunk is not None:
             self.cacheable = False  # the chunked head's rows are not replayed from the cache
             stats["loss_chunk_rows"] = chunk
-            before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer, accumulate=self.accumulate,
-                              host_gradients=self.host_gradients)
+            before = ctx.analysis(estimate_peak, gm, train=ctx.train, optimizer=self.optimizer,
+                                  accumulate=self.accumulate, host_gradients=self.host_gradients)
         if before.peak_bytes <= target:
             self._warn_idle(fit(rank_before if ranks else before.peak_bytes))
             written, before = self._write_in_place(gm, ctx, None, None, before)
