@@ -3,6 +3,7 @@ budget_gb counts them, wall time), for a model, what `graphopt.optimize` returne
 `graphopt.train_step`, with or without the optimizer's step at its end."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -11,6 +12,7 @@ from .analysis.memory import measure_peak
 from .analysis.optimizer_memory import check_optimizer, rebuilt
 from .analysis.trial import trial_run
 from .errors import OptionError, UsageError
+from .runtime.host_optimizer import installed
 from .runtime.step import StepMeasure, clear_grads, run_step, step_seconds
 from .training.train_step import TrainStep
 
@@ -31,8 +33,10 @@ def measure_step(model, args, kwargs: dict | None = None, loss_fn: Callable | No
     it): the step ends with the optimizer's step(), its state resident from the start as from a
     training loop's second step on: what `optimize(..., budget_gb=, optimizer=)` plans for. It
     runs on an optimizer built as yours is (class, settings, parameter groups), so yours gains no
-    state. Measuring trains nothing: the parameters, their gradients, buffers (BatchNorm
-    statistics), the RNG and the inputs are left as they were.
+    state. An optimizer a plan steps on the host (runtime/host_optimizer.py) holds nothing on the
+    device: its step is not run (nor timed), and the gradients reach the host as in training,
+    which then holds what it held before. Measuring trains nothing: the parameters, their
+    gradients, buffers (BatchNorm statistics), the RNG and the inputs are left as they were.
 
         m = graphopt.measure_step(model, (x,), {"labels": y}, optimizer=optimizer)
         m.peak_bytes, m.peak_gb, m.step_ms
@@ -60,7 +64,8 @@ def measure_step(model, args, kwargs: dict | None = None, loss_fn: Callable | No
         raise OptionError(f"measure_step's optimizer {e}.") from None
     args, kwargs = tuple(args), dict(kwargs or {})
     params = list(trained.parameters())
-    stepper = rebuilt(optimizer, params) if optimizer is not None else None
+    host = installed(optimizer) if optimizer is not None else None
+    stepper = rebuilt(optimizer, params) if optimizer is not None and host is None else None
 
     def step():
         clear_grads(trained)
@@ -73,7 +78,7 @@ def measure_step(model, args, kwargs: dict | None = None, loss_fn: Callable | No
 
     saved = [p.detach().clone() for p in params] if stepper is not None else []
     try:
-        with trial_run(trained, (args, kwargs)):
+        with trial_run(trained, (args, kwargs)), host.gradients_kept() if host else contextlib.nullcontext():
             # Timed first: the warm-up step also builds the graph of a lazy graphopt.optimize(model),
             # and makes the optimizer's state
             seconds = step_seconds({"step": step}, repeats)["step"]

@@ -26,6 +26,7 @@ kernels, within rounding. Host work runs in host_tier.on_host(): it is not devic
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -166,6 +167,18 @@ class HostOptimizer:
                 p.grad = g
             self._set_aside = None
 
+    @contextlib.contextmanager
+    def gradients_kept(self):
+        """While open, backward's gradients reach the host as in training; after, the host holds
+        what it held before: a measured step leaves no trace there."""
+        with torch.no_grad(), on_host():
+            saved = {p: None if h.grad is None else h.grad.clone() for p, h in self.hosts.items()}
+        try:
+            yield
+        finally:
+            for p, h in self.hosts.items():
+                h.grad = saved[p]
+
     def _state_dict(self, optimizer, state_dict):
         with on_host():
             state_dict["state"] = self.host.state_dict()["state"]
@@ -192,6 +205,11 @@ def host_gradients(optimizer: torch.optim.Optimizer) -> dict:
     if found is None:
         raise UsageError("this optimizer does not step on the host: its parameters' .grad hold the gradients.")
     return {p: h.grad for p, h in found.hosts.items()}
+
+
+def installed(optimizer) -> HostOptimizer | None:
+    """The host step installed on `optimizer`, if a plan installed one."""
+    return getattr(optimizer, _INSTALLED, None)
 
 
 def install_host_optimizer(optimizer, gradients: bool = False) -> HostOptimizer:

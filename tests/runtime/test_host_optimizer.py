@@ -161,6 +161,10 @@ def test_gradients_on_the_host_step_as_on_the_device_and_refuse_to_be_read_there
 
     fit = opt.graphopt_report.recompute().budget
     assert measure_peak(measured_step, opt, *args) == fit.predicted_peak_bytes <= fit.planned_for_bytes
+    ours.zero_grad()
+    measured = graphopt.measure_step(opt, args, loss_fn=lambda out, x: out.square().mean(), optimizer=ours)
+    assert measured.peak_bytes <= fit.planned_for_bytes  # the device's step: the host's step and state not in it
+    assert all(g is None for g in host_gradients(ours).values())  # and the host holds what it held before
 
 
 def test_parameters_written_on_the_device_reach_the_host_copy_before_its_step():
