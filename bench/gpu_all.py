@@ -10,7 +10,8 @@ gpu_recompute.py (the recompute figures at GPU sizes);
 gpu_precision.py (bf16 against float32 and autocast); head_loss.py (an LM head and its loss:
 step peaks); recompute_sweep.py on the corpus's GPT-2 (predicted against measured peak from
 graphopt's least budget to eager); gpu_memory_gap.py (CUDA only: each zoo model's estimate
-against its measured step, and the allocator's snapshot of the step). Each one's limit is its share of the budget plus what the ones
+against its measured step, and the allocator's snapshot of the step); host_link.py (the host
+step's rates: pinned copies each way, the host's AdamW step). Each one's limit is its share of the budget plus what the ones
 before it left unused, so the whole run stays within the budget; the matrices (fuse, rows) are
 told to stop starting rows in time to write what they measured. A crash, a hang or a spent limit
 loses that benchmark only (a hang is interrupted, so its stderr ends with where it stood).
@@ -78,7 +79,7 @@ BENCHMARKS = [
               "peak, budgets held", ["bench/gpu_step_time.py", "--memory", "all", "--out", "{folder}", "--seconds",
                                      "{seconds}"], 45, cuda_only=True),
     Benchmark("fuse", "elementwise chains: eager, graphopt, torch.compile; first training step",
-              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 60),
+              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 55),
     Benchmark("rows", "norms, softmax, cross-entropy, batch norm, LM head: eager, graphopt, torch.compile, Liger",
               ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 60),
     Benchmark("recompute", "recompute at f = 0.3, 0.5, 0.7 on the zoo MLP, CNN and GPT; estimate error; solver time",
@@ -94,6 +95,8 @@ BENCHMARKS = [
                "{folder}/recompute_sweep"], 15, cpu_args=["--points", "2"], gpu_args=["--points", "5"]),
     Benchmark("memory_gap", "zoo models: estimated against measured step peak, the allocator's snapshot of each step",
               ["bench/gpu_memory_gap.py", "--out", "{folder}/memory_gap"], 15, cuda_only=True),
+    Benchmark("host_link", "pinned host-device copies each way and the host's AdamW step: the host step's rates",
+              ["bench/host_link.py", "--out", "{folder}/host_link.md"], 5, cpu_args=["--mb", "64"]),
 ]
 DEFAULT_BUDGET_S = 480
 RESERVE_S = 10  # the runner's own work: finding the device, the index, packing
