@@ -126,9 +126,12 @@ class OptimizeOptions:
     accumulate: bool = False
     shard: str | None = None
     world_size: int | None = None
+    # not an argument of optimize(): train_step's first pass over microbatch counts, which tries
+    # every count with the optimizer on the device before any with its step on the host
+    optimizer_on_device: bool = False
 
     def asked(self) -> tuple[str, ...]:
         """optimize()'s arguments that ask for something, by their names there."""
         names = {name: argument for argument, (name, _, _) in ARGUMENTS.items()}
         return tuple(names[f.name] for f in dataclasses.fields(self)
-                     if getattr(self, f.name) is not None and getattr(self, f.name) is not False)
+                     if f.name in names and getattr(self, f.name) is not None and getattr(self, f.name) is not False)

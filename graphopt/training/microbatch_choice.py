@@ -10,6 +10,9 @@
      (_predicted_peak): a loss_fn outside the graph allocates what the plan never saw. Over the
      budget, plan again for a budget lowered by the overshoot (at most REPLANS times).
   4. The first k whose step fits is kept; BudgetError from each k is caught and the next tried.
+     With an optimizer, every k is tried with it on the device first, then again with its state
+     and step free to move to the host (recompute's step 9), which costs more a step than
+     microbatches do.
      When none fits, down to one row per microbatch, BudgetError names the least budget of any
      k and its k (one row each, unless accumulated gradients outweigh the activations saved).
      A k whose microbatch the model does not run on (BatchNorm1d on one row) is skipped.
@@ -74,6 +77,16 @@ class MicrobatchChoice:
         if self.budget is None:
             self.microbatches = 1
             return self.plan(1)
+        if self._options.optimizer is not None and not self._options.optimizer_on_device:
+            # every count with the optimizer on the device first: its step on the host costs more a step
+            # than microbatches do (analysis/host_step.py)
+            self._options = dataclasses.replace(self._options, optimizer_on_device=True)
+            try:
+                return self.choose(choices)
+            except BudgetError:
+                self.notes.clear()
+            finally:
+                self._options = dataclasses.replace(self._options, optimizer_on_device=False)
         refused, untraced = {}, {}
         for k in choices:
             try:

@@ -128,6 +128,8 @@ class RecomputeOptions:
                                               "(gradient accumulation): the budget covers them from the start")
     world_size: int | None = option(None, count, "ranks FSDP2 shards the step over (shard='fsdp'): budget_gb is "
                                                  "then one rank's")
+    optimizer_on_device: bool = option(False, to_bool, "keep the optimizer's state and step on the device (no "
+                                                       "step 9): where no plan fits, refuse")
 
 
 @register
@@ -145,7 +147,8 @@ class Recompute(Pass):
         """The pass optimize()'s options ask for with budget_gb (and no stages)."""
         return cls.with_settings(RecomputeOptions(
             budget_bytes=options.budget_bytes, profile=options.profile, calibrate=options.calibrate,
-            optimizer=options.optimizer, accumulate=options.accumulate, world_size=options.world_size))
+            optimizer=options.optimizer, accumulate=options.accumulate, world_size=options.world_size,
+            optimizer_on_device=options.optimizer_on_device))
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         """The plan from the plan cache where an entry made for this graph and these settings is
@@ -212,7 +215,8 @@ class Recompute(Pass):
         calibrated by real steps, which run no optimizer)."""
         o = self.optimizer
         return (o is not None and o.state_bytes + o.step_bytes > 0 and ctx.train and not self.settings.world_size
-                and not self.settings.calibrate and not ctx.staged and not ctx.cuda_graphs)
+                and not self.settings.calibrate and not self.settings.optimizer_on_device and not ctx.staged
+                and not ctx.cuda_graphs)
 
     def _plan_on_device(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # what the plan cache keeps of this plan: (the plan, each node's decision) and the nodes it indexes

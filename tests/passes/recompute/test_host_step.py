@@ -54,3 +54,12 @@ def test_plan_answers_with_the_host_step_on_the_meta_device():
     assert answer.predicted_peak_bytes <= answer.budget_bytes
     on_device = graphopt.plan(model, (x,), budget_gb=6.0 * MB, device="cpu", optimizer="adamw", loss_fn=loss)
     assert on_device.fits and on_device.host_step is None
+
+
+def test_train_step_takes_microbatches_on_the_device_before_the_host_step():
+    # 13 MB: the whole batch fits with AdamW's step on the host (12.7 MB) and 2 microbatches with it on the
+    # device (12.7 MB); the microbatches cost less a step
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=16, seq=64, layers=2, dim=128)
+    answer = graphopt.plan(model, args, kwargs, budget_gb=13 * MB, device="cpu", optimizer="adamw")
+    assert answer.fits and answer.microbatches == 2 and answer.host_step is None
