@@ -11,8 +11,9 @@ refuses to be read (runtime/host_optimizer.py), not a silently missing gradient.
 What it frees and what it costs are facts of the plan: the device bytes are the optimizer's
 measured state and step (optimizer_memory.py); the time it adds to a step is the gradients
 down and the parameters up over the device's host link, then the host's own step, at the rates
-of analysis/cost.py. Nothing of it overlaps the step's compute: the step needs every gradient,
-and the next forward every parameter.
+of analysis/cost.py, as if none of it overlapped the step's compute: an upper bound where the
+gradients go down during backward (gradients=True), exact where they wait for the step, which
+needs every gradient, as the next forward needs every parameter.
 """
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ class MicrobatchChoice:
         if self.budget is None:
             self.microbatches = 1
             return self.plan(1)
-        if self._options.optimizer is not None and not self._options.optimizer_on_device:
+        may_move = not (self.ranks or self._options.calibrate or self._settings.get("cuda_graphs"))
+        if self._options.optimizer is not None and not self._options.optimizer_on_device and may_move:
             # every count with the optimizer on the device first: its step on the host costs more a step
             # than microbatches do (analysis/host_step.py)
             self._options = dataclasses.replace(self._options, optimizer_on_device=True)
@@ -85,6 +86,7 @@ class MicrobatchChoice:
                 return self.choose(choices)
             except BudgetError:
                 self.notes.clear()
+                self._needs.clear()  # the counts' leasts with the optimizer on the device
             finally:
                 self._options = dataclasses.replace(self._options, optimizer_on_device=False)
         refused, untraced = {}, {}
