@@ -77,7 +77,8 @@ class StepPlan:
                     what = "state, step and gradients" if h.gradients else "state and step"
                     lines.append(f"the optimizer's {what} on the host: {size_text(h.device_bytes_freed)} off "
                                  f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds:.2f} s more "
-                                 f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the estimate)")
+                                 f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the "
+                                 "estimate)")
             else:
                 lines.append(f"{budget}: does not fit in any number of equal microbatches: {self.refusal}")
         return "\n".join(lines + self.notes)

@@ -225,7 +225,8 @@ class MicrobatchChoice:
         if self.ranks:
             return self._rank_peak(graph, args, kwargs, k, optimizer)
         host = graph.graphopt_report.host_step  # the optimizer stepped on the host: its memory is not the device's
-        extra = optimizer_memory(optimizer, list(self.model.parameters())) if optimizer is not None and not host else None
+        on_device = optimizer is not None and host is None
+        extra = optimizer_memory(optimizer, list(self.model.parameters())) if on_device else None
         host_gradients = host is not None and host.gradients  # and none resident on the device, accumulating or not
 
         def run(a, kw):  # a microbatch after the first: the running total exists

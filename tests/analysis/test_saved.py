@@ -1,4 +1,5 @@
-"""graphopt.analysis.saved: the tensors a step saves for backward, attributed to their nodes, and the calls a selective checkpoint policy sees."""
+"""graphopt.analysis.saved: the tensors a step saves for backward, attributed to their nodes, and the
+calls a selective checkpoint policy sees."""
 import torch
 
 import graphopt

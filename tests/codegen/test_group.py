@@ -1,4 +1,5 @@
-"""graphopt.codegen's group IR: its checks, each step's dtype as eager torch promotes it, and what is declined and why."""
+"""graphopt.codegen's group IR: its checks, each step's dtype as eager torch promotes it, and what is
+declined and why."""
 import re
 
 import pytest

@@ -1,4 +1,5 @@
-"""The generated kernel source (graphopt.codegen's programs): its checklist, what the backward recomputes, where it rounds."""
+"""The generated kernel source (graphopt.codegen's programs): its checklist, what the backward
+recomputes, where it rounds."""
 import re
 
 import torch

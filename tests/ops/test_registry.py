@@ -1,4 +1,5 @@
-"""graphopt.ops' registry: its public names, its tables consistent with each other, each op's precision class and flags."""
+"""graphopt.ops' registry: its public names, its tables consistent with each other, each op's precision
+class and flags."""
 import pytest
 
 import graphopt.ops as ops

@@ -1,4 +1,5 @@
-"""graphopt.ops.lookup: every spelling of an op to its canonical op, from symbolic trace and export; unknown ops stay opaque."""
+"""graphopt.ops.lookup: every spelling of an op to its canonical op, from symbolic trace and export;
+unknown ops stay opaque."""
 import math
 import operator
 

@@ -1,4 +1,5 @@
-"""graphopt.ops templates and their torch shim: each against torch and its derivatives against autograd, and valid Triton in the interpreter."""
+"""graphopt.ops templates and their torch shim: each against torch and its derivatives against
+autograd, and valid Triton in the interpreter."""
 import json
 import os
 import re

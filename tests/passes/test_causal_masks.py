@@ -1,4 +1,5 @@
-"""graphopt.passes.causal_masks: a causal mask built from sizes becomes is_causal, checked at sizes it was not decided for; other masks stay."""
+"""graphopt.passes.causal_masks: a causal mask built from sizes becomes is_causal, checked at sizes it
+was not decided for; other masks stay."""
 import pytest
 import torch
 import torch.nn as nn

@@ -1,4 +1,5 @@
-"""graphopt.passes.dce: dead pure ops removed, random ones kept, and export's assertions its input guards settle dropped."""
+"""graphopt.passes.dce: dead pure ops removed, random ones kept, and export's assertions its input
+guards settle dropped."""
 import pytest
 import torch
 import torch.nn as nn

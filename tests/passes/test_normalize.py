@@ -1,4 +1,5 @@
-"""graphopt.passes.normalize: spellings into torch functions, and the no-op dropouts, views, slices and piecewise-filled buffers it removes."""
+"""graphopt.passes.normalize: spellings into torch functions, and the no-op dropouts, views, slices and
+piecewise-filled buffers it removes."""
 import operator
 
 import pytest

@@ -1,4 +1,5 @@
-"""graphopt.runtime.chunked_loss: a head and its loss run over chunks of rows, summed as eager sums them, and backward once only."""
+"""graphopt.runtime.chunked_loss: a head and its loss run over chunks of rows, summed as eager sums
+them, and backward once only."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,5 @@
-"""graphopt.runtime.input_writes: a model that writes into an input the caller gave it twice is refused, as its trace read them as two."""
+"""graphopt.runtime.input_writes: a model that writes into an input the caller gave it twice is
+refused, as its trace read them as two."""
 import pytest
 import torch
 import torch.nn as nn
