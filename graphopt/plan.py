@@ -74,8 +74,7 @@ class StepPlan:
                              f"{rerun}")
                 if self.host_step is not None:
                     h = self.host_step
-                    what = "state, step and gradients" if h.gradients else "state and step"
-                    lines.append(f"the optimizer's {what} on the host: {size_text(h.device_bytes_freed)} off "
+                    lines.append(f"the optimizer's {h.moved} on the host: {size_text(h.device_bytes_freed)} off "
                                  f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds:.2f} s more "
                                  f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the "
                                  "estimate)")

@@ -40,6 +40,11 @@ class HostStep:
         return 2 * self.param_bytes + self.state_bytes + self.step_bytes
 
     @property
+    def moved(self) -> str:
+        """What of the optimizer's lives on the host, in words."""
+        return "state, step and gradients" if self.gradients else "state and step"
+
+    @property
     def device_bytes_freed(self) -> int:
         """What leaves the device: the state and the step's temporaries, and the gradients with them
         (all but the one backward is making)."""

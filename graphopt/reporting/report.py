@@ -86,8 +86,7 @@ class Report:
         lines += [f"cuda graphs: {self.cuda_graphs}"] if self.cuda_graphs else []
         if self.host_step is not None:
             h = self.host_step
-            what = "its state, step and gradients" if h.gradients else "its state and step"
-            lines.append(f"optimizer on the host: {what}, {size_text(h.device_bytes_freed)} off the device, "
+            lines.append(f"optimizer on the host: its {h.moved}, {size_text(h.device_bytes_freed)} off the device, "
                          f"in {size_text(h.host_bytes)} of host memory; about {h.seconds * 1e3:.0f} ms more a step "
                          "(gradients down, the host's step, parameters up)")
         ran = [r.name for r in self.passes if r.by_default]

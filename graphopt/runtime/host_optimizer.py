@@ -64,9 +64,10 @@ class HostOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.user = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        pinned = any(p.device.type == "cuda" for p in self.params)
+        # derived once: on CUDA the host's copies are pinned, and each step waits for its copies down
+        self.cuda = any(p.device.type == "cuda" for p in self.params)
         with torch.no_grad(), on_host():
-            self.hosts = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned).copy_(p) for p in self.params}
+            self.hosts = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=self.cuda).copy_(p) for p in self.params}
             for h in self.hosts.values():
                 h.requires_grad_(True)
             self.host = rebuilt(optimizer, self.params, swap=lambda p: self.hosts[p])
@@ -104,7 +105,7 @@ class HostOptimizer:
         h = self.hosts[p]
         with torch.no_grad(), on_host():
             if h.grad is None:
-                h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
+                h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.cuda)
                 h.grad.copy_(p.grad, non_blocking=True)  # read only after the step's synchronize
             else:  # accumulating: added to what the host holds
                 h.grad.add_(p.grad.to(h.device, copy=True))
@@ -147,9 +148,9 @@ class HostOptimizer:
                     h.grad = None
                     continue
                 if h.grad is None:
-                    h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
+                    h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.cuda)
                 h.grad.copy_(p.grad, non_blocking=True)
-            if any(p.device.type == "cuda" for p in self.params):
+            if self.cuda:
                 torch.cuda.current_stream().synchronize()  # every gradient is down before the host reads it
             self.host.step()
         with torch.no_grad():

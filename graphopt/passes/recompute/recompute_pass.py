@@ -451,7 +451,7 @@ class Recompute(Pass):
                                self.headroom)
         how = "as measured" if measured else "by the estimate"
         if self.host is not None:
-            what += f" with the optimizer's state, step{' and gradients' if self.host.gradients else ''} on the host"
+            what += f" with the optimizer's {self.host.moved} on the host"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
