@@ -179,3 +179,30 @@ def test_parameters_written_on_the_device_reach_the_host_copy_before_its_step():
     x = torch.randn_like(args[0])
     assert torch.equal(_step(model, ours, x), _step(ref, theirs, x))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.slow  # a transformers model, planned twice: make test-real
+def test_transformers_gpt2_steps_on_the_host_as_on_the_device_with_padded_labels():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 512, (4, 32))
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    with pytest.raises(graphopt.BudgetError) as least:
+        graphopt.optimize(copy.deepcopy(model), (ids,), {"labels": ids.clone()}, budget_gb=1e-9, plan_cache=False,
+                          optimizer=torch.optim.AdamW(model.parameters()))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = (least.value.min_budget_bytes + params) / 1e9  # AdamW's state does not fit beside the step
+    opt = graphopt.optimize(model, (ids,), {"labels": ids.clone()}, budget_gb=budget, optimizer=ours, plan_cache=False)
+    assert opt.graphopt_report.host_step is not None
+    for _ in range(3):  # other batches: labels apart from the inputs, padded with -100
+        x, y = torch.randint(0, 512, (4, 32)), torch.randint(0, 512, (4, 32))
+        y[:, 20:] = -100
+        for m, o in ((opt, ours), (ref, theirs)):
+            m(x, labels=y).loss.backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
