@@ -6,7 +6,8 @@
 8B part: 32 layers, 4096 wide, MLP 14336, 32 heads, 8 KV heads, vocabulary 128256, parameters in
 bf16 (as users load it), AdamW, its own loss on labels=input_ids, at 1 and 4 x 2048 tokens;
 per budget (80 and 24 GB): the least budget of the whole batch, the microbatches and recompute
-plan graphopt.train_step would take, the predicted peak, and the seconds plan() took.
+plan graphopt.train_step would take, the predicted peak and step time (the time model's, the host step
+at the host's measured rates), and the seconds plan() took.
 
 350M part: 24 layers, 1024 wide, MLP 2816, 16 heads, 8 KV heads, vocabulary 32000, float32, AdamW,
 2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget (with the optimizer's
@@ -73,7 +74,8 @@ def part_8b(passes: str | None) -> list[dict]:
                          "host_step_s": None if host is None else host.seconds,
                          "host_step_pct": found.host_step_overhead_pct,
                          "predicted_gb": None if found.predicted_peak_bytes is None else found.predicted_peak_bytes / GB,
-                         "overhead_pct": found.recompute_overhead_pct, "seconds": time.perf_counter() - start})
+                         "overhead_pct": found.recompute_overhead_pct, "step_s": found.step_seconds,
+                         "seconds": time.perf_counter() - start})
             print(rows[-1], flush=True)
     return rows
 
@@ -137,16 +139,16 @@ def markdown(result: dict) -> str:
         lines += ["Llama-3-8B shape, bf16 parameters, AdamW, planned for CUDA on the meta device (least: with the "
                   "optimizer's state and step on the host):\n",
                   "| tokens | budget | least (whole batch) | microbatches | recompute segments | predicted peak | "
-                  "recompute, share of a step | optimizer on the host | plan() took |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "recompute, share of a step | optimizer on the host | predicted step time | plan() took |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["llama_8b"]:
             if r["microbatches"] is None:
-                chosen = "none fits | - | - | - | -"
+                chosen = "none fits | - | - | - | - | -"
             else:
                 host = "no" if r.get("host_gb") is None else (f"{r['host_gb']:.1f} GB, {r['host_step_s']:.1f} s a step "
                                                               f"({r['host_step_pct']:g}% of the step on the device)")
                 chosen = (f"{r['microbatches']} | {r['segments']} | {r['predicted_gb']:.2f} GB | "
-                          f"{r['overhead_pct']:g}% | {host}")
+                          f"{r['overhead_pct']:g}% | {host} | {r['step_s']:.2f} s")
             lines.append(f"| {r['tokens']} | {r['budget_gb']} GB | {r['least_gb']:.2f} GB | {chosen} | "
                          f"{r['seconds']:.0f} s |")
     for r in result.get("llama_350m") or []:

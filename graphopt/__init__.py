@@ -18,6 +18,7 @@ from .passes import available as available_passes
 from .passes.records import PassRecord
 from .plan import StepPlan, plan
 from .reporting.report import Report
+from .runtime.prefetch import Prefetch, prefetch
 from .runtime.step import StepMeasure
 from .training.train_step import TrainStep, train_step
 from .verification.check_estimate import check_estimate
@@ -25,7 +26,7 @@ from .verification.check_estimate import check_estimate
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "train_step", "TrainStep", "plan", "StepPlan", "measure_step", "StepMeasure", "check_estimate", "EstimateCheck",
+    "optimize", "train_step", "TrainStep", "plan", "StepPlan", "prefetch", "Prefetch", "measure_step", "StepMeasure", "check_estimate", "EstimateCheck",
     "Divergence", "trace", "available_passes", "DEFAULT_PASSES",
     "Report", "PassRecord", "TensorInfo", "tensor_info",
     "GraphoptError", "TraceError", "VerifyError", "BudgetError", "OptionError", "UsageError", "SizeError",

@@ -138,6 +138,7 @@ def optimize(
     world_size: int | None = None,
     cuda_graphs: bool = False,
     plan_cache: bool | str | os.PathLike = True,
+    prefetch: int | None = None,
 ):
     """Rewrite `model` through a pass pipeline and return a drop-in replacement.
 
@@ -189,6 +190,9 @@ def optimize(
       example inputs on CUDA, a training step, example inputs, and a step that never waits on the
       device (no .item()); with budget_gb the plan leaves room for what the graphs hold. Outputs
       live in the graphs' buffers, overwritten by the next call (runtime/cuda_graphs.py).
+    prefetch: with budget_gb, the depth of the graphopt.prefetch the batches come through: the
+      batches it holds on the device ahead of the step (that many of the example's size) are
+      kept out of the budget the step is planned for.
     plan_cache: keep a budget's plan on disk and take it from there when the same graph is
       planned again with the same settings, in a later process (plan_cache/): True (default) in
       $GRAPHOPT_CACHE_DIR or ~/.cache/graphopt, a directory, or False. $GRAPHOPT_PLAN_CACHE=off
@@ -199,7 +203,7 @@ def optimize(
         check_inputs(model, example_inputs, example_kwargs)  # raises the UsageError
     options = checked_options(dict(budget_gb=budget_gb, precision=precision, precision_policy=precision_policy,
                                    stages=stages, profile=profile, calibrate=calibrate, optimizer=optimizer,
-                                   accumulate=accumulate, shard=shard, world_size=world_size))
+                                   accumulate=accumulate, shard=shard, world_size=world_size, prefetch=prefetch))
     return optimize_with(model, example_inputs, example_kwargs, options, passes=passes, train=train,
                          frontend=frontend, dump_dir=dump_dir, verify=verify, batch_norm=batch_norm,
                          cuda_graphs=cuda_graphs, plan_cache=plan_cache)

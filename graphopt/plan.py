@@ -53,6 +53,8 @@ class StepPlan:
     refusal: str = ""                  # where the budget does not fit: why, with the least plan's parts
     host_step: HostStep | None = None  # where the plan steps the optimizer on the host: what it moves and costs
     host_step_overhead_pct: float = 0.0  # its seconds, per cent of the step's estimated time on the device
+    step_seconds: float | None = None  # the chosen plan's step by the time model: its microbatches, their
+                                       # recompute, the host step
 
     @property
     def fits(self) -> bool:
@@ -72,6 +74,8 @@ class StepPlan:
                          f"{self.recompute_overhead_pct:g}% of a step)") if self.segments else "nothing recomputed"
                 lines.append(f"{budget}: fits as {batch}, predicted peak {size_text(self.predicted_peak_bytes)}{free}; "
                              f"{rerun}")
+                if self.step_seconds is not None:
+                    lines.append(f"predicted step time {self.step_seconds:.3g} s (the time model's estimate)")
                 if self.host_step is not None:
                     h = self.host_step
                     lines.append(f"the optimizer's {h.moved} on the host: {size_text(h.device_bytes_freed)} off "
@@ -103,7 +107,6 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                           f"or on {device!r}; this one has tensors on {', '.join(sorted(found - {'meta'}))}. Build it "
                           "under `with torch.device('meta'):` (nothing is allocated), or plan for its device.")
     options = dict(optimize_options, optimizer=optimizer)
-    # the least's step and the budget's share one export (train_step keeps the one open)
     # the least's step and the budget's share one export (train_step keeps the one open); a budget
     # above the step's peak is an answer here ("nothing recomputed"), not a mistake to warn of
     with planning_for(device), keeping_exports(ExportCache()), warnings.catch_warnings():
@@ -123,7 +126,17 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
                     headroom=kept, host_step=step.report.host_step,
-                    host_step_overhead_pct=stats.get("host_step_overhead_pct", 0.0))
+                    host_step_overhead_pct=stats.get("host_step_overhead_pct", 0.0),
+                    step_seconds=_step_seconds(step.microbatches, stats, step.report.host_step))
+
+
+def _step_seconds(microbatches: int, stats: dict, host: HostStep | None) -> float | None:
+    """One step's seconds by the time model: each microbatch's step with its recompute, then the
+    host step once; None where the recompute pass did not estimate the step."""
+    if "step_ms" not in stats:
+        return None
+    device = microbatches * stats["step_ms"] / 1e3 * (1 + stats.get("recompute_overhead_pct", 0.0) / 100)
+    return device + (host.seconds if host is not None else 0.0)
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

@@ -4,6 +4,7 @@ name), grouped by level. Recompute's one-line plans checkpoint each block whole;
 makes each an FSDP unit."""
 from __future__ import annotations
 
+import operator
 import re
 from typing import Callable
 
@@ -16,10 +17,14 @@ NUMBERED = re.compile(r"[A-Za-z_]+[0-9]+")  # a child numbered by its name: laye
 
 def module_paths(node: torch.fx.Node) -> list[str]:
     """The module paths a node runs in, outermost first; a recompute segment's call, those its
-    nodes run in."""
+    nodes run in; one output of a call returning several, the call's."""
     if isinstance(node.target, SegmentCall):
         return list(dict.fromkeys(path for n in node.target.module.graph.nodes if n.op.startswith("call")
                                   for path in module_paths(n)))
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and node.args[0].op != "placeholder":
+        # an output of a call that returns several: where the call runs (a fused group whose outputs
+        # lie in two blocks, a residual add and the next block's norm, runs in neither)
+        return module_paths(node.args[0])
     return [entry[0] if isinstance(entry, tuple) else str(entry)
             for entry in (node.meta.get("nn_module_stack") or {}).values()]
 

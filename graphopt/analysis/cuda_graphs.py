@@ -80,8 +80,14 @@ def random_reruns(gm: torch.fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes if isinstance(n.target, SegmentCall) and getattr(n.target, "draws", False)]
 
 
+def input_bytes(flat_inputs: list) -> int:
+    """Bytes of the tensors among a graph's inputs: what one more copy of a batch takes (a captured
+    step's static inputs; a batch prefetched ahead of the step)."""
+    return sum(t.numel() * t.element_size() for t in flat_inputs if isinstance(t, torch.Tensor))
+
+
 def graphs_reserve(gm: torch.fx.GraphModule, flat_inputs: list, optimizer=None) -> int:
     """Step 3, in bytes; optimizer: analysis/optimizer_memory.OptimizerMemory or None."""
-    inputs = sum(t.numel() * t.element_size() for t in flat_inputs if isinstance(t, torch.Tensor))
+    inputs = input_bytes(flat_inputs)
     grads = sum(p.numel() * p.element_size() for p in gm.parameters() if p.requires_grad)
     return inputs + grads + (optimizer.step_bytes if optimizer is not None else 0)

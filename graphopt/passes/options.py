@@ -103,11 +103,12 @@ ARGUMENTS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "accumulate": ("accumulate", to_bool, "the step runs with every .grad present, backward adding into it"),
     "shard": ("shard", shard_style, "how the model is sharded"),
     "world_size": ("world_size", count, "ranks FSDP2 shards the step over"),
+    "prefetch": ("prefetch", count, "batches graphopt.prefetch copies to the device ahead of the step"),
 }
 # an argument that refines what others ask for -> those others (one must be given with it)
 REFINES = {"profile": ("budget_gb", "stages"), "calibrate": ("budget_gb",),
            "optimizer": ("budget_gb", "stages", "shard"), "accumulate": ("budget_gb", "shard"),
-           "world_size": ("budget_gb", "shard"), "precision_policy": ("precision",)}
+           "world_size": ("budget_gb", "shard"), "precision_policy": ("precision",), "prefetch": ("budget_gb",)}
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class OptimizeOptions:
     accumulate: bool = False
     shard: str | None = None
     world_size: int | None = None
+    prefetch: int | None = None
     # not an argument of optimize(): train_step's first pass over microbatch counts, which tries
     # every count with the optimizer on the device before any with its step on the host
     optimizer_on_device: bool = False

@@ -45,6 +45,7 @@ import torch.fx
 
 from ... import ops
 from ...analysis.cost import rates
+from ...analysis.dispatched import DISPATCHED, Dispatched
 from ...analysis.effects import written_values
 from ...analysis.memory import estimate_peak
 from ...analysis.meta import KEY, gather, graph_device
@@ -115,6 +116,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
         runs = FusedRowOp(group.group, group.finish, group.orders, group.rows.col_dims, group.updates, draws) \
             if isinstance(group.group, RowGroup) else FusedOp(group.group, draws)
         call = graph.call_function(runs, tuple(inputs))
+        call.meta[DISPATCHED] = _effects(group, draws)
         gather(call, group.outputs, single=len(group.outputs) == 1)
         note(call, "fuse", label)
         results = [call]
@@ -132,6 +134,15 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
     for node in reversed(group.nodes):
         graph.erase_node(node)
     return call
+
+
+def _effects(group: FusionGroup, draws: tuple) -> Dispatched:
+    """What the fused call does besides its result, as annotation records it of a call the registry
+    does not list (analysis/dispatched.py): its kernels only compute, unless it draws dropout masks or
+    updates a batch norm's running statistics. Recompute, cse and dce read it as of any such call."""
+    return Dispatched(tuple(str(n.target) for n in group.nodes),
+                      writes="its batch norms' running statistics, updated in place" if group.updates else None,
+                      draws="aten.bernoulli_ (the dropout masks it draws)" if draws else None)
 
 
 def _without_bias(gm: torch.fx.GraphModule, value: BiasFree) -> torch.fx.Node:

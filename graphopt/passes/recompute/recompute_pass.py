@@ -50,7 +50,7 @@ instead: the segments, the writes in place and the report's figures, or the refu
      read again by its rerun), then cut; the estimate is made again (in step 4, as the plan's
      own), and writes that raise it are undone. Also when the budget needs no plan.
   7. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
-     before and after, recompute FLOPs, time and its share of the step, and a picture of
+     before and after, the step's estimated time, recompute FLOPs, time and its share of the step, and a picture of
      predicted memory through the step, before and after (kk-recompute.memory.png).
   8. The plan is made for the example's sizes; a call at others (a shorter sequence, a dynamic
      batch) first estimates its step there, once per signature, and raises BudgetError where it
@@ -75,7 +75,7 @@ import torch.fx
 from ... import ops
 from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
-from ...analysis.cuda_graphs import graphs_reserve
+from ...analysis.cuda_graphs import graphs_reserve, input_bytes
 from ...analysis.host_step import host_step
 from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, held_to, measure_step, size_text
 from ...analysis.meta import graph_device
@@ -130,6 +130,8 @@ class RecomputeOptions:
                                                  "then one rank's")
     optimizer_on_device: bool = option(False, to_bool, "keep the optimizer's state and step on the device (no "
                                                        "step 9): where no plan fits, refuse")
+    prefetch: int | None = option(None, count, "batches graphopt.prefetch holds on the device ahead of the step, "
+                                               "each of the example's size: the step is planned for that much less")
 
 
 @register
@@ -148,7 +150,7 @@ class Recompute(Pass):
         return cls.with_settings(RecomputeOptions(
             budget_bytes=options.budget_bytes, profile=options.profile, calibrate=options.calibrate,
             optimizer=options.optimizer, accumulate=options.accumulate, world_size=options.world_size,
-            optimizer_on_device=options.optimizer_on_device))
+            optimizer_on_device=options.optimizer_on_device, prefetch=options.prefetch))
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         """The plan from the plan cache where an entry made for this graph and these settings is
@@ -172,22 +174,36 @@ class Recompute(Pass):
         self.optimizer = optimizer
         # a step captured as CUDA graphs holds more than the step itself: planned for that much less
         self.reserve = graphs_reserve(gm, ctx.flat_inputs(gm), self.optimizer) if ctx.cuda_graphs and ctx.train else 0
+        # and the batches a prefetch holds ahead of the step (runtime/prefetch.py), each the example's size
+        self.prefetched = (self.settings.prefetch or 0) * input_bytes(ctx.flat_inputs(gm))
+        self.reserve += self.prefetched
         self.accumulate = self.settings.accumulate and ctx.train
         return limit, held_to(limit, self.headroom) - self.reserve
 
     def _plan(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         """Steps 1 to 8 with the optimizer on the device; where no plan fits, again with its state
-        and step on the host (step 9)."""
+        and step on the host (step 9). The result says what the step costs by the time model."""
+        device = "cuda" if graph_device(gm) == "cuda" else "cpu"
+        calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
+        step_s = STEP_FORWARDS * sum(forward_costs(gm, calls, device)) / 1e9
         try:
-            return self._plan_on_device(gm, ctx)
+            result = self._plan_on_device(gm, ctx)
         except BudgetError as refused:
             if not self._may_step_on_host(ctx):
                 raise
-            least = refused.min_budget_bytes
-        # Step 9: the state and step first; then the gradients too
-        device, memory = "cuda" if graph_device(gm) == "cuda" else "cpu", self.optimizer
+            result = self._plan_on_host(gm, ctx, refused.min_budget_bytes, device, step_s)
+        if ctx.train:
+            result.stats["step_ms"] = round(step_s * 1e3, 3)
+        if self.prefetched:
+            result.stats["prefetched_bytes"] = self.prefetched
+        return result
+
+    def _plan_on_host(self, gm: torch.fx.GraphModule, ctx: PassContext, least: int, device: str,
+                      step_s: float) -> PassResult:
+        """Step 9: the state and step on the host first; then the gradients too. least: what the
+        device needs with them on it; step_s: the step's seconds on the device."""
         for gradients in (False, True):
-            self.host = host_step(gm.parameters(), memory, device, gradients)
+            self.host = host_step(gm.parameters(), self.optimizer, device, gradients)
             try:
                 result = self._plan_on_device(gm, ctx)
                 break
@@ -196,8 +212,6 @@ class Recompute(Pass):
                     raise
         self.cacheable = False  # the plan cache keeps plans of the step on the device only
         result.host_step = self.host
-        calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
-        step_s = STEP_FORWARDS * sum(forward_costs(gm, calls, device)) / 1e9
         result.stats.update({"host_step": f"on the device the least plan needs {size_text(least)}",
                              "host_step_ms": round(self.host.seconds * 1e3, 1),
                              "host_step_overhead_pct": round(100 * self.host.seconds / max(step_s, 1e-12), 1)})
@@ -270,7 +284,9 @@ class Recompute(Pass):
         cost = forward_costs(gm, nodes, device, ctx.analysis(node_times, gm) if self.settings.profile else None)
         flops = [ops.flops(n, gm) if n.op.startswith("call") else 0 for n in nodes]
         r = rates(device)
-        space = PlanSpace(nodes, facts.ok, kept=facts.kept, live_after=facts.live_after, grads=facts.grads, cost=cost,
+        # gradients that leave the device as backward makes them are not there when later backwards run
+        grads = [0] * len(nodes) if self.host_gradients else facts.grads
+        space = PlanSpace(nodes, facts.ok, kept=facts.kept, live_after=facts.live_after, grads=grads, cost=cost,
                           saves=facts.saves, sel=facts.sel, ops=facts.ops, flops=flops,
                           segment_cost=SegmentCost(round(r.segment_s * 1e9), round(r.policy_op_s * 1e9)),
                           barriers=_block_bounds(nodes) if ctx.units else ())
