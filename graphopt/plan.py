@@ -53,8 +53,9 @@ class StepPlan:
     refusal: str = ""                  # where the budget does not fit: why, with the least plan's parts
     host_step: HostStep | None = None  # where the plan steps the optimizer on the host: what it moves and costs
     host_step_overhead_pct: float = 0.0  # its seconds, per cent of the step's estimated time on the device
+    offloaded_bytes: int = 0           # the recompute segments' inputs the plan keeps on the host, a step
     step_seconds: float | None = None  # the chosen plan's step by the time model: its microbatches, their
-                                       # recompute, the host step
+                                       # recompute, the host step and the copies of what is offloaded
 
     @property
     def fits(self) -> bool:
@@ -82,6 +83,9 @@ class StepPlan:
                                  f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds:.2f} s more "
                                  f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the "
                                  "estimate)")
+                if self.offloaded_bytes:
+                    lines.append(f"the recompute segments' inputs on the host too: {size_text(self.offloaded_bytes)} "
+                                 "copied out in the forward and back in the backward of each step")
             else:
                 lines.append(f"{budget}: does not fit in any number of equal microbatches: {self.refusal}")
         return "\n".join(lines + self.notes)
@@ -127,15 +131,18 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
                     headroom=kept, host_step=step.report.host_step,
                     host_step_overhead_pct=stats.get("host_step_overhead_pct", 0.0),
+                    offloaded_bytes=stats.get("offloaded_bytes", 0),
                     step_seconds=_step_seconds(step.microbatches, stats, step.report.host_step))
 
 
 def _step_seconds(microbatches: int, stats: dict, host: HostStep | None) -> float | None:
-    """One step's seconds by the time model: each microbatch's step with its recompute, then the
-    host step once; None where the recompute pass did not estimate the step."""
+    """One step's seconds by the time model: each microbatch's step with its recompute and the copies
+    of its offloaded inputs, then the host step once; None where the recompute pass did not
+    estimate the step."""
     if "step_ms" not in stats:
         return None
-    device = microbatches * stats["step_ms"] / 1e3 * (1 + stats.get("recompute_overhead_pct", 0.0) / 100)
+    device = microbatches * (stats["step_ms"] * (1 + stats.get("recompute_overhead_pct", 0.0) / 100)
+                             + stats.get("offload_ms", 0.0)) / 1e3
     return device + (host.seconds if host is not None else 0.0)
 
 

@@ -42,7 +42,10 @@ def keeps_output(target) -> bool:
 
 
 class SegmentCall:
-    """The callable a rewritten graph calls for segment `index`."""
+    """The callable a rewritten graph calls for segment `index`; offloaded: its inputs wait on the
+    host until its backward (runtime/offload.py)."""
+
+    offloaded = False
 
     def __init__(self, index: int, module: torch.fx.GraphModule, selective: bool = False):
         self.index, self.module, self.selective = index, module, selective

@@ -62,6 +62,10 @@ instead: the segments, the writes in place and the report's figures, or the refu
      host memory it takes and the time it adds; optimize() installs it on the optimizer
      (runtime/host_optimizer.py). Not where the budget covers no optimizer, nor on one rank's
      step, stages, CUDA graphs or calibrate.
+ 10. Where that does not fit either, steps 1 to 8 once more with every full segment keeping its
+     inputs on the host until its backward (runtime/offload.py: the plan's checkpoints off the
+     device, copied back before the segment reruns), priced as the copies' time at the host link's
+     measured rate (analysis/cost.Rates.host_bytes_per_s), both ways, none of it overlapped.
 """
 from __future__ import annotations
 
@@ -81,6 +85,7 @@ from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, h
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
+from ...analysis.segments import SegmentCall
 from ...analysis.trial import trial_run
 from ...errors import BudgetError, BudgetWarning, warn
 from ...runtime.budget_check import BudgetCheck
@@ -97,7 +102,7 @@ from .candidates import PlanSpace, LinePlans
 from .in_place import write_within
 from .node_facts import node_facts
 from .pricing import PlanPricer
-from .rewrite import note_segments
+from .rewrite import note_segments, offloaded_bytes
 from .search import PlanSearch, restore_graph
 from .solver import SegmentCost
 from .tidy import attributes_first, hoist_state_writes
@@ -156,6 +161,7 @@ class Recompute(Pass):
         """The plan from the plan cache where an entry made for this graph and these settings is
         there (cached.py), else planned (and kept there)."""
         self.host = None  # the optimizer's step on the host, where the plan chose it
+        self.offload = False  # the segments' inputs on the host (step 10)
         return cached_plan(self, gm, ctx, self._plan)
 
     def setup(self, gm: torch.fx.GraphModule, ctx: PassContext, optimizer: OptimizerMemory | None = None
@@ -202,19 +208,26 @@ class Recompute(Pass):
                       step_s: float) -> PassResult:
         """Step 9: the state and step on the host first; then the gradients too. least: what the
         device needs with them on it; step_s: the step's seconds on the device."""
-        for gradients in (False, True):
-            self.host = host_step(gm.parameters(), self.optimizer, device, gradients)
+        memory = self.optimizer  # the device's plans measured it; with the step on the host, setup leaves it out
+        for gradients, offload in ((False, False), (True, False), (True, True)):
+            self.host, self.offload = host_step(gm.parameters(), memory, device, gradients), offload
             try:
                 result = self._plan_on_device(gm, ctx)
                 break
             except BudgetError:
-                if gradients:
+                if offload:
                     raise
         self.cacheable = False  # the plan cache keeps plans of the step on the device only
         result.host_step = self.host
         result.stats.update({"host_step": f"on the device the least plan needs {size_text(least)}",
                              "host_step_ms": round(self.host.seconds * 1e3, 1),
                              "host_step_overhead_pct": round(100 * self.host.seconds / max(step_s, 1e-12), 1)})
+        if self.offload:
+            moved = offloaded_bytes(gm)
+            result.stats.update({"offloaded_segments": sum(isinstance(n.target, SegmentCall) and n.target.offloaded
+                                                           for n in gm.graph.nodes),
+                                 "offloaded_bytes": moved,
+                                 "offload_ms": round(2e3 * moved / rates(device).host_bytes_per_s, 3)})
         return result
 
     @property
@@ -297,6 +310,7 @@ class Recompute(Pass):
         pricer = PlanPricer(before.log, step, nodes, facts.saves)
         search = PlanSearch(gm, space, sorted(space.blocks, key=lambda p: (p.recompute_cost, p.predicted_peak)),
                             lambda: self._estimate(gm, ctx), pricer, LinePlans(space))
+        search.offload = self.offload
         if not self.settings.calibrate and not ranks:  # both measure the plan without the writes first
             search.finish = lambda plan: self._written(gm, ctx, search, plan)
         # Steps 4 and 5
@@ -468,6 +482,7 @@ class Recompute(Pass):
         how = "as measured" if measured else "by the estimate"
         if self.host is not None:
             what += f" with the optimizer's {self.host.moved} on the host"
+            what += " and the recompute segments' inputs too" if self.offload else ""
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")

@@ -29,10 +29,11 @@ import torch.fx
 from ... import ops
 from ...analysis.aliases import Aliases
 from ...analysis.effects import CALLS, declared_functional, function_writes, may_draw, size_arithmetic, state_effect
-from ...analysis.meta import gather
+from ...analysis.meta import TensorInfo, gather, tensor_info
 from ...analysis.segments import SegmentCall
 from ...frontend.custom_functions import FunctionCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
+from ...runtime.offload import OffloadedSegment
 from ..notes import note
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
@@ -123,9 +124,10 @@ def _segment_module(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]):
 
 
 def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.Node]],
-                        selective: list[bool] | None = None) -> torch.fx.GraphModule:
+                        selective: list[bool] | None = None, offload: bool = False) -> torch.fx.GraphModule:
     """Rewrite gm so each segment (nodes contiguous in graph order) is recomputed in backward;
-    selective[k]: segment k keeps its matmul, convolution and attention outputs."""
+    selective[k]: segment k keeps its matmul, convolution and attention outputs; offload: each
+    full segment keeps its inputs on the host until its backward (runtime/offload.py)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     selective = selective or [False] * len(segments)
     for k, nodes in enumerate(segments):
@@ -143,7 +145,9 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         inside, last = set(nodes), nodes[-1]
         with gm.graph.inserting_after(last):
             draws = any(may_draw(n, gm) for n in nodes)
-            call = gm.graph.call_function(RecomputeSegment(k, module, selective[k], draws), tuple(inputs))
+            runs = OffloadedSegment(k, module, draws) if offload and not selective[k] else \
+                RecomputeSegment(k, module, selective[k], draws)
+            call = gm.graph.call_function(runs, tuple(inputs))
         items = {}
         with gm.graph.inserting_after(call):
             for j, out in enumerate(outputs):
@@ -213,7 +217,21 @@ def note_segments(gm: torch.fx.GraphModule) -> None:
     """Each segment call and its boundary inputs noted, for the dumps."""
     for n in gm.graph.nodes:
         if isinstance(n.target, SegmentCall):
-            note(n, "recompute", f"segment {n.target.index}" + (" (selective)" if n.target.selective else ""))
+            kind = " (selective)" if n.target.selective else " (its inputs on the host)" if n.target.offloaded else ""
+            note(n, "recompute", f"segment {n.target.index}{kind}")
             for i in n.all_input_nodes:
                 if i.op.startswith("call"):
                     note(i, "recompute", "boundary")
+
+
+def offloaded_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes the offloaded segments of gm copy to the host each step: their inputs that the graph
+    computes (runtime/offload.owned: not a parameter, nor the model's input)."""
+    moved = 0
+    for n in gm.graph.nodes:
+        if isinstance(n.target, SegmentCall) and n.target.offloaded:
+            for i in n.all_input_nodes:
+                info = tensor_info(i)
+                if i.op.startswith("call") and isinstance(info, TensorInfo) and info.requires_grad:
+                    moved += info.nbytes
+    return moved

@@ -60,12 +60,13 @@ class PlanSearch:
         self.estimates: dict[int, Estimate] = {}  # by fake step
         self.prices: dict[int, int] = {}          # by pricing.py
         self.decision: dict[torch.fx.Node, str] = {}
+        self.offload = False  # full segments keep their inputs on the host (the pass's step 10)
 
     def rewrite(self, plan) -> None:
         """Rewrite gm with plan: its segment calls take their metadata from the nodes they replace."""
         self._decide(plan)  # before the rewrite: the nodes' copies in the segments share the notes
         checkpoint_segments(self.gm, [self.nodes[s.start:s.stop] for s in plan.segments],
-                            [s.selective for s in plan.segments])
+                            [s.selective for s in plan.segments], self.offload)
 
     def undo(self) -> None:
         """Put the segments' nodes back. Their copies keep the metadata the nodes had."""

@@ -1,0 +1,108 @@
+"""Offloaded segments (runtime/offload.py): a recompute segment whose inputs wait on the host until
+its backward. The same step as eager, bit for bit, dropout included; the device holds less than
+with the inputs kept, and the estimate counts what the device holds, to the byte, as measured."""
+import copy
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.analysis.live_storage import LiveStorage
+from graphopt.analysis.memory import estimate_peak, measure_step
+from graphopt.frontend.graph_inputs import placeholder_values
+from graphopt.passes.recompute.rewrite import checkpoint_segments, inline_segments, offloaded_bytes
+from graphopt.runtime.offload import OffloadedSegment, owned
+from graphopt.testing import zoo
+
+from conftest import assert_same_step
+
+
+def _gpt(offload: bool | None, layers=4):
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=layers)  # dropout in every block
+    gm = graphopt.trace(model, args, kwargs)
+    if offload is not None:
+        gm = checkpoint_segments(gm, zoo.block_segments(gm), offload=offload)
+    return model, gm, args, kwargs
+
+
+def test_the_step_is_eager_s_bit_for_bit_with_dropout_on_another_batch():
+    model, gm, args, kwargs = _gpt(offload=True)
+    assert [n.target.draws for n in gm.graph.nodes if isinstance(n.target, OffloadedSegment)] == [True] * 4
+    idx = torch.randint(0, 256, args[0].shape)  # not the example
+    assert_same_step(model, gm, (idx,), {"targets": torch.randint(0, 256, idx.shape)}, exact=True)
+
+
+def _held_after_forward(gm, args, kwargs) -> int:
+    """Device bytes the step holds between its forward and its backward, beyond its parameters."""
+    with LiveStorage() as live:
+        loss = gm(*args, **kwargs).loss
+    held = live.live
+    loss.backward()
+    return held
+
+
+def test_between_forward_and_backward_the_inputs_are_the_host_s_and_the_estimate_is_the_measurement():
+    _, kept, args, kwargs = _gpt(offload=False)
+    _, moved, _, _ = _gpt(offload=True)
+    assert _held_after_forward(kept, args, kwargs) - _held_after_forward(moved, args, kwargs) == \
+        offloaded_bytes(moved) == 4 * 8 * 64 * 64 * 4  # each block's input: batch x sequence x width, float32
+    estimated = estimate_peak(moved, placeholder_values(moved, args, kwargs)).peak_bytes
+    assert estimated == measure_step(moved, args, kwargs)
+
+
+def test_undone_it_is_the_graph_it_was():
+    model, gm, args, kwargs = _gpt(offload=True, layers=2)
+    inline_segments(gm)
+    assert not any(isinstance(n.target, OffloadedSegment) for n in gm.graph.nodes)
+    assert_same_step(model, gm, args, kwargs, exact=True)
+
+
+def test_what_the_segment_does_not_own_stays_where_it_is():
+    weight = torch.nn.Parameter(torch.ones(3))
+    x = torch.ones(3)
+    made = weight * 2
+    assert owned(made) and owned(made[1:])
+    assert not owned(weight) and not owned(weight[1:]) and not owned(x) and not owned(3.0)
+
+
+def test_the_plan_offloads_only_below_what_the_host_step_reaches():
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    adamw = torch.optim.AdamW(model.parameters())
+
+    def planned(budget_gb: float):
+        return graphopt.optimize(model, args, kwargs, budget_gb=budget_gb, optimizer=adamw, plan_cache=False)
+
+    with pytest.raises(graphopt.BudgetError, match="gradients on the host and the recompute segments' inputs too") as e:
+        planned(1e-9)
+    least = e.value.min_budget_bytes
+    stats = planned(least * 1.01 / 1e9).graphopt_report.recompute().stats
+    assert stats["offloaded_segments"] >= 1 and stats["offloaded_bytes"] > 0 and stats["offload_ms"] > 0
+    with pytest.warns(graphopt.BudgetWarning):  # the step as traced fits: nothing moves
+        assert "offloaded_segments" not in planned(1.0).graphopt_report.recompute().stats
+
+
+def test_three_adamw_steps_with_everything_on_the_host_equal_eager_s_bit_for_bit():
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    reference = copy.deepcopy(model)
+    adamw, eager_adamw = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    with pytest.raises(graphopt.BudgetError) as e:
+        graphopt.optimize(model, args, kwargs, budget_gb=1e-9, optimizer=adamw, plan_cache=False)
+    opt = graphopt.optimize(model, args, kwargs, budget_gb=e.value.min_budget_bytes * 1.01 / 1e9, optimizer=adamw,
+                            plan_cache=False)
+    assert opt.graphopt_report.recompute().stats["offloaded_segments"] >= 1
+    for step in range(3):  # batches other than the example
+        idx, targets = torch.randint(0, 256, args[0].shape), torch.randint(0, 256, args[0].shape)
+        losses = []
+        for module, optimizer in ((opt, adamw), (reference, eager_adamw)):
+            torch.manual_seed(step)  # the same dropout masks
+            loss = module(idx, targets=targets).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss)
+        assert torch.equal(*losses), step
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
