@@ -11,9 +11,12 @@ gpu_precision.py (bf16 against float32 and autocast); head_loss.py (an LM head a
 step peaks); recompute_sweep.py on the corpus's GPT-2 (predicted against measured peak from
 graphopt's least budget to eager); gpu_memory_gap.py (CUDA only: each zoo model's estimate
 against its measured step, and the allocator's snapshot of the step); host_link.py (the host
-step's rates: pinned copies each way, the host's AdamW step). Each one's limit is its share of the budget plus what the ones
-before it left unused, so the whole run stays within the budget; the matrices (fuse, rows) are
-told to stop starting rows in time to write what they measured. A crash, a hang or a spent limit
+step's rates: pinned copies each way, the host's AdamW step); gpu_host_step.py (a Llama planned
+below its device's reach: the host tier measured against its prediction and torchao's
+CPUOffloadOptimizer); gpu_prefetch.py (an image step with and without graphopt.prefetch). Each
+one's limit is its share of the budget plus what the ones before it left unused, so the whole run
+stays within the budget; the matrices (fuse, rows) are told to stop starting rows in time to
+write what they measured. A crash, a hang or a spent limit
 loses that benchmark only (a hang is interrupted, so its stderr ends with where it stood).
 
 Writes DIR/<device>-<date>/ (device: "h100", "h200", ... from torch.cuda.get_device_name, "cpu"
@@ -73,17 +76,17 @@ class Benchmark:
 BENCHMARKS = [
     Benchmark("step_time", "training steps of GPT-2 124M, the corpus GPT-2 and a small Llama: eager, autocast, "
               "torch.compile (and reduce-overhead), graphopt, graphopt bf16, graphopt with CUDA graphs",
-              ["bench/gpu_step_time.py", "--out", "{folder}", "--seconds", "{seconds}"], 190,
+              ["bench/gpu_step_time.py", "--out", "{folder}", "--seconds", "{seconds}"], 165,
               cpu_args=["--steps", "2"]),
     Benchmark("memory_promise", "five corpus models, each in a process of its own: predicted against measured "
               "peak, budgets held", ["bench/gpu_step_time.py", "--memory", "all", "--out", "{folder}", "--seconds",
                                      "{seconds}"], 45, cuda_only=True),
     Benchmark("fuse", "elementwise chains: eager, graphopt, torch.compile; first training step",
-              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 55),
+              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 50),
     Benchmark("rows", "norms, softmax, cross-entropy, batch norm, LM head: eager, graphopt, torch.compile, Liger",
-              ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 60),
+              ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 55),
     Benchmark("recompute", "recompute at f = 0.3, 0.5, 0.7 on the zoo MLP, CNN and GPT; estimate error; solver time",
-              ["bench/gpu_recompute.py", "--out", "{folder}"], 40,
+              ["bench/gpu_recompute.py", "--out", "{folder}"], 35,
               cpu_args=["--models", "mlp", "--steps", "3"]),
     Benchmark("precision", "GPT step in float32, graphopt bf16 and torch.autocast bf16",
               ["bench/gpu_precision.py", "--out", "{folder}"], 35, cpu_args=["--steps", "3"]),
@@ -97,6 +100,13 @@ BENCHMARKS = [
               ["bench/gpu_memory_gap.py", "--out", "{folder}/memory_gap"], 15, cuda_only=True),
     Benchmark("host_link", "pinned host-device copies each way and the host's AdamW step: the host step's rates",
               ["bench/host_link.py", "--out", "{folder}/host_link.md"], 5, cpu_args=["--mb", "64"]),
+    Benchmark("host_step", "a Llama planned below its device's reach: what moved to the host, predicted against "
+              "measured peak, step time against eager and torchao's CPUOffloadOptimizer",
+              ["bench/gpu_host_step.py", "--out", "{folder}/host_step.md"], 30,
+              cpu_args=["--layers", "2", "--width", "256", "--tokens", "128", "--steps", "2"]),
+    Benchmark("prefetch", "an image step with and without graphopt.prefetch",
+              ["bench/gpu_prefetch.py", "--out", "{folder}/prefetch.md"], 10,
+              cpu_args=["--steps", "8", "--batch", "8", "--size", "64"]),
 ]
 DEFAULT_BUDGET_S = 480
 RESERVE_S = 10  # the runner's own work: finding the device, the index, packing

@@ -1,0 +1,152 @@
+"""The plan's host tier on a real step: a Llama (transformers) with AdamW planned below what its
+device reaches, so its optimizer's state, step and, further down, its gradients and checkpoints go
+to the host; measured against the prediction and against torchao's CPUOffloadOptimizer.
+
+    python bench/gpu_host_step.py [--layers 8] [--width 1024] [--tokens 2048] [--steps 5] [--out FILE]
+
+Per budget (1.05 and 1.5 x the least graphopt names with everything on the host): what the plan
+moved, the predicted peak, the measured peak of a whole step (forward, backward, optimizer.step;
+torch.cuda.max_memory_allocated on CUDA, the live storages of the device on CPU) and the median
+step time; beside them the same model on the device with AdamW (eager) and with torchao's
+CPUOffloadOptimizer (its state and step on the host; a row saying so where torchao is not
+installed). Parameters in bf16 on CUDA (as users load them), float32 on CPU. Writes a markdown table
+(default bench/results/gpu_host_step-<device>-<date>.md).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]  # graphopt from this checkout
+
+import graphopt  # noqa: E402
+from graphopt.analysis.memory import measure_peak  # noqa: E402
+
+GB = 1e9
+
+
+def llama(layers: int, width: int, tokens: int, device: torch.device, dtype):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=width, intermediate_size=width * 11 // 4,
+                                      num_hidden_layers=layers, num_attention_heads=width // 64,
+                                      num_key_value_heads=width // 128, max_position_embeddings=tokens,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    ids = torch.randint(0, 32000, (1, tokens), device=device)
+    return model, (ids,), {"labels": ids}
+
+
+def timed_steps(module, optimizer, args, kwargs, steps: int, sync) -> tuple[float, int]:
+    """(median seconds a step, peak device bytes of a step after the first: the model, its inputs and
+    the optimizer's state on the device resident)."""
+    def step():
+        module(*args, **kwargs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer's state exists from here on
+    sync()
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    peak = measure_peak(step, module, *args, *kwargs.values(), *state)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), peak
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out")
+    a = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model, args, kwargs = llama(a.layers, a.width, a.tokens, device, dtype)
+    rows = []
+
+    eager = copy.deepcopy(model)
+    seconds, peak = timed_steps(eager, torch.optim.AdamW(eager.parameters()), args, kwargs, a.steps, sync)
+    rows.append(("eager, AdamW on the device", None, "-", None, peak, seconds))
+    base = seconds
+    del eager
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+
+        eager = copy.deepcopy(model)
+        offloaded = CPUOffloadOptimizer(eager.parameters(), torch.optim.AdamW)
+        seconds, peak = timed_steps(eager, offloaded, args, kwargs, a.steps, sync)
+        rows.append(("eager, torchao CPUOffloadOptimizer(AdamW)", None, "state and step", None, peak, seconds))
+        del eager, offloaded
+    except ImportError as e:
+        rows.append((f"torchao CPUOffloadOptimizer: not installed ({e})", None, "-", None, None, None))
+
+    probe = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", graphopt.BudgetWarning)
+        try:
+            graphopt.optimize(probe, args, kwargs, budget_gb=1e-9, optimizer=torch.optim.AdamW(probe.parameters()),
+                              plan_cache=False)
+            least = 0
+        except graphopt.BudgetError as e:
+            least = e.min_budget_bytes
+    del probe
+    for factor in (1.05, 1.5):
+        trained = copy.deepcopy(model)
+        adamw = torch.optim.AdamW(trained.parameters())
+        budget = least * factor
+        opt = graphopt.optimize(trained, args, kwargs, budget_gb=budget / GB, optimizer=adamw, plan_cache=False)
+        report = opt.graphopt_report
+        record = report.recompute()
+        stats = record.stats
+        moved = [report.host_step.moved] if report.host_step is not None else []
+        if stats.get("offloaded_segments"):
+            moved.append(f"{stats['offloaded_segments']} segments' inputs")
+        seconds, peak = timed_steps(opt, adamw, args, kwargs, a.steps, sync)
+        rows.append((f"graphopt at {factor:g} x its least", budget, ", ".join(moved) or "nothing",
+                     record.budget.predicted_peak_bytes, peak, seconds))
+        del trained, opt, adamw
+
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    params = sum(p.numel() for p in model.parameters())
+    lines = [f"# The host tier on a real step, {name}, {datetime.date.today()}", "",
+             f"`python bench/gpu_host_step.py --layers {a.layers} --width {a.width} --tokens {a.tokens} --steps "
+             f"{a.steps}`: a Llama of {params / 1e6:.0f}M parameters in {str(dtype).removeprefix('torch.')}, AdamW, "
+             f"1 x {a.tokens} tokens; least budget with everything on the host: {least / GB:.3f} GB. Peak: "
+             f"{'torch.cuda.max_memory_allocated' if cuda else 'live storages of the device'} over a step after the "
+             "first; time: the median step.", "",
+             "| step | budget | on the host | predicted peak | measured peak | measured / predicted | step time | "
+             "against eager |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for what, budget, moved, predicted, peak, seconds in rows:
+        ratio = f"{peak / predicted:.4f}" if predicted and peak else "-"
+        lines.append(f"| {what} | {f'{budget / GB:.3f} GB' if budget else '-'} | {moved} | "
+                     f"{f'{predicted / GB:.3f} GB' if predicted else '-'} | {f'{peak / GB:.3f} GB' if peak else '-'} | "
+                     f"{ratio} | {f'{seconds * 1e3:.1f} ms' if seconds else '-'} | "
+                     f"{f'{seconds / base:.2f}' if seconds else '-'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(a.out or Path(__file__).parent / "results" / f"gpu_host_step-{device.type}-{datetime.date.today()}.md")
+    out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
