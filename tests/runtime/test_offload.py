@@ -83,6 +83,7 @@ def test_the_plan_offloads_only_below_what_the_host_step_reaches():
         assert "offloaded_segments" not in planned(1.0).graphopt_report.recompute().stats
 
 
+@pytest.mark.slow  # two plans searched to the least: make test-real
 def test_three_adamw_steps_with_everything_on_the_host_equal_eager_s_bit_for_bit():
     torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)

@@ -50,8 +50,9 @@ instead: the segments, the writes in place and the report's figures, or the refu
      read again by its rerun), then cut; the estimate is made again (in step 4, as the plan's
      own), and writes that raise it are undone. Also when the budget needs no plan.
   7. Mark every node kept, recomputed or boundary (a segment's inputs), and report: peaks
-     before and after, the step's estimated time, recompute FLOPs, time and its share of the step, and a picture of
-     predicted memory through the step, before and after (kk-recompute.memory.png).
+     before and after, the step's estimated time, recompute FLOPs, time and its share of the
+     step, and a picture of predicted memory through the step, before and after
+     (kk-recompute.memory.png).
   8. The plan is made for the example's sizes; a call at others (a shorter sequence, a dynamic
      batch) first estimates its step there, once per signature, and raises BudgetError where it
      does not fit (runtime/budget_check.py): a plan for the longest length serves the shorter.
@@ -206,8 +207,9 @@ class Recompute(Pass):
 
     def _plan_on_host(self, gm: torch.fx.GraphModule, ctx: PassContext, least: int, device: str,
                       step_s: float) -> PassResult:
-        """Step 9: the state and step on the host first; then the gradients too. least: what the
-        device needs with them on it; step_s: the step's seconds on the device."""
+        """Steps 9 and 10: the state and step on the host first; then the gradients too; then the
+        segments' inputs as well. least: what the device needs with the optimizer on it; step_s:
+        the step's seconds on the device."""
         memory = self.optimizer  # the device's plans measured it; with the step on the host, setup leaves it out
         for gradients, offload in ((False, False), (True, False), (True, True)):
             self.host, self.offload = host_step(gm.parameters(), memory, device, gradients), offload
@@ -486,6 +488,9 @@ class Recompute(Pass):
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")
+        if not inference and self.settings.optimizer is None:  # the host tier needs the optimizer (step 9)
+            batch += (" give optimizer= (the one you step: the plan may then keep its state, step and gradients "
+                      "on the host, and the checkpoints too),")
         return below_least(self.settings.budget_bytes, minimum, f"{what} needs at least, {how}", breakdown,
                            f"halve activations with precision='bf16',{batch} or split the model over devices with "
                            "stages=N", self.headroom)

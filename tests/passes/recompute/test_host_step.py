@@ -35,12 +35,18 @@ def test_the_host_step_is_chosen_only_below_what_the_device_reaches(budget_mb, o
 
 def test_below_the_host_step_s_least_the_refusal_says_it_was_tried():
     model, args, _ = _mlp()
-    with pytest.raises(graphopt.BudgetError, match="with the optimizer's state, step and gradients on the host and the recompute segments' inputs too needs at least"):
+    with pytest.raises(graphopt.BudgetError, match="with the optimizer's state, step and gradients on the host and "
+                                                   "the recompute segments' inputs too needs at least"):
         graphopt.optimize(model, args, budget_gb=1.0 * MB, optimizer=torch.optim.AdamW(model.parameters()),
                           plan_cache=False)
-    with pytest.raises(graphopt.BudgetError) as refused:  # no optimizer in the budget: nothing to move
+
+
+def test_without_an_optimizer_the_refusal_names_the_host_as_a_way_down_not_as_tried():
+    model, args, _ = _mlp()
+    with pytest.raises(graphopt.BudgetError, match=r"give optimizer= \(the one you step: the plan may then keep its "
+                                                   "state, step and gradients on the host") as refused:
         graphopt.optimize(model, args, budget_gb=1.0 * MB, plan_cache=False)
-    assert "on the host" not in str(refused.value)
+    assert "one training step needs at least" in str(refused.value)  # not "with ... on the host needs"
 
 
 def test_plan_answers_with_the_host_step_on_the_meta_device():

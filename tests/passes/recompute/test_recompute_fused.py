@@ -59,6 +59,7 @@ def _segment_members(gm) -> list:
             for m in n.target.module.graph.nodes if m.op == "call_function"]
 
 
+@pytest.mark.slow  # a least searched with fused kernels interpreted: make test-real
 @pytest.mark.filterwarnings("ignore::graphopt.BudgetWarning")
 def test_recompute_reruns_fused_calls_and_matches_eager_on_another_batch():
     model, args, kwargs = _llama()
