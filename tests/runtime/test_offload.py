@@ -107,3 +107,30 @@ def test_three_adamw_steps_with_everything_on_the_host_equal_eager_s_bit_for_bit
         assert torch.equal(*losses), step
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.slow  # a least searched, then two models stepped: make test-real
+def test_with_precision_bf16_everything_on_the_host_steps_as_bf16_on_the_device():
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
+    reference = copy.deepcopy(model)
+    adamw, device_adamw = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    with pytest.raises(graphopt.BudgetError) as e:
+        graphopt.optimize(model, args, kwargs, budget_gb=1e-9, optimizer=adamw, precision="bf16", plan_cache=False)
+    hosted = graphopt.optimize(model, args, kwargs, budget_gb=e.value.min_budget_bytes * 1.01 / 1e9, optimizer=adamw,
+                               precision="bf16", plan_cache=False)
+    assert hosted.graphopt_report.recompute().stats["offloaded_segments"] >= 1
+    on_device = graphopt.optimize(reference, args, kwargs, precision="bf16")
+    for step in range(2):
+        idx, targets = torch.randint(0, 256, args[0].shape), torch.randint(0, 256, args[0].shape)
+        losses = []
+        for module, optimizer in ((hosted, adamw), (on_device, device_adamw)):
+            torch.manual_seed(step)
+            loss = module(idx, targets=targets).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss)
+        assert torch.equal(*losses), step
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name

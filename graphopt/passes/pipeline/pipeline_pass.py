@@ -168,7 +168,9 @@ class Pipeline(Pass):
                 f"{share}: the least any cut needs on its fullest device is {size_text(need * per_rank)} (the "
                 f"balanced cut's {size_text(max(balanced.stage_memory) * per_rank)}). Raise budget_gb to "
                 f"{budget_text(need * per_rank)} or more, use more "
-                "stages or fewer microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'.",
+                "stages or fewer microbatches in flight (schedule=1f1b), or cut activations with precision='bf16'. "
+                "The host tier (the optimizer's state, step and gradients on the host) is not planned per stage: "
+                "on one device without stages=, budget_gb with optimizer= plans it.",
                 min_budget_bytes=need * per_rank,
                 breakdown={f"balanced cut, stage {s}": m for s, m in enumerate(balanced.stage_memory)})
         # Step 3

@@ -40,7 +40,8 @@ from .units import make_units
 
 ESTIMATE_DIM = "graphopt_rank_estimate"  # the fake mesh's dimension (_fake_mesh)
 # what else lowers a rank's step, where a budget is below its least
-RANK_ADVICE = "halve activations with precision='bf16', or shard over more ranks (world_size)"
+RANK_ADVICE = ("halve activations with precision='bf16', or shard over more ranks (world_size); the host tier "
+               "(FSDP2's CPUOffloadPolicy, the optimizer's state and step on the host) is not planned per rank")
 
 
 @dataclass(frozen=True)
