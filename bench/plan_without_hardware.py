@@ -137,7 +137,7 @@ def markdown(result: dict) -> str:
              f"{result['device']}, torch {result['torch']}, {result['date']}; passes: {result['passes']}\n"]
     if result.get("llama_8b"):
         lines += ["Llama-3-8B shape, bf16 parameters, AdamW, planned for CUDA on the meta device (least: with the "
-                  "optimizer's state and step on the host):\n",
+                  "optimizer's state, step and gradients, and the checkpoints, on the host):\n",
                   "| tokens | budget | least (whole batch) | microbatches | recompute segments | predicted peak | "
                   "recompute, share of a step | optimizer on the host | predicted step time | plan() took |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
