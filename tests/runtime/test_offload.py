@@ -94,19 +94,7 @@ def test_three_adamw_steps_with_everything_on_the_host_equal_eager_s_bit_for_bit
     opt = graphopt.optimize(model, args, kwargs, budget_gb=e.value.min_budget_bytes * 1.01 / 1e9, optimizer=adamw,
                             plan_cache=False)
     assert opt.graphopt_report.recompute().stats["offloaded_segments"] >= 1
-    for step in range(3):  # batches other than the example
-        idx, targets = torch.randint(0, 256, args[0].shape), torch.randint(0, 256, args[0].shape)
-        losses = []
-        for module, optimizer in ((opt, adamw), (reference, eager_adamw)):
-            torch.manual_seed(step)  # the same dropout masks
-            loss = module(idx, targets=targets).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss)
-        assert torch.equal(*losses), step
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), name
+    _steps_bitwise_equal((opt, adamw), (reference, eager_adamw), args[0].shape, steps=3)
 
 
 @pytest.mark.slow  # a least searched, then two models stepped: make test-real
@@ -121,10 +109,16 @@ def test_with_precision_bf16_everything_on_the_host_steps_as_bf16_on_the_device(
                                precision="bf16", plan_cache=False)
     assert hosted.graphopt_report.recompute().stats["offloaded_segments"] >= 1
     on_device = graphopt.optimize(reference, args, kwargs, precision="bf16")
-    for step in range(2):
-        idx, targets = torch.randint(0, 256, args[0].shape), torch.randint(0, 256, args[0].shape)
+    _steps_bitwise_equal((hosted, adamw), (on_device, device_adamw), args[0].shape, steps=2)
+
+
+def _steps_bitwise_equal(planned, reference, shape, steps: int) -> None:
+    """(module, optimizer) pairs stepped on the same batches, other than the example, with the same
+    dropout masks: their losses and then their parameters bit for bit."""
+    for step in range(steps):
+        idx, targets = torch.randint(0, 256, shape), torch.randint(0, 256, shape)
         losses = []
-        for module, optimizer in ((hosted, adamw), (on_device, device_adamw)):
+        for module, optimizer in (planned, reference):
             torch.manual_seed(step)
             loss = module(idx, targets=targets).loss
             loss.backward()
@@ -132,5 +126,5 @@ def test_with_precision_bf16_everything_on_the_host_steps_as_bf16_on_the_device(
             optimizer.zero_grad()
             losses.append(loss)
         assert torch.equal(*losses), step
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(planned[0].named_parameters(), reference[0].parameters()):
         assert torch.equal(p, q), name
