@@ -10,11 +10,11 @@ plan graphopt.train_step would take, the predicted peak and step time (the time 
 at the host's measured rates), and the seconds plan() took.
 
 350M part: 24 layers, 1024 wide, MLP 2816, 16 heads, 8 KV heads, vocabulary 32000, float32, AdamW,
-2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget (with the optimizer's
-state and step on the host) and the unplanned step's peak; at two budgets, one where the optimizer
-stays on the device and recompute plans, one below what the device reaches with AdamW's state on
-it, the plan; then the same config built for real, graphopt.train_step at that budget with the
-AdamW it plans for, one step with optimizer.step() to make AdamW's state, and the next step
+2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget (with the host tier:
+the optimizer's state, step and gradients, and the checkpoints, on the host) and the unplanned
+step's peak; at two budgets below the unplanned step (part_350m says which), the plan; then the
+same config built for real, graphopt.train_step at that budget with the AdamW it plans for, one
+step with optimizer.step() to make AdamW's state, and the next step
 measured (live storages of the device: the state resident where it is the device's, the host's
 copies not counted): predicted against measured.
 --passes gives optimize's passes (default: its default pipeline, which on CUDA fuses). With
@@ -81,10 +81,10 @@ def part_8b(passes: str | None) -> list[dict]:
 
 
 def part_350m(passes: str | None) -> list[dict]:
-    """Two budgets: one a quarter of the way from the unplanned step down to the least (the optimizer
-    on the device, a plan that recomputes), and one at the least plus the parameters' bytes, below
-    what the device reaches with AdamW's state on it (twice the parameters): its state and step on
-    the host."""
+    """Two budgets: one a quarter of the way from the unplanned step down to the least, and one at
+    the least plus the parameters' bytes. At 2 x 512 tokens both are below what the device reaches
+    with AdamW's state on it (parameters, gradients and two moments: 5.58 GB), so both step it on
+    the host, the second recomputing too."""
     model, args, kwargs = llama(LLAMA_350M, 2, 512, "meta")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     least = graphopt_plan(model, args, kwargs, None, passes).least_bytes  # the optimizer's step on the host
