@@ -13,7 +13,7 @@ from ..errors import GraphoptWarning
 # notes speak Python, and what a user of the command line can type is a flag
 FLAGS = {"budget_gb": "--budget-gb", "stages": "--stages", "precision": "--precision", "profile": "--profile",
          "calibrate": "--calibrate", "frontend": "--frontend", "verify": "--verify", "passes": "--passes",
-         "dump_dir": "--dump", "loss_fn": "--loss", "train": "--mode"}
+         "dump_dir": "--dump", "loss_fn": "--loss", "train": "--mode", "optimizer": "--optimizer"}
 _NAME = "|".join(FLAGS)
 _SPELLINGS = [
     # "loss_fn=... (on the command line, --loss pkg.module:function)": the flag the text already gives

@@ -11,6 +11,7 @@ from graphopt.analysis.live_storage import LiveStorage
 from graphopt.analysis.memory import estimate_peak, measure_step
 from graphopt.frontend.graph_inputs import placeholder_values
 from graphopt.passes.recompute.rewrite import checkpoint_segments, inline_segments, offloaded_bytes
+from graphopt.analysis.segments import SegmentCall
 from graphopt.runtime.offload import OffloadedSegment, owned
 from graphopt.testing import zoo
 
@@ -55,6 +56,18 @@ def test_undone_it_is_the_graph_it_was():
     model, gm, args, kwargs = _gpt(offload=True, layers=2)
     inline_segments(gm)
     assert not any(isinstance(n.target, OffloadedSegment) for n in gm.graph.nodes)
+    assert_same_step(model, gm, args, kwargs, exact=True)
+
+
+def test_a_segment_returning_a_model_s_output_stays_a_checkpoint():
+    # the tail makes GPTOutput, a dataclass: autograd would not see the loss inside it
+    model, args, kwargs = zoo.gpt(batch=2, seq=16, layers=2)
+    gm = graphopt.trace(model, args, kwargs)
+    nodes = list(gm.graph.nodes)
+    tail = nodes[[n.name for n in nodes].index("ln"):-1]
+    gm = checkpoint_segments(gm, [*zoo.block_segments(gm), tail], offload=True)
+    kinds = [type(n.target).__name__ for n in gm.graph.nodes if isinstance(n.target, SegmentCall)]
+    assert kinds == ["OffloadedSegment", "OffloadedSegment", "RecomputeSegment"]
     assert_same_step(model, gm, args, kwargs, exact=True)
 
 

@@ -127,7 +127,8 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
                         selective: list[bool] | None = None, offload: bool = False) -> torch.fx.GraphModule:
     """Rewrite gm so each segment (nodes contiguous in graph order) is recomputed in backward;
     selective[k]: segment k keeps its matmul, convolution and attention outputs; offload: each
-    full segment keeps its inputs on the host until its backward (runtime/offload.py)."""
+    full segment whose outputs are tensors keeps its inputs on the host until its backward
+    (runtime/offload.py)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     selective = selective or [False] * len(segments)
     for k, nodes in enumerate(segments):
@@ -145,7 +146,8 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         inside, last = set(nodes), nodes[-1]
         with gm.graph.inserting_after(last):
             draws = any(may_draw(n, gm) for n in nodes)
-            runs = OffloadedSegment(k, module, draws) if offload and not selective[k] else \
+            whole = all(map(_returned_whole, outputs))
+            runs = OffloadedSegment(k, module, draws) if offload and not selective[k] and whole else \
                 RecomputeSegment(k, module, selective[k], draws)
             call = gm.graph.call_function(runs, tuple(inputs))
         items = {}
@@ -166,6 +168,13 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _returned_whole(node: torch.fx.Node) -> bool:
+    """Whether an autograd.Function returning node's value sees every tensor in it: a tensor, or a
+    number (a size); not a tuple of tensors nor a model's output dataclass, whose tensors it would
+    hand on without their gradients."""
+    return isinstance(tensor_info(node), TensorInfo) or isinstance(node.meta.get("val"), (int, float, torch.SymInt))
 
 
 def inline_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
