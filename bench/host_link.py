@@ -6,7 +6,9 @@ host_step_bytes_per_s), measured on this machine:
 host link: copies of a `--mb` MB buffer between device and host memory, each way (pinned host
 memory and non_blocking copies on CUDA, as runtime/host_optimizer.py makes them; on CPU a copy
 between two host buffers, the host's own memcpy). host step: torch.optim.AdamW's step on the host
-over 16M float32 parameters and over 16M bfloat16 ones, per byte of the parameters it updates.
+over 16M float32 parameters and over 16M bfloat16 ones, per byte of the parameters it updates,
+with its fused CPU kernel (what the host step runs where the user chose no implementation) and
+with torch's default loop.
 The median of five runs each. Writes a markdown table (default
 bench/results/host_link-<device>-<date>.md).
 """
@@ -48,12 +50,14 @@ def main() -> None:
     down = timed(lambda: host.copy_(on_device, non_blocking=cuda), sync)
     up = timed(lambda: on_device.copy_(host, non_blocking=cuda), sync)
     rows = [("host link, device to host", n, down), ("host link, host to device", n, up)]
-    for dtype in (torch.float32, torch.bfloat16):
-        p = torch.nn.Parameter(torch.randn(16 * 2**20, dtype=dtype))
-        p.grad = torch.randn_like(p)
-        optimizer = torch.optim.AdamW([p])
-        rows.append((f"host AdamW step, {str(dtype).removeprefix('torch.')}", p.untyped_storage().nbytes(),
-                     timed(optimizer.step, lambda: None)))
+    for fused in (True, None):
+        for dtype in (torch.float32, torch.bfloat16):
+            p = torch.nn.Parameter(torch.randn(16 * 2**20, dtype=dtype))
+            p.grad = torch.randn_like(p)
+            optimizer = torch.optim.AdamW([p], fused=fused)
+            kernel = "fused" if fused else "default loop"
+            rows.append((f"host AdamW step ({kernel}), {str(dtype).removeprefix('torch.')}",
+                         p.untyped_storage().nbytes(), timed(optimizer.step, lambda: None)))
     name = torch.cuda.get_device_name() if cuda else "cpu"
     lines = [f"# The host step's rates on {name}, {datetime.date.today()}", "",
              f"`python bench/host_link.py --mb {a.mb}`; the median of five runs.", "",

@@ -7,7 +7,7 @@ import torch
 
 import graphopt
 from graphopt.analysis.memory import backward_roots, measure_peak
-from graphopt.runtime.host_optimizer import host_gradients, install_host_optimizer
+from graphopt.runtime.host_optimizer import fastest_on_host, host_gradients, install_host_optimizer, installed
 from graphopt.testing import zoo
 
 BELOW_ON_DEVICE = 3.0e-3  # GB: the MLP below steps with AdamW's state in 4.9 MB on the device, 2.3 MB off it
@@ -30,7 +30,7 @@ def _step(model, optimizer, x):
 def test_adamw_steps_on_the_host_equal_the_device_s_bitwise_with_a_scheduler():
     model, args, _ = _mlp()
     ref = copy.deepcopy(model)
-    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref))
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False) for m in (model, ref))
     opt = graphopt.optimize(model, args, budget_gb=BELOW_ON_DEVICE, optimizer=ours, plan_cache=False)
     assert opt.graphopt_report.host_step is not None
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (ours, theirs)]
@@ -51,12 +51,35 @@ def test_adamw_steps_on_the_host_equal_the_device_s_bitwise_with_a_scheduler():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def test_left_unset_the_host_runs_the_fused_kernel_within_rounding_of_the_device_s_loop():
+    model, args, _ = _mlp()
+    ref = copy.deepcopy(model)
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    opt = graphopt.optimize(model, args, budget_gb=BELOW_ON_DEVICE, optimizer=ours, plan_cache=False)
+    assert all(g["fused"] for g in installed(ours).host.param_groups)
+    for _ in range(3):
+        x = torch.randn_like(args[0])
+        torch.testing.assert_close(_step(opt, ours, x), _step(ref, theirs, x), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):  # Adam divides by sqrt(v): a few ulps grow
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    ours.load_state_dict(ours.state_dict())  # a checkpoint loaded keeps the host's kernel
+    assert all(g["fused"] for g in installed(ours).host.param_groups)
+
+
+def test_a_chosen_implementation_is_the_host_s_too():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    for chosen in ({"foreach": False}, {"foreach": True}, {"fused": False}):
+        optimizer = torch.optim.AdamW(params, **chosen)
+        assert fastest_on_host(optimizer) is optimizer
+    assert fastest_on_host(torch.optim.AdamW(params)).param_groups[0]["fused"] is True
+
+
 def test_a_resumed_optimizer_s_state_moves_to_the_host():
     model, args, _ = _mlp()
-    ours = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ours = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
     _step(model, ours, args[0])  # one step on the device makes its state
     ref = copy.deepcopy(model)
-    theirs = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    theirs = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
     theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
     install_host_optimizer(ours)
     assert not ours.state
@@ -98,7 +121,7 @@ def test_train_step_plans_and_steps_with_the_optimizer_on_the_host():
     torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(batch=4, seq=32, layers=2)
     ref = copy.deepcopy(model)
-    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for m in (model, ref))
     with pytest.raises(graphopt.BudgetError) as least:  # the least with the state and step on the host
         graphopt.optimize(copy.deepcopy(model), args, kwargs, budget_gb=1e-9, plan_cache=False,
                           optimizer=torch.optim.AdamW(model.parameters()))
@@ -126,7 +149,7 @@ def test_gradients_on_the_host_step_as_on_the_device_and_refuse_to_be_read_there
     torch.manual_seed(0)
     model, args, _ = zoo.mlp(batch=4, width=512, depth=4)  # parameters over activations: gradients matter
     ref = copy.deepcopy(model)
-    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref))
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False) for m in (model, ref))
     opt = graphopt.optimize(model, args, budget_gb=6.5e-3, optimizer=ours, plan_cache=False)
     host = opt.graphopt_report.host_step
     assert host is not None and host.gradients and "state, step and gradients" in str(opt.graphopt_report)
@@ -170,7 +193,7 @@ def test_gradients_on_the_host_step_as_on_the_device_and_refuse_to_be_read_there
 def test_parameters_written_on_the_device_reach_the_host_copy_before_its_step():
     model, args, _ = _mlp()
     ref = copy.deepcopy(model)
-    ours, theirs = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    ours, theirs = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=False) for m in (model, ref))
     install_host_optimizer(ours)
     _step(model, ours, args[0]), _step(ref, theirs, args[0])
     loaded = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}  # a checkpoint loaded between steps
@@ -190,7 +213,7 @@ def test_transformers_gpt2_steps_on_the_host_as_on_the_device_with_padded_labels
     model = transformers.GPT2LMHeadModel(config).train()
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 512, (4, 32))
-    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    ours, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for m in (model, ref))
     with pytest.raises(graphopt.BudgetError) as least:
         graphopt.optimize(copy.deepcopy(model), (ids,), {"labels": ids.clone()}, budget_gb=1e-9, plan_cache=False,
                           optimizer=torch.optim.AdamW(model.parameters()))

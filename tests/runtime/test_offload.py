@@ -101,7 +101,7 @@ def test_three_adamw_steps_with_everything_on_the_host_equal_eager_s_bit_for_bit
     torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
     reference = copy.deepcopy(model)
-    adamw, eager_adamw = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    adamw, eager_adamw = (torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (model, reference))
     with pytest.raises(graphopt.BudgetError) as e:
         graphopt.optimize(model, args, kwargs, budget_gb=1e-9, optimizer=adamw, plan_cache=False)
     opt = graphopt.optimize(model, args, kwargs, budget_gb=e.value.min_budget_bytes * 1.01 / 1e9, optimizer=adamw,
@@ -115,7 +115,7 @@ def test_with_precision_bf16_everything_on_the_host_steps_as_bf16_on_the_device(
     torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
     reference = copy.deepcopy(model)
-    adamw, device_adamw = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    adamw, device_adamw = (torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (model, reference))
     with pytest.raises(graphopt.BudgetError) as e:
         graphopt.optimize(model, args, kwargs, budget_gb=1e-9, optimizer=adamw, precision="bf16", plan_cache=False)
     hosted = graphopt.optimize(model, args, kwargs, budget_gb=e.value.min_budget_bytes * 1.01 / 1e9, optimizer=adamw,
