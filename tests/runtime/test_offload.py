@@ -79,6 +79,7 @@ def test_what_the_segment_does_not_own_stays_where_it_is():
     assert not owned(weight) and not owned(weight[1:]) and not owned(x) and not owned(3.0)
 
 
+@pytest.mark.slow  # three plans searched: make test-real (make test keeps the refusal that names the step)
 def test_the_plan_offloads_only_below_what_the_host_step_reaches():
     torch.manual_seed(0)
     model, args, kwargs = zoo.gpt(batch=8, seq=64, layers=4)
