@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]  # graphopt from this checkout
 
 import graphopt  # noqa: E402
+from results_files import device_name, today, write_table  # noqa: E402  (bench/, beside this script)
 from graphopt.analysis.memory import measure_peak  # noqa: E402
 
 GB = 1e9
@@ -125,9 +125,9 @@ def main() -> int:
                      record.budget.predicted_peak_bytes, peak, seconds))
         del trained, opt, adamw
 
-    name = torch.cuda.get_device_name() if cuda else "cpu"
+    name = device_name()
     params = sum(p.numel() for p in model.parameters())
-    lines = [f"# The host tier on a real step, {name}, {datetime.date.today()}", "",
+    lines = [f"# The host tier on a real step, {name}, {today()}", "",
              f"`python bench/gpu_host_step.py --layers {a.layers} --width {a.width} --tokens {a.tokens} --steps "
              f"{a.steps}`: a Llama of {params / 1e6:.0f}M parameters in {str(dtype).removeprefix('torch.')}, AdamW, "
              f"1 x {a.tokens} tokens; least budget with everything on the host: {least / GB:.3f} GB. Peak: "
@@ -141,10 +141,7 @@ def main() -> int:
                      f"{f'{predicted / GB:.3f} GB' if predicted else '-'} | {f'{peak / GB:.3f} GB' if peak else '-'} | "
                      f"{ratio} | {f'{seconds * 1e3:.1f} ms' if seconds else '-'} | "
                      f"{f'{seconds / base:.2f}' if seconds else '-'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(a.out or Path(__file__).parent / "results" / f"gpu_host_step-{device.type}-{datetime.date.today()}.md")
-    out.write_text(text)
+    write_table("gpu_host_step", "\n".join(lines) + "\n", a.out)
     return 0
 
 

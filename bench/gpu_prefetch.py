@@ -12,7 +12,6 @@ Writes a markdown table (default bench/results/gpu_prefetch-<device>-<date>.md).
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]  # graphopt from this checkout
 
 import graphopt  # noqa: E402
+from results_files import device_name, today, write_table  # noqa: E402  (bench/, beside this script)
 
 
 def convnet(classes: int = 10) -> torch.nn.Module:
@@ -72,18 +72,15 @@ def main() -> int:
                                                        device, sync)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     batch_mb = (images[0].numel() * images.element_size() * a.batch) / 1e6
-    name = torch.cuda.get_device_name() if cuda else "cpu"
+    name = device_name()
     base = medians["without"]
-    lines = [f"# graphopt.prefetch on {name}, {datetime.date.today()}", "",
+    lines = [f"# graphopt.prefetch on {name}, {today()}", "",
              f"`python bench/gpu_prefetch.py --steps {a.steps} --batch {a.batch} --size {a.size}`: a convnet's SGD "
              f"step on {a.batch} x 3 x {a.size} x {a.size} float32 images ({batch_mb:.1f} MB a batch) from a "
              f"DataLoader{' with pin_memory' if cuda else ''}; median step time over three passes each, in turns.", "",
              "| loop | median step | against without |", "|---|---:|---:|"]
     lines += [f"| {k} | {v * 1e3:.3f} ms | {v / base:.3f} |" for k, v in medians.items()]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(a.out or Path(__file__).parent / "results" / f"gpu_prefetch-{device.type}-{datetime.date.today()}.md")
-    out.write_text(text)
+    write_table("gpu_prefetch", "\n".join(lines) + "\n", a.out)
     return 0
 
 

@@ -30,3 +30,13 @@ def write_results(kind: str, result: dict, markdown: str, out_dir) -> tuple[Path
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     md_path.write_text(markdown)
     return json_path, md_path
+
+
+def write_table(kind: str, markdown: str, out_file=None) -> Path:
+    """A one-table script's markdown, printed and written to out_file, by default
+    bench/results/<kind>-<device>-<date>.md; returns the path written."""
+    print(markdown)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
+    path = Path(out_file) if out_file else Path(__file__).resolve().parent / "results" / f"{kind}-{slug}-{today()}.md"
+    path.write_text(markdown)
+    return path
