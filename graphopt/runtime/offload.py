@@ -39,6 +39,8 @@ class OffloadedSegment(SegmentCall):
         self.__module__ = __name__
 
     def __call__(self, *args):
+        if not torch.is_grad_enabled():  # no backward to come (an evaluation under no_grad): nothing to keep
+            return tuple(self.module(*args))
         if self._params_of is not self.module:  # the segment's parameters, found once per module
             self._params, self._params_of = tuple(self.module.parameters()), self.module
         # Where no input needs a gradient but a parameter does (an embedding's segment, whose one
