@@ -2,8 +2,12 @@
 gloo ranks (CPU): eager FSDP2, eager FSDP2 with the model's own checkpointing (every block), and
 graphopt's units unplanned, at the peak own checkpointing reaches, and at graphopt's least budget
 per rank; then own checkpointing with 2 microbatches accumulated by hand, and graphopt.train_step
-(the fewest microbatches that fit) at that peak and at its least; each rank measured by torch's FSDPMemTracker through a real step (the optimizer's state
-made by a step before), beside graphopt's prediction. Step times as ratios to eager's.
+(the fewest microbatches that fit) at that peak and at its least; then own checkpointing with
+FSDP2's CPUOffloadPolicy, against graphopt's least, which keeps a rank's shards on the host so
+too. Each rank measured by torch's FSDPMemTracker through a real step (the optimizer's state made
+by a step before), beside graphopt's prediction: with the shards on the host, the device's part
+(what the tracker counts less the sharded parameters, gradients and optimizer state: on gloo
+they are the host's own memory). Step times as ratios to eager's.
 
     python bench/fsdp_ranks.py [--world 2] [--out bench/results/fsdp_ranks-cpu-2-cores-<date>.md]
 """
@@ -18,12 +22,12 @@ from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import graphopt
 from graphopt.passes.shard.rank_memory import step_peak
-from graphopt.runtime.fsdp import fully_shard_units
+from graphopt.runtime.fsdp import fully_shard_units, state_on_host
 from graphopt.runtime.microbatch import split_batch
 from graphopt.testing.gloo import on_gloo_ranks
 
@@ -65,10 +69,11 @@ def _by_hand(module, args, kwargs, loss_of, k):
     return run
 
 
-def _run(module, args, kwargs, run, steps=3):
-    """(peak bytes of the second step, median seconds of the later steps); run(): forward and backward."""
+def _run(module, args, kwargs, run, host: bool, steps=3):
+    """(peak bytes of the second step, the device's part where host, median seconds of the later
+    steps); run(): forward and backward."""
     optimizer = torch.optim.AdamW(module.parameters())
-    peak = step_peak(module, optimizer, args, kwargs, run=run)["Total"]
+    peak = step_peak(module, optimizer, args, kwargs, run=run, host=host)["Total"]
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -98,9 +103,11 @@ def _rank(rank, world, name, how, budget_gb):
         if "own checkpointing" in how:
             for block in blocks:
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        host = "CPUOffloadPolicy" in how
+        policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if host else {}
         for k, block in enumerate(blocks):
-            fully_shard(block, mesh=mesh, reshard_after_forward=k < len(blocks) - 1)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=k < len(blocks) - 1, **policy)
+        fully_shard(model, mesh=mesh, **policy)
         microbatches = 2 if "2 microbatches" in how else 1
         run = _by_hand(model, args, kwargs, loss_of, microbatches)
         module = model
@@ -124,14 +131,15 @@ def _rank(rank, world, name, how, budget_gb):
         stats = module.graphopt_report.passes[-1].stats
         slack = stats["rank_collective_slack_bytes"]
         predicted = (built.predicted_peak_bytes - slack if how == "train_step" else stats["rank_peak_bytes"], slack)
+        host = state_on_host(module)
         fully_shard_units(module, mesh=mesh)
         if how == "train_step":
             microbatches, run = built.microbatches, (lambda: built(*args, **kwargs))
         else:
             run = _by_hand(module, args, kwargs, loss_of, 1)
-    peak, seconds = _run(module, args, kwargs, run)
+    peak, seconds = _run(module, args, kwargs, run, host)
     return {"peak": peak, "seconds": seconds, "predicted": predicted, "budget_gb": budget_gb,
-            "microbatches": microbatches}
+            "microbatches": microbatches, "host": host}
 
 
 def main():
@@ -150,6 +158,7 @@ def main():
         eager = on_gloo_ranks(_rank, options.world, name, "eager", None)
         own = on_gloo_ranks(_rank, options.world, name, "eager + own checkpointing", None)
         halves = on_gloo_ranks(_rank, options.world, name, "eager + own checkpointing, 2 microbatches", None)
+        hosted = on_gloo_ranks(_rank, options.world, name, "eager + own checkpointing + CPUOffloadPolicy", None)
         runs = [("eager FSDP2", eager), ("eager FSDP2 + own checkpointing", own),
                 ("graphopt, no budget", on_gloo_ranks(_rank, options.world, name, "graphopt", None)),
                 ("graphopt at own checkpointing's peak",
@@ -159,20 +168,24 @@ def main():
                 ("graphopt train_step at that peak",
                  on_gloo_ranks(_rank, options.world, name, "train_step", max(r["peak"] for r in halves) / 1e9)),
                 ("graphopt train_step at its least budget",
-                 on_gloo_ranks(_rank, options.world, name, "train_step", "least"))]
+                 on_gloo_ranks(_rank, options.world, name, "train_step", "least")),
+                ("eager FSDP2 + own checkpointing + CPUOffloadPolicy", hosted),
+                ("graphopt at that peak",
+                 on_gloo_ranks(_rank, options.world, name, "graphopt", max(r["peak"] for r in hosted) / 1e9))]
         base = statistics.median(r["seconds"] for r in eager)
-        lines += [f"## {name}", "", "| run | budget per rank | microbatches | predicted (+slack) | measured per rank "
-                  "| vs eager's peak | step time vs eager |", "|---|---|---|---|---|---|---|"]
+        lines += [f"## {name}", "", "| run | budget per rank | microbatches | shards on the host | predicted (+slack) "
+                  "| measured per rank | vs eager's peak | step time vs eager |", "|---|---|---|---|---|---|---|---|"]
         for label, ranks in runs:
             budget = ranks[0]["budget_gb"]
             if ranks[0].get("refused"):
-                lines.append(f"| {label} | {budget * 1e3:.2f} MB | - | refused: a rank needs "
+                lines.append(f"| {label} | {budget * 1e3:.2f} MB | - | - | refused: a rank needs "
                              f"{ranks[0]['refused'] * 1e3:.2f} MB by the estimate | - | - | - |")
                 continue
             measured = [r["peak"] for r in ranks]
             predicted = ranks[0]["predicted"]
             lines.append(
                 f"| {label} | {f'{budget * 1e3:.2f} MB' if budget else '-'} | {ranks[0]['microbatches']} | "
+                f"{'yes' if ranks[0]['host'] else 'no'} | "
                 f"{f'{predicted[0] / 1e6:.2f} MB (+{predicted[1] / 1e6:.2f})' if predicted else '-'} | "
                 f"{', '.join(f'{m / 1e6:.2f} MB' for m in measured)} | "
                 f"{max(measured) / max(r['peak'] for r in eager):.2f} | "

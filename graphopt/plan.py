@@ -56,6 +56,7 @@ class StepPlan:
     offloaded_bytes: int = 0           # the recompute segments' inputs the plan keeps on the host, a step
     step_seconds: float | None = None  # the chosen plan's step by the time model: its microbatches, their
                                        # recompute, the host step and the copies of what is offloaded
+    rank_host_bytes: int = 0           # with world_size: a rank's shards on the host (CPUOffloadPolicy), their bytes
 
     @property
     def fits(self) -> bool:
@@ -86,6 +87,9 @@ class StepPlan:
                 if self.offloaded_bytes:
                     lines.append(f"the recompute segments' inputs on the host too: {size_text(self.offloaded_bytes)} "
                                  "copied out in the forward and back in the backward of each step")
+                if self.rank_host_bytes:
+                    lines.append(f"a rank's sharded parameters, gradients and optimizer state on the host (FSDP2's "
+                                 f"CPUOffloadPolicy): {size_text(self.rank_host_bytes)} of host memory")
             else:
                 lines.append(f"{budget}: does not fit in any number of equal microbatches: {self.refusal}")
         return "\n".join(lines + self.notes)
@@ -132,18 +136,19 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                     headroom=kept, host_step=step.report.host_step,
                     host_step_overhead_pct=stats.get("host_step_overhead_pct", 0.0),
                     offloaded_bytes=stats.get("offloaded_bytes", 0),
-                    step_seconds=_step_seconds(step.microbatches, stats, step.report.host_step))
+                    step_seconds=_step_seconds(step.microbatches, stats, step.report.host_step),
+                    rank_host_bytes=stats.get("rank_host_bytes", 0))
 
 
 def _step_seconds(microbatches: int, stats: dict, host: HostStep | None) -> float | None:
     """One step's seconds by the time model: each microbatch's step with its recompute and the copies
-    of its offloaded inputs, then the host step once; None where the recompute pass did not
-    estimate the step."""
+    of its offloaded inputs (or a rank's shards), then the host step once (or a rank's step over its
+    shard); None where the recompute pass did not estimate the step."""
     if "step_ms" not in stats:
         return None
     device = microbatches * (stats["step_ms"] * (1 + stats.get("recompute_overhead_pct", 0.0) / 100)
-                             + stats.get("offload_ms", 0.0)) / 1e3
-    return device + (host.seconds if host is not None else 0.0)
+                             + stats.get("offload_ms", 0.0) + stats.get("rank_host_copy_ms", 0.0)) / 1e3
+    return device + (host.seconds if host is not None else stats.get("rank_host_step_ms", 0.0) / 1e3)
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

@@ -12,7 +12,8 @@
   4. The first k whose step fits is kept; BudgetError from each k is caught and the next tried.
      With an optimizer, every k is tried with it on the device first, then again with its state
      and step free to move to the host (recompute's step 9), which costs more a step than
-     microbatches do.
+     microbatches do; a rank's step (world_size) likewise, then with its shards free to move
+     (recompute's step 11).
      When none fits, down to one row per microbatch, BudgetError names the least budget of any
      k and its k (one row each, unless accumulated gradients outweigh the activations saved).
      A k whose microbatch the model does not run on (BatchNorm1d on one row) is skipped.
@@ -77,10 +78,10 @@ class MicrobatchChoice:
         if self.budget is None:
             self.microbatches = 1
             return self.plan(1)
-        may_move = not (self.ranks or self._options.calibrate or self._settings.get("cuda_graphs"))
-        if self._options.optimizer is not None and not self._options.optimizer_on_device and may_move:
-            # every count with the optimizer on the device first: its step on the host costs more a step
-            # than microbatches do (analysis/host_step.py)
+        may_move = not (self._options.calibrate or self._settings.get("cuda_graphs"))
+        if (self._options.optimizer is not None or self.ranks) and not self._options.optimizer_on_device and may_move:
+            # every count with the optimizer (a rank's shards) on the device first: its step on the host
+            # costs more a step than microbatches do (analysis/host_step.py)
             self._options = dataclasses.replace(self._options, optimizer_on_device=True)
             try:
                 return self.choose(choices)

@@ -67,6 +67,13 @@ instead: the segments, the writes in place and the report's figures, or the refu
      inputs on the host until its backward (runtime/offload.py: the plan's checkpoints off the
      device, copied back before the segment reruns), priced as the copies' time at the host link's
      measured rate (analysis/cost.Rates.host_bytes_per_s), both ways, none of it overlapped.
+ 11. One rank's step (world_size) where no plan fits: steps 1 to 8 again with the rank's shards on
+     the host, as FSDP2's CPUOffloadPolicy keeps them (the sharded parameters, their gradients and
+     the optimizer's state: shard/rank_memory.py estimates the device's part). The graph's meta
+     says so, and runtime/fsdp.fully_shard_units shards with that policy. Priced as each unit's
+     shard copied to the device for its forward's and backward's all-gathers, its gradients'
+     back, and the optimizer's step over the shard on the host. Not with optimizer_on_device,
+     calibrate or CUDA graphs.
 """
 from __future__ import annotations
 
@@ -90,6 +97,7 @@ from ...analysis.segments import SegmentCall
 from ...analysis.trial import trial_run
 from ...errors import BudgetError, BudgetWarning, warn
 from ...runtime.budget_check import BudgetCheck
+from ...runtime.fsdp import ON_HOST as SHARDS_ON_HOST
 from ...vocabulary.sizes import in_gb
 from ..base import Pass, PassContext, PassResult, Text, count, option, plans_memory_after, to_bool
 from ..fuse.head_loss_chunks import size_chunks
@@ -97,7 +105,7 @@ from ..notes import note
 from ..options import OptimizeOptions, budget_in_bytes
 from ..records import BudgetFit, MemoryCurves, idle_budget
 from ..registry import register
-from ..shard.rank_memory import RANK_ADVICE, rank_peak
+from ..shard.rank_memory import RANK_ADVICE, RankPeak, rank_peak
 from .cached import cached_plan
 from .candidates import PlanSpace, LinePlans
 from .in_place import write_within
@@ -163,6 +171,7 @@ class Recompute(Pass):
         there (cached.py), else planned (and kept there)."""
         self.host = None  # the optimizer's step on the host, where the plan chose it
         self.offload = False  # the segments' inputs on the host (step 10)
+        self.rank_host = False  # a rank's shards on the host (step 11)
         return cached_plan(self, gm, ctx, self._plan)
 
     def setup(self, gm: torch.fx.GraphModule, ctx: PassContext, optimizer: OptimizerMemory | None = None
@@ -196,9 +205,12 @@ class Recompute(Pass):
         try:
             result = self._plan_on_device(gm, ctx)
         except BudgetError as refused:
-            if not self._may_step_on_host(ctx):
+            if self._may_shard_to_host(ctx):
+                result = self._plan_rank_on_host(gm, ctx, refused.min_budget_bytes, device, step_s)
+            elif self._may_step_on_host(ctx):
+                result = self._plan_on_host(gm, ctx, refused.min_budget_bytes, device, step_s)
+            else:
                 raise
-            result = self._plan_on_host(gm, ctx, refused.min_budget_bytes, device, step_s)
         if ctx.train:
             result.stats["step_ms"] = round(step_s * 1e3, 3)
         if self.prefetched:
@@ -232,6 +244,31 @@ class Recompute(Pass):
                                  "offload_ms": round(2e3 * moved / rates(device).host_bytes_per_s, 3)})
         return result
 
+    def _plan_rank_on_host(self, gm: torch.fx.GraphModule, ctx: PassContext, least: int, device: str,
+                           step_s: float) -> PassResult:
+        """Step 11: a rank's plan with its shards on the host. least: what a rank's device needs with
+        them on it; step_s: the step's seconds on the device."""
+        self.rank_host = True
+        result = self._plan_on_device(gm, ctx)
+        gm.meta[SHARDS_ON_HOST] = True
+        rank = self._rank_estimate(gm, ctx)
+        r = rates(device)
+        # the shard down for the forward's all-gathers and the backward's, the gradients' shard up
+        copies = 3 * rank.shard_bytes / r.host_bytes_per_s
+        stepped = rank.shard_bytes / r.host_step_bytes_per_s
+        result.stats.update({"rank_shards_on_host": f"FSDP2's CPUOffloadPolicy: on the device a rank's least plan "
+                                                    f"needs {size_text(least)}",
+                             "rank_host_bytes": rank.host_bytes, "rank_host_copy_ms": round(copies * 1e3, 3),
+                             "rank_host_step_ms": round(stepped * 1e3, 3),
+                             "rank_host_overhead_pct": round(100 * (copies + stepped) / max(step_s, 1e-12), 1)})
+        return result
+
+    def _may_shard_to_host(self, ctx: PassContext) -> bool:
+        """Whether step 11 may run: one rank's training step, not held on the device by the user
+        (optimizer_on_device), nor calibrated by real steps, nor captured as CUDA graphs."""
+        return (bool(self.settings.world_size) and ctx.train and not self.settings.optimizer_on_device
+                and not self.settings.calibrate and not ctx.cuda_graphs)
+
     @property
     def host_gradients(self) -> bool:
         """The plan takes each gradient off the device as backward makes it (step 9's second form)."""
@@ -239,7 +276,7 @@ class Recompute(Pass):
 
     def _may_step_on_host(self, ctx: PassContext) -> bool:
         """Whether step 9 may run: an optimizer in the budget, with memory of its own, on a step
-        the host step composes with (not one rank's under FSDP2, which has its own CPUOffloadPolicy,
+        the host step composes with (not one rank's under FSDP2, whose shards step 11 moves,
         nor stages, nor a step captured as CUDA graphs, whose optimizer step is in the capture, nor one
         calibrated by real steps, which run no optimizer)."""
         o = self.optimizer
@@ -380,8 +417,12 @@ class Recompute(Pass):
     def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
         """What a rank's step under FSDP2 may hold at most, by the estimate: its peak and what a
         collective may still hold (shard/rank_memory.py)."""
+        return self._rank_estimate(gm, ctx).bound_bytes
+
+    def _rank_estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> RankPeak:
+        """A rank's step under FSDP2, its shards on the host where step 11 put them."""
         return rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size,
-                         self.settings.optimizer, accumulate=self.accumulate).bound_bytes
+                         self.settings.optimizer, accumulate=self.accumulate, host=self.rank_host)
 
     def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int):
         """Steps 4 and 5 for a rank's budget (world_size): the search's plan for the one-device target,
@@ -477,8 +518,9 @@ class Recompute(Pass):
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         ranks = self.settings.world_size
         if ranks and not inference:
+            hosted = " with its shards on the host (FSDP2's CPUOffloadPolicy)" if self.rank_host else ""
             return below_least(self.settings.budget_bytes, minimum,
-                               f"one rank's training step under FSDP2 over {ranks} ranks needs at "
+                               f"one rank's training step under FSDP2 over {ranks} ranks{hosted} needs at "
                                f"least, {'as measured' if measured else 'by the estimate'}", breakdown, RANK_ADVICE,
                                self.headroom)
         how = "as measured" if measured else "by the estimate"

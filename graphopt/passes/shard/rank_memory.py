@@ -15,6 +15,11 @@
    input of a unit's reduce-scatter alive after FSDP2 drops it, while the next unit's is made
    (gloo does, on some ranks). The slack is the largest unit's reduce-scatter input; a plan for
    a rank's budget holds the peak plus it.
+4. With the shards on the host (host=True: FSDP2's CPUOffloadPolicy), the units are sharded so,
+   and the device's peak is the most the tracker counts at any moment less what lives on the host
+   then: the sharded parameters and gradients and the optimizer's state. On the fake CPU mesh
+   the policy moves nothing, so the copies it makes on a device are added to the slack: a unit's
+   shard on its way to the all-gather and its gradients' on their way back.
 torchtitan estimates its steps' memory so. Allocator effects (CUDA's block rounding) are not in it.
 """
 from __future__ import annotations
@@ -27,7 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...analysis.fake_kernels import active as fake_kernels_active
@@ -35,20 +42,23 @@ from ...analysis.fake_state import fake_copy
 from ...analysis.memory import backward_roots
 from ...analysis.optimizer_memory import optimizer_over
 from ...errors import UsageError
-from ...runtime.fsdp import fully_shard_units, unit_modules
+from ...runtime.fsdp import fully_shard_units, state_on_host, unit_modules
 from .units import make_units
 
 ESTIMATE_DIM = "graphopt_rank_estimate"  # the fake mesh's dimension (_fake_mesh)
 # what else lowers a rank's step, where a budget is below its least
-RANK_ADVICE = ("halve activations with precision='bf16', or shard over more ranks (world_size); the host tier "
-               "(FSDP2's CPUOffloadPolicy, the optimizer's state and step on the host) is not planned per rank")
+RANK_ADVICE = "halve activations with precision='bf16', or shard over more ranks (world_size)"
+# what a rank holds on the host under CPUOffloadPolicy (step 4), by FSDPMemTracker's categories
+ON_HOST = (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT)
 
 
 @dataclass(frozen=True)
 class RankPeak:
     peak_bytes: int
     breakdown: dict[str, int]  # FSDPMemTracker's categories at the peak (parameters, gradients, buffers, ...)
-    slack_bytes: int = 0  # step 3: one unit's reduce-scatter input a backend may still hold
+    slack_bytes: int = 0  # step 3: one unit's reduce-scatter input a backend may still hold (and step 4's copies)
+    host_bytes: int = 0   # step 4: the most the rank holds on the host (its shards and the optimizer's state)
+    shard_bytes: int = 0  # the rank's shard of the trainable parameters
 
     @property
     def bound_bytes(self) -> int:
@@ -57,28 +67,34 @@ class RankPeak:
 
 
 def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: int, optimizer=None, *,
-              accumulate: bool = False, loss: Callable | None = None) -> RankPeak:
+              accumulate: bool = False, loss: Callable | None = None, host: bool | None = None) -> RankPeak:
     """One rank's peak through a training step of gm under FSDP2 over world_size ranks: gm's
     units (the shard pass's, made on the copy where gm has none yet: the recompute pass asks
     before the shard pass runs); optimizer: None (forward and backward only), a name in NAMED or a
     torch.optim.Optimizer (its class and settings); accumulate: the step's microbatches add into
     the sharded gradients (train_step's); loss(module, args, kwargs): the scalar backpropagated
-    (a loss outside the graph), by default the graph's losses (memory.backward_roots)."""
+    (a loss outside the graph), by default the graph's losses (memory.backward_roots); host: the
+    shards on the host (step 4), by default where gm's plan keeps them there (fsdp.state_on_host)."""
+    host = state_on_host(gm) if host is None else host
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     model, (args, kwargs) = fake_copy(gm, mode, (args, kwargs))
     if not unit_modules(model):
         make_units(model)
     with _fake_mesh(world_size) as mesh, fake_kernels_active(), mode:
-        fully_shard_units(model, mesh=mesh)
+        fully_shard_units(model, mesh=mesh, **({"offload_policy": CPUOffloadPolicy(pin_memory=False)} if host else {}))
         trained = [p for p in model.parameters() if p.requires_grad]
         opt = optimizer_over(optimizer, trained) if optimizer is not None else None
-        totals = step_peak(model, opt, args, kwargs, microbatches=2 if accumulate else 1, loss=loss)
+        totals = step_peak(model, opt, args, kwargs, microbatches=2 if accumulate else 1, loss=loss, host=host)
     units = [list(unit.parameters()) for unit in unit_modules(model)]
     inside = {id(p) for params in units for p in params}
     units.append([p for p in model.parameters() if id(p) not in inside])  # the root's own
-    slack = max(_reduce_scatter_bytes(params, world_size) for params in units)
+    # the gathered parameters' shards down and their gradients' up: each a unit's reduce-scatter input over the ranks
+    copies = 2 if host else 0
+    slack = max(_reduce_scatter_bytes(params, world_size) * (1 + copies / world_size) for params in units)
+    shards = sum(_reduce_scatter_bytes(params, world_size) for params in units) // world_size
     return RankPeak(int(totals["Total"]), {getattr(k, "value", str(k)): int(v) for k, v in totals.items()
-                                           if k != "Total" and v}, slack)
+                                           if k not in ("Total", HOST_TOTAL) and v}, int(slack),
+                    int(totals.get(HOST_TOTAL, 0)), shards)
 
 
 def _reduce_scatter_bytes(params: list, world_size: int) -> int:
@@ -91,15 +107,36 @@ def _reduce_scatter_bytes(params: list, world_size: int) -> int:
     return total
 
 
+HOST_TOTAL = "Host"  # step_peak(host=True)'s key: the most the rank held on the host
+
+
+class _DeviceTracker(FSDPMemTracker):
+    """FSDPMemTracker that also keeps the most held at any moment less what lives on the host
+    (ON_HOST), with the categories then, and the most held on the host."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device_peak, self.device_snapshot, self.host_peak = 0, {}, 0
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        for snapshot in self._curr_mem_snap.values():
+            hosted = sum(snapshot.get(kind, 0) for kind in ON_HOST)
+            self.host_peak = max(self.host_peak, hosted)
+            if snapshot["Total"] - hosted > self.device_peak:
+                self.device_peak = snapshot["Total"] - hosted
+                self.device_snapshot = {k: v for k, v in snapshot.items() if k not in ON_HOST}
+
+
 def step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict, *,
-              microbatches: int = 1, loss: Callable | None = None, run: Callable | None = None) -> dict:
+              microbatches: int = 1, loss: Callable | None = None, run: Callable | None = None,
+              host: bool = False) -> dict:
     """FSDPMemTracker's totals at the peak of model's second training step (the optimizer's state
     made by the first), by category and "Total": a prediction on fakes, a measurement on real
     tensors (tests and benchmarks measure ranks so). The step's forward and backward: run(), or
     `microbatches` backwards of loss(model, args, kwargs) on the batch (their memory is a
-    microbatch's: the gradients add up)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
+    microbatch's: the gradients add up). host: the totals at the device's peak, what lives on the
+    host left out (step 4), and under HOST_TOTAL the most the host held."""
     loss = loss or _graph_loss
 
     def backwards():
@@ -107,7 +144,7 @@ def step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer | None, args: t
             loss(model, args, kwargs).backward()
 
     _step(model, opt, run or backwards)
-    tracker = FSDPMemTracker(model, opt)
+    tracker = (_DeviceTracker if host else FSDPMemTracker)(model, opt)
     tracker.track_inputs(args)
     # the tracker refuses a second forward of the root (a microbatch after the first) unless its
     # per-module stats are cleared first; its peak, all this reads, stays. Registered before the
@@ -118,6 +155,8 @@ def step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer | None, args: t
             _step(model, opt, run or backwards)
     finally:
         fresh.remove()
+    if host:
+        return {**tracker.device_snapshot, "Total": tracker.device_peak, HOST_TOTAL: tracker.host_peak}
     return next(iter(tracker.get_tracker_snapshot("peak").values()))
 
 

@@ -7,7 +7,8 @@ Algorithm:
      segments it calls; a parameter several units read (a tied embedding and head) is read by
      the root and passed in; everything outside the blocks stays in the root.
   3. Report each unit's blocks and parameter bytes, the root's, and the parameters passed in;
-     with world_size, a rank's predicted peak through the step under FSDP2 (rank_memory.py).
+     with world_size, a rank's predicted peak through the step under FSDP2 (rank_memory.py): the
+     device's, where the recompute pass's plan keeps a rank's shards on the host (its step 11).
 The result trains as the unsharded graph does; runtime/fsdp.py's fully_shard_units applies
 torch's fully_shard to each unit and then to the root, as torchtitan shards a transformer.
 """
@@ -21,7 +22,7 @@ import torch.fx
 from ...analysis.blocks import outer_blocks
 from ...analysis.optimizer_memory import NAMED, check_optimizer
 from ...errors import OptionError, UsageError
-from ...runtime.fsdp import unit_modules
+from ...runtime.fsdp import state_on_host, unit_modules
 from ..base import Pass, PassContext, PassResult, count, option, to_bool
 from ..options import OptimizeOptions, shard_style
 from ..registry import register
@@ -78,6 +79,8 @@ class Shard(Pass):
                              accumulate=self.settings.accumulate)
             stats.update(world_size=self.settings.world_size, rank_peak_bytes=rank.peak_bytes,
                          rank_breakdown=rank.breakdown, rank_collective_slack_bytes=rank.slack_bytes)
+            if state_on_host(gm):  # the recompute pass's step 11: the peak is the device's
+                stats["rank_host_bytes"] = rank.host_bytes
             peak = rank.bound_bytes
         return PassResult(gm, True, stats=stats, peak_bytes=peak)
 

@@ -447,3 +447,62 @@ def test_units_in_eval_composed_with_bf16_compute_what_the_graph_without_them_do
     args2, kwargs2 = second_batch(kwargs, args)
     with torch.no_grad():
         assert torch.equal(units(*args2, **kwargs2).loss, plain(*args2, **kwargs2).loss)
+
+
+def test_a_plan_with_its_shards_on_the_host_is_sharded_with_cpu_offload_policy():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from graphopt.passes.shard.rank_memory import _fake_mesh
+    from graphopt.runtime.fsdp import ON_HOST, fully_shard_units
+
+    model, args, kwargs = gpt(batch=2, seq=16)
+    gm = graphopt.optimize(model, args, example_kwargs=kwargs, shard="fsdp")
+    gm.meta[ON_HOST] = True  # as the recompute pass's step 11 leaves it
+    with _fake_mesh(2) as mesh:
+        with pytest.raises(graphopt.UsageError, match="sharded parameters, gradients and optimizer state on the host"):
+            fully_shard_units(gm, mesh=mesh, offload_policy=OffloadPolicy())
+        fully_shard_units(gm, mesh=mesh)
+        for unit in (*unit_modules(gm), gm):
+            group = unit._get_fsdp_state()._fsdp_param_group
+            assert isinstance(group.offload_policy, CPUOffloadPolicy) and not group.offload_policy.pin_memory
+
+
+def _rank_on_host(rank, world, how):
+    """Three AdamW steps of this rank's batch: eager FSDP2 per block, or graphopt planned 1% above
+    a rank's least (its shards on the host), then one step measured as the device's part."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphopt.passes.shard.rank_memory import step_peak
+    from graphopt.runtime.fsdp import fully_shard_units
+
+    if how == "eager":
+        return _rank(rank, world, "eager", "fx", None)
+    model, args, kwargs = gpt()
+    options = dict(example_kwargs=kwargs, shard="fsdp", world_size=world, optimizer="adamw")
+    with pytest.raises(graphopt.BudgetError, match="with its shards on the host") as refused:
+        graphopt.optimize(model, args, budget_gb=1e-9, **options)
+    budget = refused.value.min_budget_bytes * 1.01
+    args, kwargs = second_batch(kwargs, args, seed=10 + rank)
+    names = {id(p): n for n, p in model.named_parameters()}
+    gm = graphopt.optimize(model, args, budget_gb=budget / 1e9, **{**options, "example_kwargs": kwargs})
+    stats, order = gm.graphopt_report.passes[-1].stats, [names[id(p)] for p in gm.parameters()]
+    fully_shard_units(gm, mesh=init_device_mesh("cpu", (world,)))
+    trained = _train(gm, args, kwargs, order)
+    measured = step_peak(gm, torch.optim.AdamW(gm.parameters()), args, kwargs, host=True)["Total"]
+    return (*trained, budget, stats["rank_peak_bytes"], stats["rank_collective_slack_bytes"], measured)
+
+
+@pytest.mark.slow  # two ranks plan twice each: make test-real
+def test_below_a_rank_s_least_its_shards_go_to_the_host_and_it_trains_as_eager_fsdp():
+    """Two gloo ranks planned below what a rank's device reaches with its shards: the plan keeps them
+    on the host (CPUOffloadPolicy), trains bitwise as eager FSDP2, and the device's part of the
+    measured step is its prediction, within the budget."""
+    from graphopt.testing.gloo import on_gloo_ranks
+
+    eager = on_gloo_ranks(_rank_on_host, 2, "eager")
+    ours = on_gloo_ranks(_rank_on_host, 2, "graphopt")
+    for (want_losses, want), (losses, got, budget, predicted, slack, measured) in zip(eager, ours):
+        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+        assert all(torch.equal(got[name], want[name]) for name in want)
+        assert 0.97 * predicted <= measured <= 1.03 * (predicted + slack) and measured <= budget, \
+            (predicted, slack, measured, budget)
