@@ -1,13 +1,18 @@
 """graphopt.plan on models built on the meta device: a Llama-3-8B shape planned for CUDA, and a
 ~350M-parameter Llama planned for this CPU and checked against its real, measured step.
 
-    python bench/plan_without_hardware.py [--part 8b,350m] [--passes P] [--out DIR]
+    python bench/plan_without_hardware.py [--part 8b,350m,8b-fsdp] [--passes P] [--out DIR]
 
 8B part: 32 layers, 4096 wide, MLP 14336, 32 heads, 8 KV heads, vocabulary 128256, parameters in
 bf16 (as users load it), AdamW, its own loss on labels=input_ids, at 1 and 4 x 2048 tokens;
 per budget (80 and 24 GB): the least budget of the whole batch, the microbatches and recompute
 plan graphopt.train_step would take, the predicted peak and step time (the time model's, the host step
 at the host's measured rates), and the seconds plan() took.
+
+8b-fsdp part: the same shape at 1 x 2048 tokens as one rank's step under FSDP2 per block
+(shard="fsdp"), over 2 ranks at 24 and 80 GB a rank and over 8 at 24 GB: what a rank needs, the
+plan, whether it keeps the rank's shards on the host (FSDP2's CPUOffloadPolicy) and their host
+bytes, and the predicted step time.
 
 350M part: 24 layers, 1024 wide, MLP 2816, 16 heads, 8 KV heads, vocabulary 32000, float32, AdamW,
 2 x 512 tokens. plan(device="cpu") on the meta model finds the least budget (with the host tier:
@@ -77,6 +82,24 @@ def part_8b(passes: str | None) -> list[dict]:
                          "overhead_pct": found.recompute_overhead_pct, "step_s": found.step_seconds,
                          "seconds": time.perf_counter() - start})
             print(rows[-1], flush=True)
+    return rows
+
+
+def part_8b_fsdp(passes: str | None) -> list[dict]:
+    import graphopt
+
+    rows = []
+    for world, budget_gb in ((2, 24), (2, 80), (8, 24)):
+        model, args, kwargs = llama(LLAMA_8B, 1, 2048, "meta", torch.bfloat16)
+        start = time.perf_counter()
+        found = graphopt.plan(model, args, kwargs, budget_gb=budget_gb, device="cuda", optimizer="adamw",
+                              passes=passes, shard="fsdp", world_size=world)
+        rows.append({"ranks": world, "budget_gb": budget_gb, "least_gb": found.least_bytes / GB,
+                     "microbatches": found.microbatches, "segments": found.segments,
+                     "predicted_gb": None if found.predicted_peak_bytes is None else found.predicted_peak_bytes / GB,
+                     "overhead_pct": found.recompute_overhead_pct, "host_gb": found.rank_host_bytes / GB,
+                     "step_s": found.step_seconds, "seconds": time.perf_counter() - start})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -151,6 +174,21 @@ def markdown(result: dict) -> str:
                           f"{r['overhead_pct']:g}% | {host} | {r['step_s']:.2f} s")
             lines.append(f"| {r['tokens']} | {r['budget_gb']} GB | {r['least_gb']:.2f} GB | {chosen} | "
                          f"{r['seconds']:.0f} s |")
+    if result.get("llama_8b_fsdp"):
+        lines += ["", "The same shape at 1 x 2048 tokens, one rank's step under FSDP2 per block (least: with the rank's "
+                  "shards on the host where that is lower):\n",
+                  "| ranks | budget a rank | least (whole batch) | microbatches | recompute segments | predicted peak | "
+                  "recompute, share of a step | shards on the host (CPUOffloadPolicy) | predicted step time | "
+                  "plan() took |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["llama_8b_fsdp"]:
+            if r["microbatches"] is None:
+                chosen = "none fits | - | - | - | - | -"
+            else:
+                host = f"{r['host_gb']:.1f} GB a rank" if r["host_gb"] else "no"
+                chosen = (f"{r['microbatches']} | {r['segments']} | {r['predicted_gb']:.2f} GB | "
+                          f"{r['overhead_pct']:g}% | {host} | {r['step_s']:.2f} s")
+            lines.append(f"| {r['ranks']} | {r['budget_gb']} GB | {r['least_gb']:.2f} GB | {chosen} | "
+                         f"{r['seconds']:.0f} s |")
     for r in result.get("llama_350m") or []:
         lines += ["", f"~350M Llama ({r['parameters'] / 1e6:.0f}M parameters, float32, AdamW, 2 x 512 tokens) on "
                   "this CPU: planned on the meta device, then built for real and measured (device bytes: the host's "
@@ -167,13 +205,14 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="8b,350m", help="8b, 350m or both, comma-separated")
+    parser.add_argument("--part", default="8b,350m", help="8b, 350m, 8b-fsdp, comma-separated")
     parser.add_argument("--passes", default=None, help="optimize's passes, comma-separated (default: its default)")
     parser.add_argument("--out", default=None, help="write the figures into this folder")
     args = parser.parse_args(argv)
     parts = args.part.split(",")
     result = {"device": device_name(), "date": today(), "torch": torch.__version__, "passes": args.passes or "default",
               "llama_8b": part_8b(args.passes) if "8b" in parts else [],
+              "llama_8b_fsdp": part_8b_fsdp(args.passes) if "8b-fsdp" in parts else [],
               "llama_350m": part_350m(args.passes) if "350m" in parts else []}
     text = markdown(result)
     print(text)

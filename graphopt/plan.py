@@ -130,6 +130,7 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
             return StepPlan(device, e.budget_bytes, least, world_size=ranks, headroom=kept, refusal=str(e))
     record = step.report.recompute()
     stats = record.stats if record is not None else {}
+    shard = step.report.record("shard")
     return StepPlan(device, step.budget_bytes, least, step.microbatches, step.predicted_peak_bytes,
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
@@ -137,7 +138,7 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                     host_step_overhead_pct=stats.get("host_step_overhead_pct", 0.0),
                     offloaded_bytes=stats.get("offloaded_bytes", 0),
                     step_seconds=_step_seconds(step.microbatches, stats, step.report.host_step),
-                    rank_host_bytes=stats.get("rank_host_bytes", 0))
+                    rank_host_bytes=shard.stats.get("rank_host_bytes", 0) if shard is not None else 0)
 
 
 def _step_seconds(microbatches: int, stats: dict, host: HostStep | None) -> float | None:

@@ -70,6 +70,9 @@ def test_a_rank_s_least_under_fsdp_plans_on_the_meta_device_as_on_the_real_model
     with pytest.raises(graphopt.BudgetError, match="one rank's training step under FSDP2 over 2 ranks") as refused:
         graphopt.train_step(real, rargs, rkwargs, budget_gb=1e-9, microbatches=1, **options)
     assert refused.value.min_budget_bytes == planned.least_bytes
+    # at the least a rank's shards are on the host, and the plan says so
+    at_least = graphopt.plan(meta, args, kwargs, budget_gb=planned.least_bytes / GB, device="cpu", **options)
+    assert at_least.fits and at_least.rank_host_bytes > 0 and "CPUOffloadPolicy" in str(at_least)
 
 
 def test_the_optimizer_counts_as_on_the_real_model_and_nothing_is_allocated():

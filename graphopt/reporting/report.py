@@ -51,6 +51,11 @@ class Report:
             ])
         return [head] + body
 
+    def record(self, name: str) -> PassRecord | None:
+        """The record of the pass called `name` (its settings aside: "shard{world_size=2}" is
+        "shard"), the last where it ran more than once."""
+        return next((r for r in reversed(self.passes) if r.name.split("{")[0] == name), None)
+
     def recompute(self) -> PassRecord | None:
         """The record of the pass that planned memory for the budget (recompute): its BudgetFit,
         and its stats for the rest."""

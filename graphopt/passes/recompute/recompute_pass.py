@@ -105,7 +105,7 @@ from ..notes import note
 from ..options import OptimizeOptions, budget_in_bytes
 from ..records import BudgetFit, MemoryCurves, idle_budget
 from ..registry import register
-from ..shard.rank_memory import RANK_ADVICE, RankPeak, rank_peak
+from ..shard.rank_memory import RANK_ADVICE, rank_peak, shard_bytes
 from .cached import cached_plan
 from .candidates import PlanSpace, LinePlans
 from .in_place import write_within
@@ -251,15 +251,13 @@ class Recompute(Pass):
         self.rank_host = True
         result = self._plan_on_device(gm, ctx)
         gm.meta[SHARDS_ON_HOST] = True
-        rank = self._rank_estimate(gm, ctx)
-        r = rates(device)
+        shard, r = shard_bytes(gm.parameters(), self.settings.world_size), rates(device)
         # the shard down for the forward's all-gathers and the backward's, the gradients' shard up
-        copies = 3 * rank.shard_bytes / r.host_bytes_per_s
-        stepped = rank.shard_bytes / r.host_step_bytes_per_s
+        copies = 3 * shard / r.host_bytes_per_s
+        stepped = shard / r.host_step_bytes_per_s
         result.stats.update({"rank_shards_on_host": f"FSDP2's CPUOffloadPolicy: on the device a rank's least plan "
                                                     f"needs {size_text(least)}",
-                             "rank_host_bytes": rank.host_bytes, "rank_host_copy_ms": round(copies * 1e3, 3),
-                             "rank_host_step_ms": round(stepped * 1e3, 3),
+                             "rank_host_copy_ms": round(copies * 1e3, 3), "rank_host_step_ms": round(stepped * 1e3, 3),
                              "rank_host_overhead_pct": round(100 * (copies + stepped) / max(step_s, 1e-12), 1)})
         return result
 
@@ -416,13 +414,9 @@ class Recompute(Pass):
 
     def _rank_peak(self, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
         """What a rank's step under FSDP2 may hold at most, by the estimate: its peak and what a
-        collective may still hold (shard/rank_memory.py)."""
-        return self._rank_estimate(gm, ctx).bound_bytes
-
-    def _rank_estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> RankPeak:
-        """A rank's step under FSDP2, its shards on the host where step 11 put them."""
+        collective may still hold (shard/rank_memory.py), its shards on the host where step 11 put them."""
         return rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size,
-                         self.settings.optimizer, accumulate=self.accumulate, host=self.rank_host)
+                         self.settings.optimizer, accumulate=self.accumulate, host=self.rank_host).bound_bytes
 
     def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int):
         """Steps 4 and 5 for a rank's budget (world_size): the search's plan for the one-device target,

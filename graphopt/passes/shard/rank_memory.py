@@ -58,7 +58,6 @@ class RankPeak:
     breakdown: dict[str, int]  # FSDPMemTracker's categories at the peak (parameters, gradients, buffers, ...)
     slack_bytes: int = 0  # step 3: one unit's reduce-scatter input a backend may still hold (and step 4's copies)
     host_bytes: int = 0   # step 4: the most the rank holds on the host (its shards and the optimizer's state)
-    shard_bytes: int = 0  # the rank's shard of the trainable parameters
 
     @property
     def bound_bytes(self) -> int:
@@ -91,10 +90,14 @@ def rank_peak(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, world_size: i
     # the gathered parameters' shards down and their gradients' up: each a unit's reduce-scatter input over the ranks
     copies = 2 if host else 0
     slack = max(_reduce_scatter_bytes(params, world_size) * (1 + copies / world_size) for params in units)
-    shards = sum(_reduce_scatter_bytes(params, world_size) for params in units) // world_size
     return RankPeak(int(totals["Total"]), {getattr(k, "value", str(k)): int(v) for k, v in totals.items()
                                            if k not in ("Total", HOST_TOTAL) and v}, int(slack),
-                    int(totals.get(HOST_TOTAL, 0)), shards)
+                    int(totals.get(HOST_TOTAL, 0)))
+
+
+def shard_bytes(params, world_size: int) -> int:
+    """A rank's shard of the trainable parameters: each padded along dim 0 to a multiple of the ranks."""
+    return _reduce_scatter_bytes(list(params), world_size) // world_size
 
 
 def _reduce_scatter_bytes(params: list, world_size: int) -> int:
