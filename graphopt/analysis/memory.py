@@ -75,6 +75,15 @@ def held_to(limit: int, headroom: float) -> int:
     return int(limit * (1 - headroom))
 
 
+def least_holding(nbytes: int, headroom: float) -> int:
+    """The least budget that holds a step of nbytes with its headroom kept free (held_to's inverse,
+    rounded up: a budget of exactly what a refusal names must fit)."""
+    budget = math.ceil(nbytes / (1 - headroom))
+    while held_to(budget, headroom) < nbytes:
+        budget += 1
+    return budget
+
+
 def as_given(budget: int) -> str:
     """A budget as its user gave it and in bytes: 'budget_gb=0.3 (300 MB)'."""
     return f"budget_gb={in_gb(budget):g} ({size_text(budget)})"

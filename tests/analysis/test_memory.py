@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt.analysis.memory import GB, estimate_peak, measure_step
+from graphopt.analysis.memory import GB, estimate_peak, held_to, least_holding, measure_step
 from graphopt.testing import zoo
 from graphopt.frontend.graph_inputs import placeholder_values
 
@@ -130,3 +130,11 @@ def test_a_budget_for_accumulation_holds_where_a_plain_one_does_not():
     assert "accumulate=True" in accumulated.graphopt_report.passes[-1].name
     assert measure_step(fresh, args, kwargs, accumulate=True) > budget
     assert measure_step(accumulated, args, kwargs, accumulate=True) <= budget
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.05, 0.1, 0.3])
+def test_the_least_budget_named_holds_the_step_and_a_byte_less_does_not(headroom):
+    # CUDA keeps 5% free: a least truncated to whole bytes was a byte short most of the time
+    for nbytes in [1, 999, 991_700_000, *range(20_330_000_000, 20_330_000_200)]:
+        budget = least_holding(nbytes, headroom)
+        assert held_to(budget, headroom) >= nbytes > held_to(budget - 1, headroom), nbytes

@@ -73,6 +73,7 @@ def test_a_segment_returning_a_model_s_output_stays_a_checkpoint():
     assert_same_step(model, gm, args, kwargs, exact=True)
 
 
+@pytest.mark.slow  # 5 s: make test-real, for make test's margin
 def test_a_transformers_model_s_ignored_labels_step_as_eager_s():
     # -100 labels: the loss's mean counts the others; the blocks' inputs wait on the host
     torch.manual_seed(0)

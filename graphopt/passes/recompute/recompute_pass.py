@@ -89,7 +89,8 @@ from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
 from ...analysis.cuda_graphs import graphs_reserve, input_bytes
 from ...analysis.host_step import host_step
-from ...analysis.memory import Estimate, below_least, estimate_peak, headroom, held_to, measure_step, size_text
+from ...analysis.memory import (Estimate, below_least, estimate_peak, headroom, held_to, least_holding, measure_step,
+                               size_text)
 from ...analysis.meta import graph_device
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
@@ -508,7 +509,7 @@ class Recompute(Pass):
 
     def _error(self, minimum: int, breakdown: dict, inference: bool,
                measured: bool = False) -> BudgetError:
-        minimum = int((minimum + self.reserve) / (1 - self.headroom))
+        minimum = least_holding(minimum + self.reserve, self.headroom)
         what = "the forward pass (inference: nothing to recompute)" if inference else "one training step"
         ranks = self.settings.world_size
         if ranks and not inference:
