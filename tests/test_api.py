@@ -141,3 +141,13 @@ def test_bad_model_and_inputs():
         graphopt.optimize(model, 3)
     with pytest.raises(graphopt.TraceError):
         graphopt.optimize(model, (torch.randn(2, 7),))
+
+
+@pytest.mark.slow  # a fresh interpreter, 5 s: make test-real (make test's bench suite fails without it too)
+def test_importing_graphopt_imports_no_triton():
+    # Triton reads TRITON_INTERPRET at its own import: a process sets it after importing graphopt
+    import subprocess
+    import sys
+
+    code = "import sys, graphopt; sys.exit('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

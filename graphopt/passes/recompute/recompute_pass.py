@@ -352,7 +352,7 @@ class Recompute(Pass):
         if not self.settings.calibrate and not ranks:  # both measure the plan without the writes first
             search.finish = lambda plan: self._written(gm, ctx, search, plan)
         # Steps 4 and 5
-        plan, after = self._fit_rank(gm, ctx, search, target) if ranks else search.cheapest_within(target)
+        plan, after = self._fit_rank(gm, ctx, search, target, rank_before) if ranks else search.cheapest_within(target)
         if plan is None:  # without a plan at all, nothing may be recomputed: the step as it is is the least
             least = min((e for e in (after, before) if e is not None), key=lambda e: e.peak_bytes)
             raise self._error(least.peak_bytes, least.breakdown, inference=False)
@@ -419,19 +419,21 @@ class Recompute(Pass):
         return rank_peak(gm, ctx.example_args, ctx.example_kwargs, self.settings.world_size,
                          self.settings.optimizer, accumulate=self.accumulate, host=self.rank_host).bound_bytes
 
-    def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int):
+    def _fit_rank(self, gm, ctx: PassContext, search: PlanSearch, target: int, unplanned: int):
         """Steps 4 and 5 for a rank's budget (world_size): the search's plan for the one-device target,
         estimated as a rank's step; while over, the search again for a target lowered by the
         overshoot from that plan's own one-device peak (its shift is its own: recompute's reruns
         run while a unit is gathered). Where the search finds none, the plan it estimated least
-        may still fit a rank; else it names the least."""
+        may still fit a rank; else it names the least: that plan's or the unplanned step's
+        (`unplanned`, a rank's bytes), whichever is less: the plan one device's step needs least of
+        is not always a rank's least."""
         limit = held_to(self.settings.budget_bytes, self.headroom)
         for _ in range(CALIBRATIONS):
             plan, after = search.cheapest_within(target)
             least = plan is None
             if least:
                 if not search.estimates:
-                    raise self._error(self._rank_peak(gm, ctx), {}, inference=False)
+                    raise self._error(unplanned, {}, inference=False)
                 k = min(search.estimates, key=lambda i: search.estimates[i].peak_bytes)
                 plan, after = search.candidates[k], search.estimates[k]
             search.rewrite(plan)
@@ -440,9 +442,9 @@ class Recompute(Pass):
             if peak <= limit:
                 return plan, after
             if least:  # a rank's breakdown is not the one-device step's: none given
-                raise self._error(peak, {}, inference=False)
+                raise self._error(min(peak, unplanned), {}, inference=False)
             target = after.peak_bytes - (peak - limit)
-        raise self._error(peak, {}, inference=False)
+        raise self._error(min(peak, unplanned), {}, inference=False)
 
     def _estimate(self, gm: torch.fx.GraphModule, ctx: PassContext) -> Estimate:
         """The fake step of gm as it is now, with the optimizer and accumulation this plan is for."""

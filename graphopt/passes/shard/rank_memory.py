@@ -25,6 +25,7 @@ torchtitan estimates its steps' memory so. Allocator effects (CUDA's block round
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -48,8 +48,6 @@ from .units import make_units
 ESTIMATE_DIM = "graphopt_rank_estimate"  # the fake mesh's dimension (_fake_mesh)
 # what else lowers a rank's step, where a budget is below its least
 RANK_ADVICE = "halve activations with precision='bf16', or shard over more ranks (world_size)"
-# what a rank holds on the host under CPUOffloadPolicy (step 4), by FSDPMemTracker's categories
-ON_HOST = (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT)
 
 
 @dataclass(frozen=True)
@@ -113,22 +111,31 @@ def _reduce_scatter_bytes(params: list, world_size: int) -> int:
 HOST_TOTAL = "Host"  # step_peak(host=True)'s key: the most the rank held on the host
 
 
-class _DeviceTracker(FSDPMemTracker):
-    """FSDPMemTracker that also keeps the most held at any moment less what lives on the host
-    (ON_HOST), with the categories then, and the most held on the host."""
+@functools.cache
+def _trackers() -> tuple[type, type]:
+    """torch's FSDPMemTracker, and one that also keeps the most held at any moment less what lives
+    on the host under CPUOffloadPolicy (step 4: the sharded parameters and gradients, the optimizer's
+    state), with the categories then, and the most held on the host. Imported at the first use:
+    torch's tracker imports Triton, whose interpreter switch a process may set after importing graphopt."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.device_peak, self.device_snapshot, self.host_peak = 0, {}, 0
+    on_host = (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT)
 
-    def _update_peak_stats(self, peak_state) -> None:
-        super()._update_peak_stats(peak_state)
-        for snapshot in self._curr_mem_snap.values():
-            hosted = sum(snapshot.get(kind, 0) for kind in ON_HOST)
-            self.host_peak = max(self.host_peak, hosted)
-            if snapshot["Total"] - hosted > self.device_peak:
-                self.device_peak = snapshot["Total"] - hosted
-                self.device_snapshot = {k: v for k, v in snapshot.items() if k not in ON_HOST}
+    class DeviceTracker(FSDPMemTracker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.device_peak, self.device_snapshot, self.host_peak = 0, {}, 0
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            for snapshot in self._curr_mem_snap.values():
+                hosted = sum(snapshot.get(kind, 0) for kind in on_host)
+                self.host_peak = max(self.host_peak, hosted)
+                if snapshot["Total"] - hosted > self.device_peak:
+                    self.device_peak = snapshot["Total"] - hosted
+                    self.device_snapshot = {k: v for k, v in snapshot.items() if k not in on_host}
+
+    return FSDPMemTracker, DeviceTracker
 
 
 def step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict, *,
@@ -147,7 +154,7 @@ def step_peak(model: torch.nn.Module, opt: torch.optim.Optimizer | None, args: t
             loss(model, args, kwargs).backward()
 
     _step(model, opt, run or backwards)
-    tracker = (_DeviceTracker if host else FSDPMemTracker)(model, opt)
+    tracker = _trackers()[1 if host else 0](model, opt)
     tracker.track_inputs(args)
     # the tracker refuses a second forward of the root (a microbatch after the first) unless its
     # per-module stats are cleared first; its peak, all this reads, stays. Registered before the
