@@ -68,6 +68,47 @@ def timed_steps(module, optimizer, args, kwargs, steps: int, sync) -> tuple[floa
     return statistics.median(times), peak
 
 
+def offloaded_blocks(model, args, kwargs, steps: int, sync) -> list[str]:
+    """Table lines: the model's blocks checkpointed against the same blocks offloaded (their inputs on
+    the host, copied on the copy streams), peak and median forward and backward, and whether a second
+    batch's loss and gradients are equal bit for bit (what a race between the streams would break)."""
+    from graphopt.analysis.blocks import outer_blocks
+    from graphopt.passes.recompute.rewrite import checkpoint_segments
+
+    ids = torch.randint(0, 32000, args[0].shape, device=args[0].device)  # not the example
+    rows, results = [], []
+    for offload in (False, True):
+        gm = graphopt.trace(model, args, kwargs)
+        nodes = list(gm.graph.nodes)
+        blocks = [[nodes[i] for i in range(min(at), max(at) + 1)] for at in outer_blocks(nodes).values()]
+        gm = checkpoint_segments(gm, blocks, offload=offload)
+        times = []
+        for _ in range(steps + 1):
+            sync()
+            start = time.perf_counter()
+            gm(*args, **kwargs).loss.backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        peak = measure_peak(lambda: gm(*args, **kwargs).loss.backward(), gm, *args)
+        model.zero_grad(set_to_none=True)
+        loss = gm(ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        model.zero_grad(set_to_none=True)
+        rows.append((f"{len(blocks)} blocks {'offloaded' if offload else 'checkpointed'}", peak,
+                     statistics.median(times[1:])))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    same = torch.equal(loss_a, loss_b) and len(grads_a) == len(grads_b) and all(map(torch.equal, grads_a, grads_b))
+    verdict = "equal bit for bit" if same else "DIFFERENT"
+    lines = ["", "Forward and backward, no optimizer: the blocks' inputs on the host against kept on the device. "
+             f"Another batch's loss and gradients, offloaded against checkpointed: {verdict}.",
+             "", "| step | measured peak | forward and backward | against checkpointed |", "|---|---:|---:|---:|"]
+    for what, peak, seconds in rows:
+        lines.append(f"| {what} | {peak / GB:.3f} GB | {seconds * 1e3:.1f} ms | {seconds / rows[0][2]:.2f} |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -141,6 +182,7 @@ def main() -> int:
                      f"{f'{predicted / GB:.3f} GB' if predicted else '-'} | {f'{peak / GB:.3f} GB' if peak else '-'} | "
                      f"{ratio} | {f'{seconds * 1e3:.1f} ms' if seconds else '-'} | "
                      f"{f'{seconds / base:.2f}' if seconds else '-'} |")
+    lines += offloaded_blocks(model, args, kwargs, a.steps, sync)
     write_table("gpu_host_step", "\n".join(lines) + "\n", a.out)
     return 0
 

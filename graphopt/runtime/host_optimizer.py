@@ -37,6 +37,7 @@ import torch
 from ..analysis.host_tier import on_host
 from ..analysis.optimizer_memory import rebuilt
 from ..errors import UsageError
+from . import copy_streams
 
 _INSTALLED = "_graphopt_host_optimizer"
 KERNELS = ("fused", "foreach")  # a group's implementation: the host's own, not synced from the user's
@@ -68,10 +69,11 @@ class HostOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.user = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        # derived once: on CUDA the host's copies are pinned, and each step waits for its copies down
-        self.cuda = any(p.device.type == "cuda" for p in self.params)
+        # derived once: on CUDA (this device) the host's copies are pinned, and each step waits for its copies down
+        self.cuda = next((p.device for p in self.params if p.device.type == "cuda"), None)
+        self.pinned = self.cuda is not None
         with torch.no_grad(), on_host():
-            self.hosts = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=self.cuda).copy_(p) for p in self.params}
+            self.hosts = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=self.pinned).copy_(p) for p in self.params}
             for h in self.hosts.values():
                 h.requires_grad_(True)
             self.host = fastest_on_host(rebuilt(optimizer, self.params, swap=lambda p: self.hosts[p]))
@@ -110,9 +112,14 @@ class HostOptimizer:
         h = self.hosts[p]
         with torch.no_grad(), on_host():
             if h.grad is None:
-                h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.cuda)
-                h.grad.copy_(p.grad, non_blocking=True)  # read only after the step's synchronize
-            else:  # accumulating: added to what the host holds
+                h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.pinned)
+                if self.cuda is not None:  # on the down stream, beside the rest of backward; read after settle()
+                    copy_streams.down(p.grad, into=h.grad)
+                else:
+                    h.grad.copy_(p.grad)
+            else:  # accumulating: added to what the host holds, once its copy has landed
+                if self.cuda is not None:
+                    copy_streams.settle(self.cuda)
                 h.grad.add_(p.grad.to(h.device, copy=True))
         p.grad = None
         if not self._standing_in:
@@ -153,10 +160,11 @@ class HostOptimizer:
                     h.grad = None
                     continue
                 if h.grad is None:
-                    h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.cuda)
+                    h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.pinned)
                 h.grad.copy_(p.grad, non_blocking=True)
-            if self.cuda:
-                torch.cuda.current_stream().synchronize()  # every gradient is down before the host reads it
+            if self.cuda is not None:  # every gradient is down before the host reads it
+                copy_streams.settle(self.cuda)
+                torch.cuda.current_stream(self.cuda).synchronize()
             self.host.step()
         with torch.no_grad():
             for p, h in self.hosts.items():

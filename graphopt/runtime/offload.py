@@ -12,29 +12,56 @@ rerun) with the RNG state of the first run where the segment draws, and backprop
 for the copies). An input the segment does not own, a leaf or a view of one (a parameter, the
 model's input, a mask made without grad), stays where it is: something else holds it.
 
-On CUDA the host copy is pinned and both copies are non_blocking on the step's stream, which
-orders them with the kernels around them. The host's copies are made under on_host(), so the
-step's measurement (analysis/live_storage.py) counts them as the host's, also on CPU, where the
-host copy is a storage of its own on the same memory.
+Copies run beside the step's kernels where they can (runtime/copy_streams.py, on CUDA): each input
+goes down to pinned host memory on a stream of its own while the segment computes, and the
+backward of a segment brings up the inputs of the one whose backward comes next (the segment
+called before it in the forward) while its own rerun and backward compute, so that they are
+there when wanted. The order is the same on every device, so the step's measurement on CPU, where
+each copy is made at once, counts the device bytes the CUDA step holds: a segment's backward holds
+the next one's inputs too. The host's copies are made under on_host(), so the step's measurement
+(analysis/live_storage.py) counts them as the host's, also on CPU, where the host copy is a
+storage of its own on the same memory.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..analysis.host_tier import on_host
 from ..analysis.segments import SegmentCall, rerun
+from . import copy_streams
+
+
+class CallOrder:
+    """The offloaded segments of one graph in the order the forward called them: each call's kept
+    inputs know the call before them, whose backward comes after theirs."""
+
+    __slots__ = ("last",)
+
+    def __init__(self):
+        self.last: weakref.ref | None = None  # the latest call's _Kept: its graph may be gone
+
+    def __deepcopy__(self, memo):
+        return CallOrder()
+
+    def __reduce__(self):
+        return CallOrder, ()
 
 
 class OffloadedSegment(SegmentCall):
-    """The callable a rewritten graph calls for segment k, its kept inputs on the host."""
+    """The callable a rewritten graph calls for segment k, its kept inputs on the host; order: the
+    graph's segments' (one per graph, given to each)."""
 
     offloaded = True
 
-    def __init__(self, index: int, module: torch.fx.GraphModule, draws: bool = True):
+    def __init__(self, index: int, module: torch.fx.GraphModule, draws: bool = True, order: CallOrder | None = None):
         super().__init__(index, module, selective=False)
         self.draws = draws
+        self.order = order if order is not None else CallOrder()
         self._params, self._params_of = (), None
         self.__module__ = __name__
 
@@ -59,6 +86,55 @@ def owned(t) -> bool:
     return not base.is_leaf
 
 
+class _Kept:
+    """One call's inputs while its backward waits. stored: per input (the host's copy, its device,
+    the copy's event) where the segment owns it, else (the input, None, None); back: per input, (the
+    tensor on its device, the copy's event or None) once brought; before: the call before it."""
+
+    __slots__ = ("stored", "back", "before", "__weakref__")
+
+    def __init__(self, args, before: weakref.ref | None):
+        self.stored = [_down(t) if owned(t) else (t, None, None) for t in args]
+        self.back, self.before = None, before
+
+    def bring(self) -> None:
+        """Each input on its device again (the copies queued, on CUDA); the host's copies let go."""
+        self.back = [(t, None) if device is None else _up(t, device, event) for t, device, event in self.stored]
+        self.stored = None
+
+    def inputs(self) -> list:
+        """The inputs on their devices, brought now where they were not yet; the step waits for each."""
+        if self.back is None:
+            self.bring()
+        back, self.back = self.back, None
+        for t, event in back:
+            if event is not None:
+                copy_streams.ready(event, t.device)
+        return [t for t, _ in back]
+
+
+def _cuda(t: torch.Tensor) -> bool:
+    """Whether t's copies go on the copy streams: a CUDA tensor with storage (a fake one, in the
+    estimate's step, is copied at once, as on CPU)."""
+    return t.device.type == "cuda" and not isinstance(t, FakeTensor)
+
+
+def _down(t: torch.Tensor) -> tuple:
+    """(t's copy in host memory, t's device, the copy's event or None)."""
+    if _cuda(t):
+        host, event = copy_streams.down(t.detach())
+        return host, t.device, event
+    with on_host():
+        return t.detach().clone(), t.device, None
+
+
+def _up(host: torch.Tensor, device: torch.device, event) -> tuple:
+    """(host's copy on device, the copy's event or None)."""
+    if device.type == "cuda" and not isinstance(host, FakeTensor):
+        return copy_streams.up(host, device, event)
+    return host.to(device, copy=True), None
+
+
 class _Offloaded(torch.autograd.Function):
     """The parameters' gradients accumulate in the backward of the rerun, as torch.utils.checkpoint's
     reentrant form accumulates them; the anchor, where given, gets none."""
@@ -70,13 +146,17 @@ class _Offloaded(torch.autograd.Function):
         ctx.needs = [isinstance(t, torch.Tensor) and t.requires_grad for t in args]
         if segment.draws:  # the rerun draws what the first run drew
             ctx.rng = torch.get_rng_state(), get_device_states(*args)
-        ctx.kept = [(_to_host(t), t.device) if owned(t) else (t, None) for t in args]
+        ctx.kept = _Kept(args, segment.order.last)
+        segment.order.last = weakref.ref(ctx.kept)
         return tuple(segment.module(*args))
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [_to_device(t, device) if device is not None else t for t, device in ctx.kept]
-        ctx.kept = None
+        kept, ctx.kept = ctx.kept, None
+        inputs = kept.inputs()
+        before = kept.before() if kept.before is not None else None
+        if before is not None and before.stored is not None:  # its backward is next: its copies run beside this one
+            before.bring()
         inputs = [t.detach().requires_grad_(need) if isinstance(t, torch.Tensor) else t
                   for t, need in zip(inputs, ctx.needs)]
         devices = ctx.rng[1][0] if ctx.segment.draws else []
@@ -91,15 +171,3 @@ class _Offloaded(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, *[t.grad if need else None for t, need in zip(inputs, ctx.needs)],
                 *[None] * ctx.anchored)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    with on_host():
-        if t.device.type == "cuda":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-        return t.detach().clone()
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device, non_blocking=True) if device.type == "cuda" else t.clone()

@@ -11,7 +11,8 @@ from graphopt.analysis.blocks import outer_blocks
 from graphopt.analysis.live_storage import LiveStorage
 from graphopt.analysis.memory import estimate_peak, measure_step
 from graphopt.frontend.graph_inputs import placeholder_values
-from graphopt.passes.recompute.rewrite import checkpoint_segments, inline_segments, offloaded_bytes
+from graphopt.analysis.offload_time import offload_time, offloaded_bytes
+from graphopt.passes.recompute.rewrite import checkpoint_segments, inline_segments
 from graphopt.analysis.segments import SegmentCall
 from graphopt.runtime import offload
 from graphopt.runtime.offload import OffloadedSegment, owned
@@ -93,7 +94,7 @@ def test_a_transformers_model_s_ignored_labels_step_as_eager_s():
 def test_without_grad_nothing_goes_to_the_host(monkeypatch):
     model, gm, args, kwargs = _gpt(offload=True, layers=2)
     copies = []
-    monkeypatch.setattr(offload, "_to_host", lambda t: copies.append(t) or t.clone())
+    monkeypatch.setattr(offload, "_down", lambda t: copies.append(t) or (t.clone(), t.device, None))
     idx = torch.randint(0, 256, args[0].shape)
     with torch.no_grad():
         torch.manual_seed(1)
@@ -103,6 +104,38 @@ def test_without_grad_nothing_goes_to_the_host(monkeypatch):
     assert torch.equal(expected.logits, got.logits) and not copies
     gm(idx, targets=kwargs["targets"]).loss.backward()
     assert len(copies) == 2  # one block's input each, with grad
+
+
+def test_a_segment_s_backward_brings_the_next_one_s_inputs_before_its_rerun(monkeypatch):
+    """The copies up run beside a backward: segment k's inputs come up before segment k+1 reruns,
+    each once, and the last segment's first; the step is still eager's."""
+    model, gm, args, kwargs = _gpt(offload=True, layers=3)
+    events, brought = [], offload._Kept.bring
+
+    def bring(kept):
+        events.append(("up", [t.shape for t, device, _ in kept.stored if device is not None]))
+        brought(kept)
+
+    monkeypatch.setattr(offload._Kept, "bring", bring)
+    for n in gm.graph.nodes:
+        if isinstance(n.target, OffloadedSegment):
+            n.target.module.register_forward_pre_hook(
+                lambda m, a, k=n.target.index: events.append(("run", k)) if torch.is_grad_enabled() else None)
+    idx = torch.randint(0, 256, args[0].shape)
+    assert_same_step(model, gm, (idx,), {"targets": torch.randint(0, 256, idx.shape)}, exact=True)
+    kinds = [e[0] if e[0] == "up" else e for e in events]
+    assert kinds == ["up", "up", ("run", 2), "up", ("run", 1), ("run", 0)]
+    assert all(shapes == [torch.Size([8, 64, 64])] for kind, shapes in events if kind == "up")
+
+
+def test_a_graph_s_calls_are_their_own_and_their_order_is_not_copied():
+    _, gm, _, _ = _gpt(offload=True, layers=2)
+    segments = [n.target for n in gm.graph.nodes if isinstance(n.target, OffloadedSegment)]
+    assert segments[0].order is segments[1].order
+    assert copy.deepcopy(segments[0].order).last is None
+    _, other, _, _ = _gpt(offload=True, layers=2)
+    assert next(n.target for n in other.graph.nodes if isinstance(n.target, OffloadedSegment)).order \
+        is not segments[0].order
 
 
 def test_what_the_segment_does_not_own_stays_where_it_is():
@@ -204,3 +237,26 @@ def _steps_bitwise_equal(planned, reference, shape, steps: int) -> None:
         assert torch.equal(*losses), step
     for (name, p), q in zip(planned[0].named_parameters(), reference[0].parameters()):
         assert torch.equal(p, q), name
+
+
+def test_the_step_waits_for_every_copy_on_cpu_and_for_what_compute_does_not_hide_on_cuda(monkeypatch):
+    from dataclasses import replace
+
+    from graphopt.analysis import cost
+
+    _, gm, _, _ = _gpt(offload=True)
+    moved = offloaded_bytes(gm)
+    on_cpu = offload_time(gm, "cpu")
+    assert on_cpu.waited_s == on_cpu.copies_s == pytest.approx(2 * moved / cost.rates("cpu").host_bytes_per_s)
+    one = moved / 4  # each of the four blocks' inputs
+
+    def at(link: float):
+        monkeypatch.setitem(cost.RATES, "cuda", replace(cost.RATES["cuda"], host_bytes_per_s=link))
+        return offload_time(gm, "cuda")
+
+    fast, slow = at(2.5e10), at(2.5e7)
+    assert fast.copies_s == pytest.approx(2 * moved / 2.5e10)
+    # the first segment back waits for its copy whole; the rest hide behind the compute at this rate
+    assert fast.waited_s == pytest.approx(one / 2.5e10)
+    # a link a thousand times slower: every copy outlasts the compute beside it
+    assert one / 2.5e7 < slow.waited_s < slow.copies_s and slow.waited_s > 0.5 * slow.copies_s

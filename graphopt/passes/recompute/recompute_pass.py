@@ -65,8 +65,9 @@ instead: the segments, the writes in place and the report's figures, or the refu
      step, stages, CUDA graphs or calibrate.
  10. Where that does not fit either, steps 1 to 8 once more with every full segment keeping its
      inputs on the host until its backward (runtime/offload.py: the plan's checkpoints off the
-     device, copied back before the segment reruns), priced as the copies' time at the host link's
-     measured rate (analysis/cost.Rates.host_bytes_per_s), both ways, none of it overlapped.
+     device, copied back before the segment reruns, on CUDA beside the step's kernels), priced as
+     the copies' time the step waits for (analysis/offload_time.py: at the host link's measured
+     rate, analysis/cost.Rates.host_bytes_per_s, what the compute beside them does not hide).
  11. One rank's step (world_size) where no plan fits: steps 1 to 8 again with the rank's shards on
      the host, as FSDP2's CPUOffloadPolicy keeps them (the sharded parameters, their gradients and
      the optimizer's state: shard/rank_memory.py estimates the device's part). The graph's meta
@@ -92,6 +93,7 @@ from ...analysis.host_step import host_step
 from ...analysis.memory import (Estimate, below_least, estimate_peak, headroom, held_to, least_holding, measure_step,
                                size_text)
 from ...analysis.meta import graph_device
+from ...analysis.offload_time import offload_time, offloaded_bytes
 from ...analysis.optimizer_memory import NAMED, OptimizerMemory, check_optimizer, optimizer_memory
 from ...analysis.saved import record_step
 from ...analysis.segments import SegmentCall
@@ -112,7 +114,7 @@ from .candidates import PlanSpace, LinePlans
 from .in_place import write_within
 from .node_facts import node_facts
 from .pricing import PlanPricer
-from .rewrite import note_segments, offloaded_bytes
+from .rewrite import note_segments
 from .search import PlanSearch, restore_graph
 from .solver import SegmentCost
 from .tidy import attributes_first, hoist_state_writes
@@ -238,11 +240,12 @@ class Recompute(Pass):
                              "host_step_ms": round(self.host.seconds * 1e3, 1),
                              "host_step_overhead_pct": round(100 * self.host.seconds / max(step_s, 1e-12), 1)})
         if self.offload:
-            moved = offloaded_bytes(gm)
+            copies = offload_time(gm, device)
             result.stats.update({"offloaded_segments": sum(isinstance(n.target, SegmentCall) and n.target.offloaded
                                                            for n in gm.graph.nodes),
-                                 "offloaded_bytes": moved,
-                                 "offload_ms": round(2e3 * moved / rates(device).host_bytes_per_s, 3)})
+                                 "offloaded_bytes": offloaded_bytes(gm),
+                                 "offload_copies_ms": round(copies.copies_s * 1e3, 3),
+                                 "offload_ms": round(copies.waited_s * 1e3, 3)})
         return result
 
     def _plan_rank_on_host(self, gm: torch.fx.GraphModule, ctx: PassContext, least: int, device: str,

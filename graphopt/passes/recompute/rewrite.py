@@ -33,7 +33,7 @@ from ...analysis.meta import TensorInfo, gather, tensor_info
 from ...analysis.segments import SegmentCall
 from ...frontend.custom_functions import FunctionCall
 from ...runtime.checkpoint import BatchNormOnce, RecomputeSegment, batch_norm_once
-from ...runtime.offload import OffloadedSegment
+from ...runtime.offload import CallOrder, OffloadedSegment
 from ..notes import note
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
@@ -131,6 +131,7 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
     (runtime/offload.py)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     selective = selective or [False] * len(segments)
+    calls = CallOrder()  # the offloaded segments' backward brings the next one's inputs up
     for k, nodes in enumerate(segments):
         nodes = [n for n in sorted(nodes, key=order.__getitem__) if n.op != "get_attr"]
         if not nodes:
@@ -147,7 +148,7 @@ def checkpoint_segments(gm: torch.fx.GraphModule, segments: list[list[torch.fx.N
         with gm.graph.inserting_after(last):
             draws = any(may_draw(n, gm) for n in nodes)
             whole = all(map(_returned_whole, outputs))
-            runs = OffloadedSegment(k, module, draws) if offload and not selective[k] and whole else \
+            runs = OffloadedSegment(k, module, draws, calls) if offload and not selective[k] and whole else \
                 RecomputeSegment(k, module, selective[k], draws)
             call = gm.graph.call_function(runs, tuple(inputs))
         items = {}
@@ -232,15 +233,3 @@ def note_segments(gm: torch.fx.GraphModule) -> None:
                 if i.op.startswith("call"):
                     note(i, "recompute", "boundary")
 
-
-def offloaded_bytes(gm: torch.fx.GraphModule) -> int:
-    """Bytes the offloaded segments of gm copy to the host each step: their inputs that the graph
-    computes (runtime/offload.owned: not a parameter, nor the model's input)."""
-    moved = 0
-    for n in gm.graph.nodes:
-        if isinstance(n.target, SegmentCall) and n.target.offloaded:
-            for i in n.all_input_nodes:
-                info = tensor_info(i)
-                if i.op.startswith("call") and isinstance(info, TensorInfo) and info.requires_grad:
-                    moved += info.nbytes
-    return moved
