@@ -85,7 +85,8 @@ class StepPlan:
                                  f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the "
                                  "estimate)")
                 if self.offloaded_bytes:
-                    lines.append(f"the recompute segments' inputs on the host too: {size_text(self.offloaded_bytes)} "
+                    also = " too" if self.host_step is not None else ""
+                    lines.append(f"the recompute segments' inputs on the host{also}: {size_text(self.offloaded_bytes)} "
                                  "copied out in the forward and back in the backward of each step")
                 if self.rank_host_bytes:
                     lines.append(f"a rank's sharded parameters, gradients and optimizer state on the host (FSDP2's "

@@ -79,9 +79,10 @@ class MicrobatchChoice:
             self.microbatches = 1
             return self.plan(1)
         may_move = not (self._options.calibrate or self._settings.get("cuda_graphs"))
-        if (self._options.optimizer is not None or self.ranks) and not self._options.optimizer_on_device and may_move:
-            # every count with the optimizer (a rank's shards) on the device first: its step on the host
-            # costs more a step than microbatches do (analysis/host_step.py)
+        if not self._options.optimizer_on_device and may_move:
+            # every count with everything on the device first: the optimizer's step on the host (a rank's
+            # shards) costs more a step than microbatches do (analysis/host_step.py), and checkpoints on
+            # the host cost copies
             self._options = dataclasses.replace(self._options, optimizer_on_device=True)
             try:
                 return self.choose(choices)

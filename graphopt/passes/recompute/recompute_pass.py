@@ -56,18 +56,22 @@ instead: the segments, the writes in place and the report's figures, or the refu
   8. The plan is made for the example's sizes; a call at others (a shorter sequence, a dynamic
      batch) first estimates its step there, once per signature, and raises BudgetError where it
      does not fit (runtime/budget_check.py): a plan for the longest length serves the shorter.
-  9. Where no plan fits with the optimizer on the device (keep-or-recompute's least is above the
-     target), steps 1 to 8 again with its state and step on the host (analysis/host_step.py):
-     the device then holds neither; where that does not fit either, again with the gradients
-     on the host too, each leaving the device as backward makes it. The plan says so, with the
-     host memory it takes and the time it adds; optimize() installs it on the optimizer
-     (runtime/host_optimizer.py). Not where the budget covers no optimizer, nor on one rank's
-     step, stages, CUDA graphs or calibrate.
- 10. Where that does not fit either, steps 1 to 8 once more with every full segment keeping its
-     inputs on the host until its backward (runtime/offload.py: the plan's checkpoints off the
-     device, copied back before the segment reruns, on CUDA beside the step's kernels), priced as
-     the copies' time the step waits for (analysis/offload_time.py: at the host link's measured
-     rate, analysis/cost.Rates.host_bytes_per_s, what the compute beside them does not hide).
+  9. Where no plan fits with everything on the device (keep-or-recompute's least is above the
+     target), the host as a tier below it: first step 10 alone, with the optimizer on the device,
+     where the parameters and its state leave room for it; kept where it fits and its copies cost
+     the step less than the optimizer's step on the host would. Else steps 1 to 8 again with the
+     optimizer's state and step on the host (analysis/host_step.py): the device then holds
+     neither; where that does not fit either, again with the gradients on the host too, each
+     leaving the device as backward makes it; then with step 10 as well; step 10 alone where it
+     fits and these do not, or cost more. The plan says which, with the host memory it takes, the time it adds
+     and why; optimize() installs the host step on the optimizer (runtime/host_optimizer.py). The
+     host step needs an optimizer in the budget; neither runs on one rank's step, stages, CUDA
+     graphs, calibrate or optimizer_on_device.
+ 10. Steps 1 to 8 with every full segment keeping its inputs on the host until its backward
+     (runtime/offload.py: the plan's checkpoints off the device, copied back before the segment
+     reruns, on CUDA beside the step's kernels), priced as the copies' time the step waits for
+     (analysis/offload_time.py: at the host link's measured rate, analysis/cost.Rates.
+     host_bytes_per_s, what the compute beside them does not hide).
  11. One rank's step (world_size) where no plan fits: steps 1 to 8 again with the rank's shards on
      the host, as FSDP2's CPUOffloadPolicy keeps them (the sharded parameters, their gradients and
      the optimizer's state: shard/rank_memory.py estimates the device's part). The graph's meta
@@ -89,7 +93,7 @@ from ... import ops
 from ...analysis.blocks import outer_blocks
 from ...analysis.cost import STEP_FORWARDS, forward_costs, node_times, rates
 from ...analysis.cuda_graphs import graphs_reserve, input_bytes
-from ...analysis.host_step import host_step
+from ...analysis.host_step import HostStep, host_step
 from ...analysis.memory import (Estimate, below_least, estimate_peak, headroom, held_to, least_holding, measure_step,
                                size_text)
 from ...analysis.meta import graph_device
@@ -115,7 +119,7 @@ from .in_place import write_within
 from .node_facts import node_facts
 from .pricing import PlanPricer
 from .rewrite import note_segments
-from .search import PlanSearch, restore_graph
+from .search import PlanSearch, graph_snapshot, restore_graph
 from .solver import SegmentCost
 from .tidy import attributes_first, hoist_state_writes
 
@@ -145,8 +149,8 @@ class RecomputeOptions:
                                               "(gradient accumulation): the budget covers them from the start")
     world_size: int | None = option(None, count, "ranks FSDP2 shards the step over (shard='fsdp'): budget_gb is "
                                                  "then one rank's")
-    optimizer_on_device: bool = option(False, to_bool, "keep the optimizer's state and step on the device (no "
-                                                       "step 9): where no plan fits, refuse")
+    optimizer_on_device: bool = option(False, to_bool, "keep the optimizer's state and step, and the checkpoints, "
+                                                       "on the device (no steps 9 and 10): where no plan fits, refuse")
     prefetch: int | None = option(None, count, "batches graphopt.prefetch holds on the device ahead of the step, "
                                                "each of the example's size: the step is planned for that much less")
 
@@ -210,8 +214,8 @@ class Recompute(Pass):
         except BudgetError as refused:
             if self._may_shard_to_host(ctx):
                 result = self._plan_rank_on_host(gm, ctx, refused.min_budget_bytes, device, step_s)
-            elif self._may_step_on_host(ctx):
-                result = self._plan_on_host(gm, ctx, refused.min_budget_bytes, device, step_s)
+            elif self._may_offload(ctx):
+                result = self._plan_on_host(gm, ctx, refused, device, step_s)
             else:
                 raise
         if ctx.train:
@@ -220,32 +224,94 @@ class Recompute(Pass):
             result.stats["prefetched_bytes"] = self.prefetched
         return result
 
-    def _plan_on_host(self, gm: torch.fx.GraphModule, ctx: PassContext, least: int, device: str,
+    def _plan_on_host(self, gm: torch.fx.GraphModule, ctx: PassContext, refused: BudgetError, device: str,
                       step_s: float) -> PassResult:
-        """Steps 9 and 10: the state and step on the host first; then the gradients too; then the
-        segments' inputs as well. least: what the device needs with the optimizer on it; step_s:
-        the step's seconds on the device."""
+        """Steps 9 and 10, the fitting plan whose step costs least: the segments' inputs on the host
+        with the optimizer on the device (step 10 alone) where their copies cost less than the host's
+        step would; else the optimizer's state and step on the host; then its gradients too; then the
+        segments' inputs as well; step 10 alone where it fits and these do not, or cost more. refused: the refusal with all of it on the
+        device; step_s: the step's seconds there. Where none fits, the refusal that names the least
+        budget of them all."""
         memory = self.optimizer  # the device's plans measured it; with the step on the host, setup leaves it out
-        for gradients, offload in ((False, False), (True, False), (True, True)):
+        least, refusals = refused.min_budget_bytes, [refused]
+        stepping = self._may_step_on_host(ctx)
+        unplanned = graph_snapshot(gm)  # each way down plans from the graph as it came
+        alone = self._plan_offloaded(gm, ctx, device, refusals)
+        hosted = host_step(gm.parameters(), memory, device) if stepping else None
+        if alone is not None and (hosted is None or alone[1] <= hosted.seconds):
+            return self._offloaded(alone[0], gm, device, least, hosted)
+        planned = graph_snapshot(gm) if alone is not None else None
+        result = None
+        for gradients, offload in ((False, False), (True, False), (True, True)) if stepping else ():
+            restore_graph(gm, graph_snapshot(unplanned, gm), None)
             self.host, self.offload = host_step(gm.parameters(), memory, device, gradients), offload
             try:
                 result = self._plan_on_device(gm, ctx)
                 break
-            except BudgetError:
-                if offload:
-                    raise
+            except BudgetError as e:
+                refusals.append(e)
+        if result is not None and self.offload and alone is not None and \
+                self.host.seconds + offload_time(gm, device).waited_s > alone[1]:
+            result = None  # everything on the host costs more than step 10 alone
+        if result is None and alone is None:
+            # step 10 alone, not searched at this budget, may still need less than the others
+            if self._resident_least(gm, memory) < min(e.min_budget_bytes for e in refusals):
+                restore_graph(gm, graph_snapshot(unplanned, gm), None)
+                self._plan_offloaded(gm, ctx, device, refusals, at_least=True)
+            raise min(refusals, key=lambda e: e.min_budget_bytes)
+        if result is None:  # the segments' inputs alone, the cheapest that fits: their plan again
+            restore_graph(gm, planned, None)
+            self.host, self.offload, self.optimizer = None, True, alone[2]
+            return self._offloaded(alone[0], gm, device, least, hosted)
         self.cacheable = False  # the plan cache keeps plans of the step on the device only
         result.host_step = self.host
         result.stats.update({"host_step": f"on the device the least plan needs {size_text(least)}",
                              "host_step_ms": round(self.host.seconds * 1e3, 1),
                              "host_step_overhead_pct": round(100 * self.host.seconds / max(step_s, 1e-12), 1)})
-        if self.offload:
-            copies = offload_time(gm, device)
-            result.stats.update({"offloaded_segments": sum(isinstance(n.target, SegmentCall) and n.target.offloaded
-                                                           for n in gm.graph.nodes),
-                                 "offloaded_bytes": offloaded_bytes(gm),
-                                 "offload_copies_ms": round(copies.copies_s * 1e3, 3),
-                                 "offload_ms": round(copies.waited_s * 1e3, 3)})
+        if alone is not None:
+            result.stats["host_step"] += (f"; the segments' inputs alone on the host cost {alone[1] * 1e3:.3g} ms a "
+                                          "step in copies, more than the host's step")
+        return self._offloaded(result, gm, device) if self.offload else result
+
+    def _plan_offloaded(self, gm: torch.fx.GraphModule, ctx: PassContext, device: str, refusals: list,
+                        at_least: bool = False) -> tuple[PassResult, float, OptimizerMemory | None] | None:
+        """Step 10 alone: the plan with every full segment's inputs on the host and the optimizer on the
+        device, its copies' seconds a step and the optimizer's memory it planned with; None where it
+        does not fit (its refusal added to refusals). Not searched where the parameters and the
+        optimizer's state alone are over the budget, unless at_least (for the least its refusal names)."""
+        self.host, self.offload = None, True
+        if not at_least and self._resident_least(gm, self.optimizer) > self.settings.budget_bytes:
+            return None
+        try:
+            result = self._plan_on_device(gm, ctx)
+        except BudgetError as e:
+            refusals.append(e)
+            return None
+        return result, offload_time(gm, device).waited_s, self.optimizer
+
+    def _resident_least(self, gm: torch.fx.GraphModule, optimizer: OptimizerMemory | None) -> int:
+        """A budget below which no plan with the optimizer (its memory) on the device fits, known without
+        planning: the one that holds the parameters and the optimizer's state, as the estimate counts them."""
+        state = optimizer.state_bytes if optimizer is not None else 0
+        return least_holding(sum(p.numel() * p.element_size() for p in gm.parameters()) + state + self.reserve,
+                             self.headroom)
+
+    def _offloaded(self, result: PassResult, gm: torch.fx.GraphModule, device: str, least: int | None = None,
+                   hosted: HostStep | None = None) -> PassResult:
+        """result with what its offloaded segments move and cost a step; least and hosted, where they
+        are the plan's only way down: why it chose them (the device's least, the host step's time)."""
+        self.cacheable = False
+        copies = offload_time(gm, device)
+        result.stats.update({"offloaded_segments": sum(isinstance(n.target, SegmentCall) and n.target.offloaded
+                                                       for n in gm.graph.nodes),
+                             "offloaded_bytes": offloaded_bytes(gm),
+                             "offload_copies_ms": round(copies.copies_s * 1e3, 3),
+                             "offload_ms": round(copies.waited_s * 1e3, 3)})
+        if least is not None:
+            why = f"on the device the least plan needs {size_text(least)}"
+            if hosted is not None:
+                why += f"; the copies cost a step less than the optimizer's on the host ({hosted.seconds * 1e3:.3g} ms)"
+            result.stats["offload"] = why
         return result
 
     def _plan_rank_on_host(self, gm: torch.fx.GraphModule, ctx: PassContext, least: int, device: str,
@@ -276,15 +342,19 @@ class Recompute(Pass):
         """The plan takes each gradient off the device as backward makes it (step 9's second form)."""
         return self.host is not None and self.host.gradients
 
+    def _may_offload(self, ctx: PassContext) -> bool:
+        """Whether step 10 may run: a training step on one device (not one rank's under FSDP2, whose
+        shards step 11 moves, nor stages), neither captured as CUDA graphs (the copies would be in
+        the capture) nor calibrated by real steps, and the host tier not declined (optimizer_on_device)."""
+        return (ctx.train and not self.settings.world_size and not self.settings.calibrate
+                and not self.settings.optimizer_on_device and not ctx.staged and not ctx.cuda_graphs)
+
     def _may_step_on_host(self, ctx: PassContext) -> bool:
-        """Whether step 9 may run: an optimizer in the budget, with memory of its own, on a step
-        the host step composes with (not one rank's under FSDP2, whose shards step 11 moves,
-        nor stages, nor a step captured as CUDA graphs, whose optimizer step is in the capture, nor one
-        calibrated by real steps, which run no optimizer)."""
+        """Whether step 9 may run: where step 10 may, with an optimizer in the budget that has memory
+        of its own (a step captured as CUDA graphs has its optimizer step in the capture, and one
+        calibrated by real steps runs no optimizer)."""
         o = self.optimizer
-        return (o is not None and o.state_bytes + o.step_bytes > 0 and ctx.train and not self.settings.world_size
-                and not self.settings.calibrate and not self.settings.optimizer_on_device and not ctx.staged
-                and not ctx.cuda_graphs)
+        return o is not None and o.state_bytes + o.step_bytes > 0 and self._may_offload(ctx)
 
     def _plan_on_device(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         # what the plan cache keeps of this plan: (the plan, each node's decision) and the nodes it indexes
@@ -486,11 +556,7 @@ class Recompute(Pass):
         untouched, where no write is allowed. known: that estimate, made before on the same graph."""
         if not ctx.writes_in_place:
             return None
-        before = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
-        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        # its nodes' metadata copied with them, and the output's type (the code's return annotation)
-        before.output(before.graph_copy(gm.graph, {}), type_expr=output.type)
-        before._codegen = gm.graph._codegen  # export's pytree calling convention
+        before = graph_snapshot(gm)
         nodes = list(gm.graph.nodes)
         sel = search.sel if search is not None else [0] * len(nodes)
         # the step's record before any plan (step 2's): the graph is that one, node by node
@@ -527,6 +593,8 @@ class Recompute(Pass):
         if self.host is not None:
             what += f" with the optimizer's {self.host.moved} on the host"
             what += " and the recompute segments' inputs too" if self.offload else ""
+        elif self.offload:
+            what += " with the recompute segments' inputs on the host"
         # microbatches shrink a training step's activations; train_step's own refusal words its advice itself
         batch = "" if inference else (" run the step as microbatches with graphopt.train_step (the fewest that "
                                       "fit the budget, gradients accumulated),")

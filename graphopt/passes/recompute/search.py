@@ -236,6 +236,19 @@ class PlanSearch:
                 note(n, "recompute", self.decision.get(n, "kept"))
 
 
+def graph_snapshot(source: torch.fx.GraphModule | torch.fx.Graph,
+                   owner: torch.fx.GraphModule | None = None) -> torch.fx.Graph:
+    """A copy of source's graph for restore_graph, owned by owner (by default source itself): its
+    nodes with their metadata, the output's type (the code's return annotation) and export's
+    pytree calling convention."""
+    graph = source.graph if isinstance(source, torch.fx.GraphModule) else source
+    copied = torch.fx.Graph(owning_module=owner if owner is not None else source, tracer_cls=graph._tracer_cls)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    copied.output(copied.graph_copy(graph, {}), type_expr=output.type)
+    copied._codegen = graph._codegen
+    return copied
+
+
 def restore_graph(gm: torch.fx.GraphModule, before: torch.fx.Graph, search: PlanSearch | None) -> None:
     """gm's graph as it was before _written wrote in place and cut, and the search's nodes with it."""
     gm.graph = before

@@ -35,8 +35,9 @@ def test_the_host_step_is_chosen_only_below_what_the_device_reaches(budget_mb, o
 
 def test_below_the_host_step_s_least_the_refusal_says_it_was_tried():
     model, args, _ = _mlp()
-    with pytest.raises(graphopt.BudgetError, match="with the optimizer's state, step and gradients on the host and "
-                                                   "the recompute segments' inputs too needs at least"):
+    # the least of the ways tried: here the checkpoints on the host as well need more than without them
+    # (a segment's backward holds the next one's inputs too)
+    with pytest.raises(graphopt.BudgetError, match="with the optimizer's state, step and gradients on the host needs"):
         graphopt.optimize(model, args, budget_gb=1.0 * MB, optimizer=torch.optim.AdamW(model.parameters()),
                           plan_cache=False)
 
