@@ -13,7 +13,9 @@ graphopt's least budget to eager); gpu_memory_gap.py (CUDA only: each zoo model'
 against its measured step, and the allocator's snapshot of the step); host_link.py (the host
 step's rates: pinned copies each way, the host's AdamW step); gpu_host_step.py (a Llama planned
 below its device's reach: the host tier measured against its prediction and torchao's
-CPUOffloadOptimizer); gpu_prefetch.py (an image step with and without graphopt.prefetch). Each
+CPUOffloadOptimizer, and its blocks offloaded against checkpointed); gpu_rank_host.py (one FSDP2
+rank with its shards on the host, against CPUOffloadPolicy by hand); gpu_prefetch.py (an image
+step with and without graphopt.prefetch). Each
 one's limit is its share of the budget plus what the ones before it left unused, so the whole run
 stays within the budget; the matrices (fuse, rows) are told to stop starting rows in time to
 write what they measured. A crash, a hang or a spent limit
@@ -82,9 +84,9 @@ BENCHMARKS = [
               "peak, budgets held", ["bench/gpu_step_time.py", "--memory", "all", "--out", "{folder}", "--seconds",
                                      "{seconds}"], 45, cuda_only=True),
     Benchmark("fuse", "elementwise chains: eager, graphopt, torch.compile; first training step",
-              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 50),
+              ["bench/gpu_fuse.py", "--out", "{folder}", "--seconds", "{seconds}"], 40),
     Benchmark("rows", "norms, softmax, cross-entropy, batch norm, LM head: eager, graphopt, torch.compile, Liger",
-              ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 55),
+              ["bench/gpu_rows.py", "--out", "{folder}", "--seconds", "{seconds}"], 45),
     Benchmark("recompute", "recompute at f = 0.3, 0.5, 0.7 on the zoo MLP, CNN and GPT; estimate error; solver time",
               ["bench/gpu_recompute.py", "--out", "{folder}"], 35,
               cpu_args=["--models", "mlp", "--steps", "3"]),
@@ -104,6 +106,10 @@ BENCHMARKS = [
               "measured peak, step time against eager and torchao's CPUOffloadOptimizer",
               ["bench/gpu_host_step.py", "--out", "{folder}/host_step.md"], 30,
               cpu_args=["--layers", "2", "--width", "256", "--tokens", "128", "--steps", "2"]),
+    Benchmark("rank_host", "one FSDP2 rank with its shards on the host (CPUOffloadPolicy): predicted against "
+              "measured device peak, step time and losses against FSDP2 with CPUOffloadPolicy by hand",
+              ["bench/gpu_rank_host.py", "--out", "{folder}/rank_host.md"], 20,
+              cpu_args=["--layers", "2", "--width", "128", "--tokens", "128", "--steps", "2"]),
     Benchmark("prefetch", "an image step with and without graphopt.prefetch",
               ["bench/gpu_prefetch.py", "--out", "{folder}/prefetch.md"], 10,
               cpu_args=["--steps", "8", "--batch", "8", "--size", "64"]),

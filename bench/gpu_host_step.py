@@ -109,14 +109,19 @@ def offloaded_blocks(model, args, kwargs, steps: int, sync) -> list[str]:
     return lines
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def llama_arguments(description: str) -> argparse.Namespace:
+    """The command line of a script that steps llama(): its size, the steps timed and the table's file."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out")
-    a = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    a = llama_arguments(__doc__.splitlines()[0])
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

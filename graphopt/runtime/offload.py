@@ -33,7 +33,12 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..analysis.host_tier import on_host
 from ..analysis.segments import SegmentCall, rerun
+from ..errors import UsageError
 from . import copy_streams
+
+SECOND_BACKWARD = ("a second backward through this step (retain_graph=True): graphopt's plan keeps these checkpoints' "
+                   "inputs on the host, and they come back for one backward only. Backward once per forward, or "
+                   "give a budget_gb that keeps them on the device.")
 
 
 class CallOrder:
@@ -113,15 +118,11 @@ class _Kept:
         return [t for t, _ in back]
 
 
-def _cuda(t: torch.Tensor) -> bool:
-    """Whether t's copies go on the copy streams: a CUDA tensor with storage (a fake one, in the
-    estimate's step, is copied at once, as on CPU)."""
-    return t.device.type == "cuda" and not isinstance(t, FakeTensor)
-
-
 def _down(t: torch.Tensor) -> tuple:
-    """(t's copy in host memory, t's device, the copy's event or None)."""
-    if _cuda(t):
+    """(t's copy in host memory, t's device, the copy's event: None where it was made at once). On the
+    copy streams where t is a CUDA tensor with storage; a fake one, in the estimate's step, is copied
+    at once, as on CPU."""
+    if t.device.type == "cuda" and not isinstance(t, FakeTensor):
         host, event = copy_streams.down(t.detach())
         return host, t.device, event
     with on_host():
@@ -129,8 +130,8 @@ def _down(t: torch.Tensor) -> tuple:
 
 
 def _up(host: torch.Tensor, device: torch.device, event) -> tuple:
-    """(host's copy on device, the copy's event or None)."""
-    if device.type == "cuda" and not isinstance(host, FakeTensor):
+    """(host's copy on device, the copy's event or None): on the copy streams where it came down on them."""
+    if event is not None:
         return copy_streams.up(host, device, event)
     return host.to(device, copy=True), None
 
@@ -153,6 +154,8 @@ class _Offloaded(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         kept, ctx.kept = ctx.kept, None
+        if kept is None:
+            raise UsageError(SECOND_BACKWARD)
         inputs = kept.inputs()
         before = kept.before() if kept.before is not None else None
         if before is not None and before.stored is not None:  # its backward is next: its copies run beside this one

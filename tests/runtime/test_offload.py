@@ -335,3 +335,11 @@ def test_the_step_waits_for_every_copy_on_cpu_and_for_what_compute_does_not_hide
     assert fast.waited_s == pytest.approx(one / 2.5e10)
     # a link a thousand times slower: every copy outlasts the compute beside it
     assert one / 2.5e7 < slow.waited_s < slow.copies_s and slow.waited_s > 0.5 * slow.copies_s
+
+
+def test_a_second_backward_through_offloaded_checkpoints_is_refused_in_words():
+    _, gm, args, kwargs = _gpt(offload=True, layers=2)
+    loss = gm(*args, **kwargs).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(graphopt.UsageError, match="come back for one backward only"):
+        loss.backward()
