@@ -149,7 +149,10 @@ class _Offloaded(torch.autograd.Function):
             ctx.rng = torch.get_rng_state(), get_device_states(*args)
         ctx.kept = _Kept(args, segment.order.last)
         segment.order.last = weakref.ref(ctx.kept)
-        return tuple(segment.module(*args))
+        # Each tensor returned as an alias of its own: autograd gives a Function's outputs its history,
+        # and an output that is a parameter or a buffer itself (a `.to` of its own dtype returns it) would
+        # become a non-leaf of this Function's.
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in segment.module(*args))
 
     @staticmethod
     def backward(ctx, *grads):

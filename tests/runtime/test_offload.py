@@ -343,3 +343,46 @@ def test_a_second_backward_through_offloaded_checkpoints_is_refused_in_words():
     loss.backward(retain_graph=True)
     with pytest.raises(graphopt.UsageError, match="come back for one backward only"):
         loss.backward()
+
+
+class _ReturnsItsScale(torch.nn.Module):
+    """A block one of whose outputs is its parameter itself: `.to` of the parameter's own dtype returns it
+    (transformers' Mamba mixer does this with its D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.rand(8))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)), self.scale.to(torch.float32)
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_ReturnsItsScale(), _ReturnsItsScale()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            y, scale = block(x)
+            x = y * scale + x
+        return x.square().mean()
+
+
+def test_a_segment_returning_a_parameter_itself_leaves_it_a_leaf_and_steps_as_eager():
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    x = torch.randn(4, 8)
+    gm = graphopt.trace(model, (x * 2,))
+    nodes = list(gm.graph.nodes)
+    blocks = [[nodes[i] for i in range(min(at), max(at) + 1)] for at in outer_blocks(nodes).values()]
+    gm = checkpoint_segments(gm, blocks, offload=True)
+    assert sum(isinstance(n.target, OffloadedSegment) for n in gm.graph.nodes) == 2
+    gm(x).backward()
+    assert all(p.is_leaf and p.grad_fn is None for p in model.parameters())
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[name]), name
