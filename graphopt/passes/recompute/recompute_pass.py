@@ -229,9 +229,9 @@ class Recompute(Pass):
         """Steps 9 and 10, the fitting plan whose step costs least: the segments' inputs on the host
         with the optimizer on the device (step 10 alone) where their copies cost less than the host's
         step would; else the optimizer's state and step on the host; then its gradients too; then the
-        segments' inputs as well; step 10 alone where it fits and these do not, or cost more. refused: the refusal with all of it on the
-        device; step_s: the step's seconds there. Where none fits, the refusal that names the least
-        budget of them all."""
+        segments' inputs as well; step 10 alone where it fits and these do not, or cost more.
+        refused: the refusal with all of it on the device; step_s: the step's seconds there. Where
+        none fits, the refusal that names the least budget of them all."""
         memory = self.optimizer  # the device's plans measured it; with the step on the host, setup leaves it out
         least, refusals = refused.min_budget_bytes, [refused]
         stepping = self._may_step_on_host(ctx)
