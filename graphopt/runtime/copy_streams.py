@@ -32,9 +32,11 @@ def _pair(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
     return found
 
 
-def down(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.cuda.Event]:
+def down(t: torch.Tensor, into: torch.Tensor | None = None,
+         marked: bool = True) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """t (on a CUDA device) copied into pinned host memory (into, or a new buffer of t's strides) on
-    the down stream, after what the step has queued: (the host tensor, the copy's event)."""
+    the down stream, after what the step has queued: (the host tensor, the copy's event; None
+    unless marked, for a caller that waits with settle())."""
     stream = _pair(t.device)[0]
     if into is None:
         with on_host():
@@ -43,7 +45,7 @@ def down(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tenso
     with torch.cuda.stream(stream):
         into.copy_(t, non_blocking=True)
     t.record_stream(stream)
-    return into, stream.record_event()
+    return into, stream.record_event() if marked else None
 
 
 def up(host: torch.Tensor, device: torch.device,

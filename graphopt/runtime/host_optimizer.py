@@ -114,7 +114,7 @@ class HostOptimizer:
             if h.grad is None:
                 h.grad = torch.empty(h.shape, dtype=h.dtype, pin_memory=self.pinned)
                 if self.cuda is not None:  # on the down stream, beside the rest of backward; read after settle()
-                    copy_streams.down(p.grad, into=h.grad)
+                    copy_streams.down(p.grad, into=h.grad, marked=False)
                 else:
                     h.grad.copy_(p.grad)
             else:  # accumulating: added to what the host holds, once its copy has landed
