@@ -11,13 +11,14 @@ refuses to be read (runtime/host_optimizer.py), not a silently missing gradient.
 What it frees and what it costs are facts of the plan: the device bytes are the optimizer's
 measured state and step (optimizer_memory.py); the time it adds to a step is the gradients
 down and the parameters up over the device's host link, then the host's own step, at the rates
-of analysis/cost.py, as if none of it overlapped the step's compute: an upper bound where the
-gradients go down during backward (gradients=True), exact where they wait for the step, which
-needs every gradient, as the next forward needs every parameter.
+of analysis/cost.py. None of it overlaps the step's compute where the gradients wait for the step,
+which needs every gradient, as the next forward needs every parameter; where they go down during
+backward (gradients=True) a plan counts of their copies only what backward does not hide
+(`overlapped`, from analysis/offload_time.py's timeline of the planned step).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cost import rates
 from .optimizer_memory import OptimizerMemory
@@ -30,8 +31,19 @@ class HostStep:
     param_bytes: int   # the trainable parameters: their host copy, and their gradients' as many
     state_bytes: int   # the optimizer's state, in host memory from the first step on
     step_bytes: int    # the temporaries of its step(), in host memory
-    seconds: float     # what it adds to a step: gradients down, the host's step, parameters up
+    down_s: float      # what the step waits for the gradients' copies down
+    stepped_s: float   # the host's step
+    up_s: float        # the parameters' copies up
     gradients: bool = False  # the gradients too, off the device as backward makes them
+
+    @property
+    def seconds(self) -> float:
+        """What it adds to a step: gradients down, the host's step, parameters up."""
+        return self.down_s + self.stepped_s + self.up_s
+
+    def overlapped(self, waited_s: float) -> HostStep:
+        """This step with its gradients' copies down costing only waited_s, what backward does not hide."""
+        return replace(self, down_s=waited_s)
 
     @property
     def host_bytes(self) -> int:
@@ -65,5 +77,6 @@ def host_step(params, optimizer: OptimizerMemory, device: str, gradients: bool =
     """The host step of an optimizer whose memory is `optimizer`, over `params` on `device`."""
     nbytes = trainable_bytes(params)
     r = rates(device)
-    seconds = 2 * nbytes / r.host_bytes_per_s + nbytes / r.host_step_bytes_per_s
-    return HostStep(nbytes, optimizer.state_bytes, optimizer.step_bytes, seconds, gradients)
+    copy = nbytes / r.host_bytes_per_s
+    return HostStep(nbytes, optimizer.state_bytes, optimizer.step_bytes, copy, nbytes / r.host_step_bytes_per_s,
+                    copy, gradients)

@@ -1,17 +1,23 @@
-"""What the offloaded segments of a plan (runtime/offload.py) move and what their copies cost a step.
+"""What the offloaded segments of a plan (runtime/offload.py) move and what their copies cost a step,
+and what the gradients' copies down cost where backward makes them on the host's side
+(runtime/host_optimizer.py's move_gradients).
 
 Each offloaded segment's inputs that the graph computes go down to the host when it is called and
 come back up for its backward. On CUDA the copies run on streams of their own (runtime/
 copy_streams.py): a copy down beside the forward that follows the call, a segment's copy up beside
 the backward of the segment after it (which brings it ahead), except the first to come back, which
-nothing precedes. The step waits only where a copy is not done when its backward begins; the time
-model plays the step's two timelines (the step's stream, each node at its estimated seconds, a
-node's backward twice its forward, a segment's backward its rerun and twice its forward) against
-the copies' (each at the host link's measured rate, down and up each one at a time) and counts the
-waits. On CPU a copy is made where it is called: all of it is waited for.
+nothing precedes; a parameter's gradient goes down on the same stream as soon as the backward of its
+first reader in the forward is done, beside the rest of the backward. The step waits only where a
+copy is not done when its backward begins, and for the gradients where the last of them is not done
+when backward ends (the host's step reads them all). The time model plays the step's two timelines
+(the step's stream, each node at its estimated seconds, a node's backward twice its forward, a
+segment's backward its rerun and twice its forward) against the copies' (each at the host link's
+measured rate, down and up each one at a time) and counts the waits. On CPU a copy is made where it
+is called: all of it is waited for.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch.fx
@@ -23,10 +29,11 @@ from .segments import SegmentCall
 
 @dataclass(frozen=True)
 class OffloadTime:
-    """Seconds of one step's copies of offloaded inputs."""
+    """Seconds of one step's copies of offloaded inputs, and of its gradients' copies down."""
 
-    copies_s: float  # all of them, down and up
+    copies_s: float  # the offloaded inputs', all of them, down and up
     waited_s: float  # what the step waits for them: the copies' time no compute hides
+    gradients_waited_s: float = 0.0  # what it waits for the gradients' copies down after backward
 
 
 def offloaded_inputs(node: torch.fx.Node) -> int:
@@ -47,14 +54,16 @@ def offloaded_bytes(gm: torch.fx.GraphModule) -> int:
     return sum(offloaded_inputs(n) for n in gm.graph.nodes)
 
 
-def offload_time(gm: torch.fx.GraphModule, device: str) -> OffloadTime:
-    """The copies of gm's offloaded segments in one step on `device` ("cuda" or "cpu")."""
+def offload_time(gm: torch.fx.GraphModule, device: str, gradients: bool = False) -> OffloadTime:
+    """The copies of gm's offloaded segments in one step on `device` ("cuda" or "cpu"); with
+    gradients, each trainable parameter's gradient copied down as backward completes it too."""
     calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
     link = rates(device).host_bytes_per_s
     moved = {n: offloaded_inputs(n) / link for n in calls if offloaded_inputs(n)}
+    completed = _gradients_completed(gm, calls) if gradients else {}
     copies = 2 * sum(moved.values())
     if device != "cuda":
-        return OffloadTime(copies, copies)
+        return OffloadTime(copies, copies, sum(completed.values()) / link)
     seconds = [_forward_seconds(n, gm, device) for n in calls]
     t = down = 0.0
     stored = {}  # a call -> when its copy down is done
@@ -76,7 +85,34 @@ def offload_time(gm: torch.fx.GraphModule, device: str) -> OffloadTime:
                 up = ready[before] = max(up, t, stored[before]) + moved[before]
         backward = (3 if isinstance(n.target, SegmentCall) else 2) * s
         t, computed = t + backward, computed + backward
-    return OffloadTime(copies, t - computed)
+        if n in completed:  # its parameters' gradients are whole: down beside the rest of backward
+            down = max(down, t) + completed[n] / link
+    return OffloadTime(copies, t - computed, max(down - t, 0.0) if completed else 0.0)
+
+
+def _gradients_completed(gm: torch.fx.GraphModule, calls: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    """Per call, bytes of the trainable parameters whose gradients its backward completes: those it
+    is the first in the forward to read (a segment or a module reads its own), each storage once."""
+    completed, seen = {}, set()
+    for n in calls:
+        owner, nodes = (n.target.module, list(n.target.module.graph.nodes)) if isinstance(n.target, SegmentCall) \
+            else (gm, [n, *n.all_input_nodes])
+        for p in _parameters_read(owner, nodes):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                completed[n] = completed.get(n, 0) + p.numel() * p.element_size()
+    return completed
+
+
+def _parameters_read(owner: torch.nn.Module, nodes: list[torch.fx.Node]):
+    """The tensors nodes of owner's graph read as attributes: a get_attr's, a call_module's parameters."""
+    for a in nodes:
+        if a.op == "get_attr":
+            p = operator.attrgetter(a.target)(owner)
+            if isinstance(p, torch.Tensor):
+                yield p
+        elif a.op == "call_module":
+            yield from owner.get_submodule(a.target).parameters()
 
 
 def _forward_seconds(node: torch.fx.Node, gm: torch.fx.GraphModule, device: str) -> float:

@@ -337,6 +337,30 @@ def test_the_step_waits_for_every_copy_on_cpu_and_for_what_compute_does_not_hide
     assert one / 2.5e7 < slow.waited_s < slow.copies_s and slow.waited_s > 0.5 * slow.copies_s
 
 
+def test_gradients_go_down_beside_the_backward_that_follows_their_first_reader(monkeypatch):
+    from dataclasses import replace
+
+    from graphopt.analysis import cost
+    from graphopt.analysis.host_step import trainable_bytes
+
+    model, gm, _, _ = _gpt(offload=True)
+    total = trainable_bytes(model.parameters())
+    assert offload_time(gm, "cuda").gradients_waited_s == 0.0  # without gradients none go down
+    assert offload_time(gm, "cpu", gradients=True).gradients_waited_s == \
+        pytest.approx(total / cost.rates("cpu").host_bytes_per_s)  # each copied where backward makes it
+
+    def waited(link: float) -> float:
+        monkeypatch.setitem(cost.RATES, "cuda", replace(cost.RATES["cuda"], host_bytes_per_s=link))
+        return offload_time(gm, "cuda", gradients=True).gradients_waited_s
+
+    # a fast link: only the gradient that the backward's last node completes is still going down when it
+    # ends: the token embedding's, read first in the forward (the output head shares it)
+    first = model.tok.weight.nbytes
+    assert waited(2.5e10) == pytest.approx(first / 2.5e10)
+    # a link a thousand times slower: the copies outlast the backward beside them, most of them waited
+    assert first / 2.5e7 < waited(2.5e7) < total / 2.5e7
+
+
 def test_a_second_backward_through_offloaded_checkpoints_is_refused_in_words():
     _, gm, args, kwargs = _gpt(offload=True, layers=2)
     loss = gm(*args, **kwargs).loss

@@ -250,9 +250,11 @@ class Recompute(Pass):
                 break
             except BudgetError as e:
                 refusals.append(e)
-        if result is not None and self.offload and alone is not None and \
-                self.host.seconds + offload_time(gm, device).waited_s > alone[1]:
-            result = None  # everything on the host costs more than step 10 alone
+        if result is not None and self.host.gradients:  # their copies down as the planned backward hides them
+            copies = offload_time(gm, device, gradients=True)
+            self.host = self.host.overlapped(copies.gradients_waited_s)
+            if self.offload and alone is not None and self.host.seconds + copies.waited_s > alone[1]:
+                result = None  # everything on the host costs more than step 10 alone
         if result is None and alone is None:
             # step 10 alone, not searched at this budget, may still need less than the others
             if self._resident_least(gm, memory) < min(e.min_budget_bytes for e in refusals):
