@@ -1,5 +1,5 @@
-"""The two rates the host step is priced by (analysis/cost.py's host_bytes_per_s and
-host_step_bytes_per_s), measured on this machine:
+"""The rates the host step is priced by (analysis/cost.py's host_bytes_per_s,
+host_step_bytes_per_s and host_add_bytes_per_s), measured on this machine:
 
     python bench/host_link.py [--mb 256] [--out FILE]
 
@@ -8,7 +8,8 @@ memory and non_blocking copies on CUDA, as runtime/host_optimizer.py makes them;
 between two host buffers, the host's own memcpy). host step: torch.optim.AdamW's step on the host
 over 16M float32 parameters and over 16M bfloat16 ones, per byte of the parameters it updates,
 with its fused CPU kernel (what the host step runs where the user chose no implementation) and
-with torch's default loop.
+with torch's default loop. host add: a microbatch's gradient added to what the host holds, over 16M
+float32 and bfloat16 elements, per byte of the gradient (runtime/host_optimizer.py's accumulation).
 The median of five runs each. Writes a markdown table (default
 bench/results/host_link-<device>-<date>.md).
 """
@@ -58,6 +59,10 @@ def main() -> None:
             kernel = "fused" if fused else "default loop"
             rows.append((f"host AdamW step ({kernel}), {str(dtype).removeprefix('torch.')}",
                          p.untyped_storage().nbytes(), timed(optimizer.step, lambda: None)))
+    for dtype in (torch.float32, torch.bfloat16):
+        held, added = torch.randn(16 * 2**20, dtype=dtype), torch.randn(16 * 2**20, dtype=dtype)
+        rows.append((f"host add of a gradient, {str(dtype).removeprefix('torch.')}", added.nbytes,
+                     timed(lambda: held.add_(added), lambda: None)))
     name = torch.cuda.get_device_name() if cuda else "cpu"
     lines = [f"# The host step's rates on {name}, {datetime.date.today()}", "",
              f"`python bench/host_link.py --mb {a.mb}`; the median of five runs.", "",

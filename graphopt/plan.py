@@ -81,7 +81,7 @@ class StepPlan:
                 if self.host_step is not None:
                     h = self.host_step
                     lines.append(f"the optimizer's {h.moved} on the host: {size_text(h.device_bytes_freed)} off "
-                                 f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds:.2f} s more "
+                                 f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds_over(self.microbatches):.2f} s more "
                                  f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the "
                                  "estimate)")
                 if self.offloaded_bytes:
@@ -136,7 +136,7 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
                     stats.get("segments", 0), stats.get("recomputed_nodes", 0),
                     stats.get("recompute_overhead_pct", 0.0), notes=list(step.notes), world_size=step.world_size,
                     headroom=kept, host_step=step.report.host_step,
-                    host_step_overhead_pct=stats.get("host_step_overhead_pct", 0.0),
+                    host_step_overhead_pct=_host_step_pct(step.microbatches, stats, step.report.host_step),
                     offloaded_bytes=stats.get("offloaded_bytes", 0),
                     step_seconds=_step_seconds(step.microbatches, stats, step.report.host_step),
                     rank_host_bytes=shard.stats.get("rank_host_bytes", 0) if shard is not None else 0)
@@ -144,13 +144,21 @@ def plan(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = N
 
 def _step_seconds(microbatches: int, stats: dict, host: HostStep | None) -> float | None:
     """One step's seconds by the time model: each microbatch's step with its recompute and the copies
-    of its offloaded inputs (or a rank's shards), then the host step once (or a rank's step over its
-    shard); None where the recompute pass did not estimate the step."""
+    of its offloaded inputs (or a rank's shards), then the host step with what each microbatch's gradients
+    add to it (or a rank's step over its shard); None where the recompute pass did not estimate the step."""
     if "step_ms" not in stats:
         return None
     device = microbatches * (stats["step_ms"] * (1 + stats.get("recompute_overhead_pct", 0.0) / 100)
                              + stats.get("offload_ms", 0.0) + stats.get("rank_host_copy_ms", 0.0)) / 1e3
-    return device + (host.seconds if host is not None else stats.get("rank_host_step_ms", 0.0) / 1e3)
+    return device + (host.seconds_over(microbatches) if host is not None else stats.get("rank_host_step_ms", 0.0) / 1e3)
+
+
+def _host_step_pct(microbatches: int, stats: dict, host: HostStep | None) -> float:
+    """The host step's seconds over `microbatches`, per cent of their steps on the device (the pass
+    priced one microbatch's)."""
+    if host is None or not host.seconds:
+        return 0.0
+    return round(stats.get("host_step_overhead_pct", 0.0) * host.seconds_over(microbatches) / (host.seconds * microbatches), 1)
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

@@ -64,11 +64,12 @@ class Rates:
     fused: CallCost = CallCost(1.5e-5, 4e-5)         # an elementwise group (runtime/fused.py)
     fused_rows: CallCost = CallCost(1.5e-5, 6.2e-5)  # a row group (runtime/fused_row.py)
     # The optimizer's step on the host (analysis/host_step.py), measured by `python bench/host_link.py`:
-    # copies between device and host memory, each way, and the host's AdamW step (its fused CPU kernel,
-    # on bfloat16 parameters) per byte of the parameters it updates (the host is the same CPU on every
-    # device until a GPU machine measures its own).
+    # copies between device and host memory, each way, the host's AdamW step (its fused CPU kernel,
+    # on bfloat16 parameters) per byte of the parameters it updates, and a microbatch's gradient added
+    # to the host's per byte (the host is the same CPU on every device until a GPU machine measures its own).
     host_bytes_per_s: float = 5e9
     host_step_bytes_per_s: float = 2.4e9
+    host_add_bytes_per_s: float = 2.4e9
 
 
 LAUNCH_S = 3e-6  # one CUDA kernel launch's host time, from ATen or from a bound Triton launcher

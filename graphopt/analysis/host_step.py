@@ -11,7 +11,8 @@ refuses to be read (runtime/host_optimizer.py), not a silently missing gradient.
 What it frees and what it costs are facts of the plan: the device bytes are the optimizer's
 measured state and step (optimizer_memory.py); the time it adds to a step is the gradients
 down and the parameters up over the device's host link, then the host's own step, at the rates
-of analysis/cost.py. None of it overlaps the step's compute where the gradients wait for the step,
+of analysis/cost.py (and, over microbatches, each further one's gradients down and added to the
+host's, `seconds_over`). None of it overlaps the step's compute where the gradients wait for the step,
 which needs every gradient, as the next forward needs every parameter; where they go down during
 backward (gradients=True) a plan counts of their copies only what backward does not hide
 (`overlapped`, from analysis/offload_time.py's timeline of the planned step).
@@ -35,6 +36,13 @@ class HostStep:
     stepped_s: float   # the host's step
     up_s: float        # the parameters' copies up
     gradients: bool = False  # the gradients too, off the device as backward makes them
+    accumulated_s: float = 0.0  # with them: a further microbatch's gradients down and added to the host's
+
+    def seconds_over(self, microbatches: int) -> float:
+        """What it adds to a step of `microbatches`: with the gradients on the host, each microbatch after
+        the first copies its gradients down and adds them to what the host holds, and the step waits for
+        both (runtime/host_optimizer.py adds each as backward makes it)."""
+        return self.seconds + (microbatches - 1) * self.accumulated_s if self.gradients else self.seconds
 
     @property
     def seconds(self) -> float:
@@ -79,4 +87,4 @@ def host_step(params, optimizer: OptimizerMemory, device: str, gradients: bool =
     r = rates(device)
     copy = nbytes / r.host_bytes_per_s
     return HostStep(nbytes, optimizer.state_bytes, optimizer.step_bytes, copy, nbytes / r.host_step_bytes_per_s,
-                    copy, gradients)
+                    copy, gradients, copy + nbytes / r.host_add_bytes_per_s)

@@ -92,7 +92,7 @@ class Report:
         if self.host_step is not None:
             h = self.host_step
             lines.append(f"optimizer on the host: its {h.moved}, {size_text(h.device_bytes_freed)} off the device, "
-                         f"in {size_text(h.host_bytes)} of host memory; about {h.seconds * 1e3:.0f} ms more a step "
+                         f"in {size_text(h.host_bytes)} of host memory; about {h.seconds_over(self.microbatches) * 1e3:.0f} ms more a step "
                          "(gradients down, the host's step, parameters up)")
         ran = [r.name for r in self.passes if r.by_default]
         if not ran and not self.skipped:

@@ -70,3 +70,18 @@ def test_train_step_takes_microbatches_on_the_device_before_the_host_step():
     model, args, kwargs = zoo.gpt(batch=16, seq=64, layers=2, dim=128)
     answer = graphopt.plan(model, args, kwargs, budget_gb=13 * MB, device="cpu", optimizer="adamw")
     assert answer.fits and answer.microbatches == 2 and answer.host_step is None
+
+
+def test_over_microbatches_each_further_one_s_gradients_are_copied_down_and_added_on_the_host():
+    from graphopt.analysis.cost import rates
+    from graphopt.analysis.host_step import host_step
+    from graphopt.analysis.optimizer_memory import optimizer_memory
+
+    model = zoo.MLP(256, 4)
+    params = list(model.parameters())
+    memory = optimizer_memory(torch.optim.AdamW(params), params)
+    nbytes, r = sum(p.nbytes for p in params), rates("cpu")
+    moved, kept = host_step(params, memory, "cpu", gradients=True), host_step(params, memory, "cpu")
+    assert moved.seconds_over(1) == moved.seconds and kept.seconds_over(3) == kept.seconds  # one copy down at the step
+    assert moved.seconds_over(3) - moved.seconds == \
+        pytest.approx(2 * (nbytes / r.host_bytes_per_s + nbytes / r.host_add_bytes_per_s))
