@@ -69,7 +69,7 @@ class Rates:
     # to the host's per byte (the host is the same CPU on every device until a GPU machine measures its own).
     host_bytes_per_s: float = 5e9
     host_step_bytes_per_s: float = 2.4e9
-    host_add_bytes_per_s: float = 2.4e9
+    host_add_bytes_per_s: float = 3.7e9
 
 
 LAUNCH_S = 3e-6  # one CUDA kernel launch's host time, from ATen or from a bound Triton launcher
