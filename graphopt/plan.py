@@ -79,9 +79,9 @@ class StepPlan:
                 if self.step_seconds is not None:
                     lines.append(f"predicted step time {self.step_seconds:.3g} s (the time model's estimate)")
                 if self.host_step is not None:
-                    h = self.host_step
+                    h, seconds = self.host_step, self.host_step.seconds_over(self.microbatches)
                     lines.append(f"the optimizer's {h.moved} on the host: {size_text(h.device_bytes_freed)} off "
-                                 f"the device, {size_text(h.host_bytes)} of host memory, about {h.seconds_over(self.microbatches):.2f} s more "
+                                 f"the device, {size_text(h.host_bytes)} of host memory, about {seconds:.2f} s more "
                                  f"a step ({self.host_step_overhead_pct:g}% of the step on the device, by the "
                                  "estimate)")
                 if self.offloaded_bytes:
@@ -158,7 +158,8 @@ def _host_step_pct(microbatches: int, stats: dict, host: HostStep | None) -> flo
     priced one microbatch's)."""
     if host is None or not host.seconds:
         return 0.0
-    return round(stats.get("host_step_overhead_pct", 0.0) * host.seconds_over(microbatches) / (host.seconds * microbatches), 1)
+    over = host.seconds_over(microbatches) / (host.seconds * microbatches)
+    return round(stats.get("host_step_overhead_pct", 0.0) * over, 1)
 
 
 def _least(model, example_inputs, example_kwargs, loss_fn, options) -> int:

@@ -90,9 +90,9 @@ class Report:
         lines += [f"runs at: {self.runs_at}"] if self.runs_at else []
         lines += [f"cuda graphs: {self.cuda_graphs}"] if self.cuda_graphs else []
         if self.host_step is not None:
-            h = self.host_step
+            h, seconds = self.host_step, self.host_step.seconds_over(self.microbatches)
             lines.append(f"optimizer on the host: its {h.moved}, {size_text(h.device_bytes_freed)} off the device, "
-                         f"in {size_text(h.host_bytes)} of host memory; about {h.seconds_over(self.microbatches) * 1e3:.0f} ms more a step "
+                         f"in {size_text(h.host_bytes)} of host memory; about {seconds * 1e3:.0f} ms more a step "
                          "(gradients down, the host's step, parameters up)")
         ran = [r.name for r in self.passes if r.by_default]
         if not ran and not self.skipped:
