@@ -76,7 +76,7 @@ def part_8b(passes: str | None) -> list[dict]:
             rows.append({"tokens": f"{batch} x 2048", "budget_gb": budget_gb, "least_gb": found.least_bytes / GB,
                          "microbatches": found.microbatches, "segments": found.segments,
                          "host_gb": None if host is None else host.host_bytes / GB,
-                         "host_step_s": None if host is None else host.seconds,
+                         "host_step_s": None if host is None else host.seconds_over(found.microbatches),
                          "host_step_pct": found.host_step_overhead_pct,
                          "predicted_gb": None if found.predicted_peak_bytes is None else found.predicted_peak_bytes / GB,
                          "overhead_pct": found.recompute_overhead_pct, "step_s": found.step_seconds,
