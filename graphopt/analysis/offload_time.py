@@ -17,14 +17,14 @@ is called: all of it is waited for.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch.fx
 
 from .cost import forward_costs, rates
 from .meta import TensorInfo, tensor_info
-from .segments import SegmentCall
+from .saved import params_read, storage_key
+from .segments import SegmentCall, segment_parameters
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def offload_time(gm: torch.fx.GraphModule, device: str, gradients: bool = False)
     gradients, each trainable parameter's gradient copied down as backward completes it too."""
     calls = [n for n in gm.graph.nodes if n.op.startswith("call")]
     link = rates(device).host_bytes_per_s
-    moved = {n: offloaded_inputs(n) / link for n in calls if offloaded_inputs(n)}
+    moved = {n: nbytes / link for n in calls if (nbytes := offloaded_inputs(n))}
     completed = _gradients_completed(gm, calls) if gradients else {}
     copies = 2 * sum(moved.values())
     if device != "cuda":
@@ -92,27 +92,15 @@ def offload_time(gm: torch.fx.GraphModule, device: str, gradients: bool = False)
 
 def _gradients_completed(gm: torch.fx.GraphModule, calls: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
     """Per call, bytes of the trainable parameters whose gradients its backward completes: those it
-    is the first in the forward to read (a segment or a module reads its own), each storage once."""
+    is the first in the forward to read, each storage once."""
     completed, seen = {}, set()
     for n in calls:
-        owner, nodes = (n.target.module, list(n.target.module.graph.nodes)) if isinstance(n.target, SegmentCall) \
-            else (gm, [n, *n.all_input_nodes])
-        for p in _parameters_read(owner, nodes):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
+        params = segment_parameters(n.target) if isinstance(n.target, SegmentCall) else params_read(gm, n).values()
+        for p in params:
+            if p.requires_grad and storage_key(p) not in seen:
+                seen.add(storage_key(p))
                 completed[n] = completed.get(n, 0) + p.numel() * p.element_size()
     return completed
-
-
-def _parameters_read(owner: torch.nn.Module, nodes: list[torch.fx.Node]):
-    """The tensors nodes of owner's graph read as attributes: a get_attr's, a call_module's parameters."""
-    for a in nodes:
-        if a.op == "get_attr":
-            p = operator.attrgetter(a.target)(owner)
-            if isinstance(p, torch.Tensor):
-                yield p
-        elif a.op == "call_module":
-            yield from owner.get_submodule(a.target).parameters()
 
 
 def _forward_seconds(node: torch.fx.Node, gm: torch.fx.GraphModule, device: str) -> float:

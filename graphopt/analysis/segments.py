@@ -55,3 +55,14 @@ class SegmentCall:
 def segment_modules(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     """The GraphModule of every segment gm calls."""
     return [n.target.module for n in gm.graph.nodes if isinstance(n.target, SegmentCall)]
+
+
+def segment_parameters(segment: SegmentCall) -> list[torch.nn.Parameter]:
+    """The parameters a segment's run reads: its module's, and those of a module a call in it holds
+    (a batch norm run once, runtime/checkpoint.BatchNormOnce, which keeps its module outside the graph's)."""
+    params = list(segment.module.parameters())
+    for n in segment.module.graph.nodes:
+        held = getattr(n.target, "module", None) if n.op == "call_function" else None
+        if isinstance(held, torch.nn.Module):
+            params += held.parameters()
+    return params

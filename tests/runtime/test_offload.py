@@ -361,6 +361,23 @@ def test_gradients_go_down_beside_the_backward_that_follows_their_first_reader(m
     assert first / 2.5e7 < waited(2.5e7) < total / 2.5e7
 
 
+def test_every_gradient_goes_down_once_batch_norms_run_once_in_segments_included():
+    from graphopt.analysis.cost import rates
+    from graphopt.analysis.host_step import trainable_bytes
+
+    torch.manual_seed(0)
+    model, args, kwargs = zoo.convnet()
+    gm = graphopt.trace(model, args, kwargs)
+    nodes = list(gm.graph.nodes)
+    blocks = [[nodes[i] for i in range(min(at), max(at) + 1)] for at in outer_blocks(nodes).values()]
+    gm = checkpoint_segments(gm, blocks, offload=True)
+    assert sum(isinstance(n.target, SegmentCall) for n in gm.graph.nodes) == 5  # the stem's conv, batch norm and ReLU, and 2 blocks
+    # on CPU each gradient is waited for whole: their sum is every trainable parameter, the batch norms'
+    # held by their run-once calls (not the segment module's attributes) too
+    assert offload_time(gm, "cpu", gradients=True).gradients_waited_s == \
+        pytest.approx(trainable_bytes(model.parameters()) / rates("cpu").host_bytes_per_s)
+
+
 def test_a_second_backward_through_offloaded_checkpoints_is_refused_in_words():
     _, gm, args, kwargs = _gpt(offload=True, layers=2)
     loss = gm(*args, **kwargs).loss
