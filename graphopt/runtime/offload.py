@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..analysis.host_tier import on_host
-from ..analysis.segments import SegmentCall, rerun
+from ..analysis.segments import SegmentCall, rerun, segment_parameters
 from ..errors import UsageError
 from . import copy_streams
 
@@ -74,7 +74,7 @@ class OffloadedSegment(SegmentCall):
         if not torch.is_grad_enabled():  # no backward to come (an evaluation under no_grad): nothing to keep
             return tuple(self.module(*args))
         if self._params_of is not self.module:  # the segment's parameters, found once per module
-            self._params, self._params_of = tuple(self.module.parameters()), self.module
+            self._params, self._params_of = tuple(segment_parameters(self)), self.module
         # Where no input needs a gradient but a parameter does (an embedding's segment, whose one
         # input is the token ids), an empty tensor that does tells autograd the outputs need one.
         anchor = () if any(isinstance(t, torch.Tensor) and t.requires_grad for t in args) or \

@@ -427,3 +427,16 @@ def test_a_segment_returning_a_parameter_itself_leaves_it_a_leaf_and_steps_as_ea
     model(x).backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, expected[name]), name
+
+
+def test_an_offloaded_batch_norm_of_the_input_gets_its_gradients_as_eager():
+    # the segment's one input needs no gradient and its parameters are the batch norm's, which its
+    # run-once call holds outside the segment module: without them the outputs need none either
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    gm = graphopt.trace(model, (torch.randn(16, 8),))
+    nodes = list(gm.graph.nodes)
+    blocks = [[nodes[i] for i in range(min(at), max(at) + 1)] for at in outer_blocks(nodes).values()]
+    gm = checkpoint_segments(gm, blocks, offload=True)
+    assert sum(isinstance(n.target, OffloadedSegment) for n in gm.graph.nodes) == 2
+    assert_same_step(model, gm, (torch.randn(16, 8),), {}, exact=True)  # not the example
