@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from ...analysis.blocks import outer_blocks
-from ...analysis.segments import SegmentCall
+from ...analysis.segments import SegmentCall, segment_parameters
 from ...errors import UsageError
 from ..submodule import stage_module
 
@@ -144,9 +144,10 @@ def _refuse_shared_modules(gm, nodes, owner, shared: set[str]) -> None:
     shared attribute read: fully_shard would hold it in each."""
     where: dict[int, tuple[str, set]] = {}
     for n in nodes:
-        if n.op == "call_module" or isinstance(n.target, SegmentCall):
-            module = n.target.module if isinstance(n.target, SegmentCall) else gm.get_submodule(n.target)
-            params, who = list(module.parameters()), owner.get(n, "root")
+        if isinstance(n.target, SegmentCall):
+            params, who = segment_parameters(n.target), owner.get(n, "root")
+        elif n.op == "call_module":
+            params, who = list(gm.get_submodule(n.target).parameters()), owner.get(n, "root")
         elif n.op == "get_attr" and n.users:  # one a segment reads itself is left without users
             value = _attribute(gm, n.target)
             params = [value] if isinstance(value, torch.nn.Parameter) else []
