@@ -149,11 +149,9 @@ def settled_check(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     one. Not for floating results (autocast, around the call, changes those), nor for tensors
     that read a parameter or buffer (`model.half()` changes those), nor for size or stride
     checks (a dynamic batch changes sizes)."""
-    op = ops.lookup(node, gm)
-    if gm.meta.get("graphopt_frontend") != "export" or op is None or op.name != "assert_tensor_metadata":
+    asserted = asserted_metadata(node, gm) if gm.meta.get("graphopt_frontend") == "export" else None
+    if asserted is None:
         return False
-    bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    asserted = bound.kwargs if bound is not None else {}
     checked = asserted.get("a")
     info = tensor_info(checked) if isinstance(checked, torch.fx.Node) else None
     if (not isinstance(info, TensorInfo) or info.dtype.is_floating_point or info.dtype.is_complex
@@ -171,6 +169,25 @@ def settled_check(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
             return False
         todo.extend(n.all_input_nodes)
     return True
+
+
+def asserted_metadata(node: torch.fx.Node, gm: torch.fx.GraphModule | None) -> dict | None:
+    """What an `aten._assert_tensor_metadata` node asserts, by name (a, size, stride, dtype, device,
+    layout); None for any other node."""
+    op = ops.lookup(node, gm)
+    if op is None or op.name != "assert_tensor_metadata":
+        return None
+    bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return bound.kwargs if bound is not None else {}
+
+
+def kind_check(node: torch.fx.Node, gm: torch.fx.GraphModule | None) -> bool:
+    """Whether the node asserts a tensor's dtype, device or layout alone (no size, no stride) and
+    nothing reads it: what a fused group's own check of its inputs' dtypes and devices, when a
+    call binds, settles for every value the group computes (passes/fuse absorbs such checks)."""
+    asserted = asserted_metadata(node, gm)
+    return (asserted is not None and not node.users and asserted.get("size") is None
+            and asserted.get("stride") is None and asserted.get("layout") in (None, torch.strided))
 
 
 def size_arithmetic(node: torch.fx.Node) -> bool:

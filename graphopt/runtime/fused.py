@@ -48,6 +48,8 @@ from ..codegen.group import Group, differentiable
 from ..codegen.layout import MAX_BLOCK, contiguous_strides
 from ..codegen.reference import reference_source
 from ..codegen.spec import LaunchPlan, plan_backward, plan_forward
+from ..errors import UsageError
+from ..vocabulary.precisions import torch_name
 from .dropout_masks import inserted, with_masks, with_stand_ins
 from .launch import bind, interpreting
 
@@ -139,6 +141,21 @@ def group_device(inputs) -> torch.device:
     if len(devices) > 1:
         raise ValueError(f"fused group inputs are on several devices {sorted(map(str, devices))}; move them to one")
     return devices.pop() if devices else inputs[0].device
+
+
+def check_kinds(name: str, kinds: tuple, inputs) -> None:
+    """Refuse inputs of other dtypes than the group was traced with, or (tensors with data) on
+    other devices: its steps compute in the traced dtypes, and the checks of its values that the
+    fuse pass dropped hold for those alone. Run where a call's signature binds."""
+    for k, (kind, t) in enumerate(zip(kinds, inputs)):
+        if kind is None or (t.dtype == kind[0] and (t.device.type == kind[1] or shape_only([t]))):
+            continue
+        raise UsageError(
+            f"{name} was built for {torch_name(kind[0])} on {kind[1]} at its input {k}, and got "
+            f"{torch_name(t.dtype)} on {t.device.type}: an optimized module runs in the dtypes and on the device "
+            "it was traced in. Call it outside torch.autocast (graphopt.optimize(..., precision='bf16') "
+            "gives autocast's mixed precision), and optimize the model again after changing its dtype or "
+            "device (model.half(), model.to(...)).")
 
 
 def mode_of(tensors, device: torch.device) -> str:
@@ -358,9 +375,10 @@ class FusedOp:
     """A fused group as a callable: one tensor for a one-output group, else a tuple in group.outputs order.
     It has a __name__, so an FX call_function node can target it."""
 
-    def __init__(self, group: Group, draws: tuple = ()):
+    def __init__(self, group: Group, draws: tuple = (), kinds: tuple = ()):
         self.group = group if isinstance(group, Group) else Group(*group)
         self.draws = tuple(draws)  # (input place, keep, dtype, sourced) of each mask the call draws (dropout_masks.py)
+        self.kinds = tuple(kinds)  # per input taken, its traced (dtype, device type) or None: check_kinds
         self.taken = len(self.group.inputs) - inserted(self.draws)
         self.__name__ = "fused_" + "_".join(s.op for s in self.group.steps)[:80]
         self.__qualname__ = self.__name__
@@ -368,10 +386,10 @@ class FusedOp:
         self._generation = _GENERATION[0]
 
     def __getstate__(self):
-        return {"group": self.group, "draws": self.draws}  # kernels do not pickle (deepcopy of a GraphModule)
+        return {"group": self.group, "draws": self.draws, "kinds": self.kinds}  # kernels do not pickle (deepcopy)
 
     def __setstate__(self, state):
-        self.__init__(state["group"], state.get("draws", ()))
+        self.__init__(state["group"], state.get("draws", ()), state.get("kinds", ()))
 
     def __repr__(self) -> str:
         return f"FusedOp({self.group.describe()})"
@@ -394,6 +412,7 @@ class FusedOp:
                          "(put Python numbers into the steps as scalar args)")
 
     def _bind(self, key, inputs) -> _Forward:
+        check_kinds(self.__name__, self.kinds, inputs)
         if self._generation != _GENERATION[0] or len(self._memo) >= MAX_PLANS:
             self._memo.clear()
             self._generation = _GENERATION[0]

@@ -33,7 +33,7 @@ from ..codegen.row_program import backward_reads
 from ..codegen.row_space import RowSpace, empty_like_order
 from ..ops.shim import tl
 from .dropout_masks import holes, inserted, with_masks, with_stand_ins
-from .fused import (MAX_PLANS, STATS, _GENERATION, enter, group_device, interpreting, leave, mode_of,
+from .fused import (MAX_PLANS, STATS, _GENERATION, check_kinds, enter, group_device, interpreting, leave, mode_of,
                     signature_key)
 from .launch import bind
 
@@ -351,9 +351,10 @@ class FusedRowOp:
     (or None) as places in the state; momentum), applied as eager's batch norm applies them."""
 
     def __init__(self, group: RowGroup, finish: tuple = (), orders: tuple = (), col_dims: tuple | None = None,
-                 updates: tuple = (), draws: tuple = ()):
+                 updates: tuple = (), draws: tuple = (), kinds: tuple = ()):
         self.group, self.updates = group, tuple(updates)
         self.draws = tuple(draws)  # (input place, keep, dtype, sourced) of each mask the call draws (dropout_masks.py)
+        self.kinds = tuple(kinds)  # per input taken, its traced (dtype, device type) or None: fused.check_kinds
         self.returned = len(group.outputs) - 2 * len(self.updates)
         self.finish = tuple(finish) or (None,) * self.returned
         self.orders, self.col_dims = tuple(orders), col_dims
@@ -368,7 +369,7 @@ class FusedRowOp:
 
     def __getstate__(self):
         return {"group": self.group, "finish": self.finish, "orders": self.orders, "col_dims": self.col_dims,
-                "updates": self.updates, "draws": self.draws}
+                "updates": self.updates, "draws": self.draws, "kinds": self.kinds}
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -409,6 +410,7 @@ class FusedRowOp:
         return call(inputs)
 
     def _bind(self, key, inputs) -> _RowCall:
+        check_kinds(self.__name__, self.kinds, inputs)
         if self._generation != _GENERATION[0] or len(self._memo) >= MAX_PLANS:
             self._memo.clear()
             self._generation = _GENERATION[0]

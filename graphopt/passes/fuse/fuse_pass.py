@@ -48,7 +48,7 @@ from ...analysis.cost import rates
 from ...analysis.dispatched import DISPATCHED, Dispatched
 from ...analysis.effects import written_values
 from ...analysis.memory import estimate_peak
-from ...analysis.meta import KEY, gather, graph_device
+from ...analysis.meta import KEY, TensorInfo, gather, graph_device, tensor_info
 from ...codegen.row_group import RowGroup
 from ...codegen.row_kernel import source as row_source
 from ...codegen.row_launch import layout as row_layout
@@ -63,6 +63,7 @@ from ..registry import register
 from .dropout_members import DrawnMask
 from .epilogue_members import CONV_PARAMS, WITHOUT_BIAS, BiasFree
 from .fusion import FusionGroup, candidates, find_groups, memory_bound, traffic
+from .group_outputs import absorbed_checks, outside_users
 from .head_loss import chunk_heads
 from .profit import slower_than_eager
 from .row_members import StateInput, as_state, info_of
@@ -72,7 +73,7 @@ from .views import lift_views
 def _outside_users(group: FusionGroup) -> list[torch.fx.Node]:
     inside = set(group.nodes)
     return [u for n in group.outputs + [a for a, t in group.aliases.items() if t not in group.inputs]
-            for u in n.users if u not in inside]
+            for u in outside_users(n, inside)]
 
 
 def _anchor(group: FusionGroup) -> tuple[torch.fx.Node | None, str | None]:
@@ -113,8 +114,11 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
         for node, v in zip(inputs, taken):
             if isinstance(v, StateInput):
                 node.meta[KEY] = v.info
-        runs = FusedRowOp(group.group, group.finish, group.orders, group.rows.col_dims, group.updates, draws) \
-            if isinstance(group.group, RowGroup) else FusedOp(group.group, draws)
+        # the call checks its inputs' dtypes and devices where it binds, which settles the checks
+        # of the values it computes (group_outputs.absorbed_checks): they go with its nodes
+        kinds = tuple(_kind(v) for v in inputs)
+        runs = FusedRowOp(group.group, group.finish, group.orders, group.rows.col_dims, group.updates, draws, kinds) \
+            if isinstance(group.group, RowGroup) else FusedOp(group.group, draws, kinds)
         call = graph.call_function(runs, tuple(inputs))
         call.meta[DISPATCHED] = _effects(group, draws)
         gather(call, group.outputs, single=len(group.outputs) == 1)
@@ -125,6 +129,8 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
             for i, (result, node) in enumerate(zip(results, group.outputs)):
                 gather(result, [node], single=True)
                 note(result, "fuse", f"{label} output {i}")
+    for check in absorbed_checks(group.nodes):
+        graph.erase_node(check)
     for result, node in zip(results, group.outputs):
         node.replace_all_uses_with(result)
         replaced[node] = result
@@ -134,6 +140,12 @@ def _rewrite(gm: torch.fx.GraphModule, group: FusionGroup, anchor: torch.fx.Node
     for node in reversed(group.nodes):
         graph.erase_node(node)
     return call
+
+
+def _kind(node: torch.fx.Node) -> tuple | None:
+    """An input's traced dtype and device type, which the fused call takes alone; None where unknown."""
+    info = tensor_info(node)
+    return (info.dtype, info.device.type) if isinstance(info, TensorInfo) else None
 
 
 def _effects(group: FusionGroup, draws: tuple) -> Dispatched:

@@ -567,3 +567,33 @@ def test_with_a_budget_the_loss_chunk_is_the_largest_that_fits():
         else:
             assert chunk < rows and peaks[chunk] <= budget * GB
             assert_same_step(model, opt, args, {}, exact=False)
+
+
+def hf_rms_norm_casting(m, x):
+    """transformers' LlamaRMSNorm after a linear and a residual add, its casts spelled as they are:
+    torch.export checks the dtype of each value cast (aten._assert_tensor_metadata)."""
+    h = m.proj(x) + x
+    dtype = h.dtype
+    h = h.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    return m.weight * (h * torch.rsqrt(variance + 1e-6)).to(dtype)
+
+
+def _checked(gm) -> list:
+    """The values export's dtype checks read."""
+    return [n.args[0] for n in gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+
+
+def test_a_groups_values_that_only_dtype_checks_read_are_not_stored_and_it_checks_its_inputs_instead():
+    model = module(hf_rms_norm_casting, 1, proj=torch.nn.Linear(48, 48), weight=torch.nn.Parameter(torch.randn(48)))
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    traced = graphopt.optimize(model, (x,), passes="normalize", frontend="export")
+    assert any(v.target is torch.ops.aten.add.Tensor for v in _checked(traced))
+    opt = graphopt.optimize(model, (x,), passes="fuse", frontend="export")
+    (group,) = opt.graphopt_report.passes[-1].stats["groups"]
+    (call,) = fused_nodes(opt)
+    assert len(group["outputs"]) == 1 and set(call.target.kinds) == {(torch.float32, "cpu")}
+    assert not any(v is call or call in v.all_input_nodes for v in _checked(opt))
+    assert_same_step(model, opt, (x,), {}, exact=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(graphopt.UsageError, match="torch.autocast"):
+        opt(torch.randn(2, 5, 48))
