@@ -20,9 +20,11 @@ Rows, each graphopt against its baseline measured in the same process:
 
 Time is the measuring thread's CPU time (time.thread_time): with torch.set_num_threads(1) the
 whole CPU step, backward included, runs on it, and a shared machine's other work is left out.
-The two sides alternate in short rounds of a few calls; each side's time is its best round's
-mean (a shared machine's noise only ever adds), and the ratio is of those. Denormal floats are
-flushed to zero while measuring: a fused call whose launch is left out hands on whatever its
+The two sides alternate in short rounds of a few calls, and the ratio is the median over rounds
+of the two sides' times in the same round (each side's figure its median round): a shared
+machine's speed changes for seconds at a time (the tiny Llama's eager bf16 step took 5.3 ms in
+some stretches and 8.2 ms in others of one process), and a round's two sides run at the same.
+Denormal floats are flushed to zero while measuring: a fused call whose launch is left out hands on whatever its
 memory held, often denormals, and the CPU's matmuls on those run tens of times slower (a linear
 of 64 x 64 on 64 rows: 0.49 ms against 0.012 ms), a cost on graphopt's side alone that no GPU pays.
 GOALS (issue 62's) are asserted in quick mode by bench/test_bench_host_time.py.
@@ -33,6 +35,7 @@ import argparse
 import copy
 import gc
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -77,12 +80,12 @@ class Row:
 
 
 def compare(graphopt_fn, baseline_fn, calls: int, rounds: int) -> tuple[float, float, float]:
-    """(graphopt's best round over the baseline's, each side's best round in us). The garbage
-    collector is off while timing, as timeit has it: a collection's cost is the whole process's
-    objects', not the step's."""
+    """(the median over rounds of graphopt's time over the baseline's in the same round, each
+    side's median round in us). The garbage collector is off while timing, as timeit has it: a
+    collection's cost is the whole process's objects', not the step's."""
     for fn in (graphopt_fn, baseline_fn, graphopt_fn, baseline_fn):
         fn()
-    best = [float("inf"), float("inf")]
+    times: list[list[float]] = [[], []]
     gc.collect()
     gc.disable()
     try:
@@ -92,10 +95,11 @@ def compare(graphopt_fn, baseline_fn, calls: int, rounds: int) -> tuple[float, f
                 start = time.thread_time()
                 for _ in range(calls):
                     fn()
-                best[side] = min(best[side], (time.thread_time() - start) / calls)
+                times[side].append((time.thread_time() - start) / calls)
     finally:
         gc.enable()
-    return best[0] / best[1], best[0] * 1e6, best[1] * 1e6
+    ratio = statistics.median(g / b for g, b in zip(*times))
+    return ratio, statistics.median(times[0]) * 1e6, statistics.median(times[1]) * 1e6
 
 
 class _Dispatches(TorchDispatchMode):

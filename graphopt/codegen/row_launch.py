@@ -11,6 +11,8 @@ elements: narrow rows go many to a program); layout() chooses the persistent or 
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -266,8 +268,9 @@ class RowBackward:
 
     @property
     def finishing(self) -> tuple:
-        """Per buffer: (its input, (col shape, dtype) where partial sums are added up, the shape
-        it is summed to, the shape it is given), None where nothing is to do."""
+        """Per buffer: (its input, (the shape, dtype) its partial sums are added up to (the col
+        shape, or its view where that only drops 1s), the shape it is summed to, the shape it is
+        given), None where nothing is to do."""
         if self._finishing is None:
             steps, space, group = [], self.space, self.group
             for k, size, _, _ in self.buffers:
@@ -276,6 +279,8 @@ class RowBackward:
                 size = space.col_shape() if kind == COL else tuple(size)
                 view = _view_shape(kind, self.shapes[k], space)
                 shaped = None if view == self.shapes[k] else self.shapes[k]
+                if partial is not None and math.prod(view) == math.prod(size):  # summing to it only drops 1s
+                    partial, size = (view, partial[1]), view
                 steps.append((k, partial, None if size == view else view, shaped))
             self._finishing = tuple(steps)
         return self._finishing

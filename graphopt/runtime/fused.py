@@ -58,7 +58,13 @@ MAX_PLANS = 64  # input signatures each FusedOp remembers (then it starts over)
 _KERNELS: dict = {}  # (Spec, interpreted) -> the Triton kernel
 _REFERENCES: dict = {}  # (Spec of the backward, or forward) -> the torch reference module
 STATS = Counter()  # kernel cache "hits" and "misses" (at binding), and "launches"
-_INSIDE = threading.local()  # .depth: how many fused runs this thread is inside
+
+
+class _Depth(threading.local):
+    depth = 0  # how many fused runs this thread is inside (a class default: no getattr per call)
+
+
+_INSIDE = _Depth()
 _GENERATION = [0]  # bumped by clear_cache()
 
 
@@ -73,11 +79,11 @@ def launch_count() -> int:
 
 def running_fused() -> bool:
     """Whether this thread is inside a fused group's run: its torch calls are the group's, not the graph's."""
-    return getattr(_INSIDE, "depth", 0) > 0
+    return _INSIDE.depth > 0
 
 
 def enter() -> None:
-    _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+    _INSIDE.depth += 1
 
 
 def leave() -> None:
