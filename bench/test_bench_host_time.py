@@ -1,7 +1,8 @@
 """Host time of graphopt's training steps against eager's, kernels left out (bench/host_time.py holds
 the rows and the measurement): issue 62's goals, graphopt's time over eager's in the same run, at
 most GOALS's; syncs per step no more than eager's. A row over its goal is measured again, twice at
-most, and its best run counts: a shared machine's noise only ever adds, a regression stays."""
+most, and its best run counts: a regression stays over in each run, a shared machine's bad
+stretch does not."""
 import host_time
 
 ATTEMPTS = 3
