@@ -24,9 +24,10 @@ The two sides alternate in short rounds of a few calls, and the ratio is the med
 of the two sides' times in the same round (each side's figure its median round): a shared
 machine's speed changes for seconds at a time (the tiny Llama's eager bf16 step took 5.3 ms in
 some stretches and 8.2 ms in others of one process), and a round's two sides run at the same.
-Denormal floats are flushed to zero while measuring: a fused call whose launch is left out hands on whatever its
-memory held, often denormals, and the CPU's matmuls on those run tens of times slower (a linear
-of 64 x 64 on 64 rows: 0.49 ms against 0.012 ms), a cost on graphopt's side alone that no GPU pays.
+Denormal floats are flushed to zero while measuring: a fused call whose launch is left out hands
+on whatever its memory held, often denormals, and the CPU's matmuls on those run tens of times
+slower (a linear of 64 x 64 on 64 rows: 0.49 ms against 0.012 ms), a cost on graphopt's side
+alone that no GPU pays.
 GOALS (issue 62's) are asserted in quick mode by bench/test_bench_host_time.py.
 """
 from __future__ import annotations

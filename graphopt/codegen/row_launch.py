@@ -12,7 +12,6 @@ elements: narrow rows go many to a program); layout() chooses the persistent or 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
