@@ -203,6 +203,9 @@ def _report(stats: dict) -> str:
         lines.append(f"## {g['name']}: {' -> '.join(g['ops'])}")
         lines.append(f"nodes: {', '.join(g['nodes'])}; reads {g['bytes_read']}, writes {g['bytes_written']} bytes; "
                      f"saves {g['bytes_saved']} bytes of forward traffic")
+        if g["checks_settled"]:
+            lines.append(f"dtype checks of its values dropped (its call checks its inputs' dtypes and devices): "
+                         f"{', '.join(g['checks_settled'])}")
         lines += [f"- {n} not fused: {r}" for n, r in g["not_fused"].items()]
         lines.append("")
     for r in stats.get("view_regions", ()):
@@ -301,13 +304,14 @@ class Fuse(Pass):
                 continue
             # Step 3
             nodes = [n.name for n in group.nodes]
+            settled = [c.name for c in absorbed_checks(group.nodes)]
             call = _rewrite(gm, group, anchor, f"group {len(done)}", replaced)
             # Step 4
             read, written = traffic(call)
             done.append({"name": call.name, "ops": group.ops(), "nodes": nodes, "rows": isinstance(group.group, RowGroup),
                          "inputs": [n.name for n in group.inputs], "outputs": [n.name for n in group.outputs],
                          "bytes_saved": group.bytes_saved, "bytes_read": read, "bytes_written": written,
-                         "not_fused": group.not_fused})
+                         "checks_settled": settled, "not_fused": group.not_fused})
             files.update(_kernel_files(call.name, group))
         # Step 5
         heads, unchunked = chunk_heads(gm, lambda module: estimate_peak(module, ctx.flat_inputs(module),

@@ -593,6 +593,7 @@ def test_a_groups_values_that_only_dtype_checks_read_are_not_stored_and_it_check
     (group,) = opt.graphopt_report.passes[-1].stats["groups"]
     (call,) = fused_nodes(opt)
     assert len(group["outputs"]) == 1 and set(call.target.kinds) == {(torch.float32, "cpu")}
+    assert len(group["checks_settled"]) == 2  # the sum's, before its cast to float32, and the norm's
     assert not any(v is call or call in v.all_input_nodes for v in _checked(opt))
     assert_same_step(model, opt, (x,), {}, exact=False)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(graphopt.UsageError, match="torch.autocast"):
