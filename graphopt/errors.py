@@ -60,6 +60,15 @@ class SizeError(UsageError, IndexError):
     IndexError there, and so does this, with the limit and its reason."""
 
 
+def traced_kinds_refused(what: str) -> UsageError:
+    """The UsageError of a call whose tensors differ in dtype or device from those the graph was
+    traced with (under torch.autocast, or after model.half()); `what` says where it showed."""
+    return UsageError(f"{what}: an optimized module runs in the dtypes and on the device it was traced in. "
+                      "Call it outside torch.autocast (graphopt.optimize(..., precision='bf16') gives autocast's "
+                      "mixed precision), and optimize the model again after changing its dtype or device "
+                      "(model.half(), model.to(...)).")
+
+
 class ModeError(GraphoptError, RuntimeError):
     """The optimized graph was built for training (or inference) and is used in the other mode."""
 

@@ -63,6 +63,23 @@ class WithTargets(nn.Module):
         return out if targets is None else nn.functional.cross_entropy(out, targets)
 
 
+class Casting(nn.Module):
+    """A linear's output cast to float32, as HF's norms cast theirs: torch.export checks its dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.lin(x).to(torch.float32).relu()
+
+
+def _under_autocast():
+    opt = graphopt.optimize(Casting(), (X,), frontend="export")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return opt(X)
+
+
 def _with_targets(frontend="fx"):
     return graphopt.optimize(WithTargets(), (X,), example_kwargs={"targets": torch.randint(0, 4, (4,))},
                              frontend=frontend)
@@ -153,6 +170,7 @@ ERRORS = {
     "export graph, another feature size": (lambda tmp: _optimized(frontend="export")(torch.randn(4, 9)), UsageError),
     "export graph, another feature size at another batch": (
         lambda tmp: _optimized(frontend="export")(torch.randn(1, 9)), UsageError),
+    "export graph with a cast, called under torch.autocast": (lambda tmp: _under_autocast(), UsageError),
     "recompute plan, a larger batch than its budget takes": (lambda tmp: _planned()(torch.randn(4096, 8)),
                                                              BudgetError),
     "built for training, run in eval": (lambda tmp: _optimized(train=True).eval()(X), ModeError),

@@ -48,7 +48,7 @@ from ..codegen.group import Group, differentiable
 from ..codegen.layout import MAX_BLOCK, contiguous_strides
 from ..codegen.reference import reference_source
 from ..codegen.spec import LaunchPlan, plan_backward, plan_forward
-from ..errors import UsageError
+from ..errors import traced_kinds_refused
 from ..vocabulary.precisions import torch_name
 from .dropout_masks import inserted, with_masks, with_stand_ins
 from .launch import bind, interpreting
@@ -156,12 +156,8 @@ def check_kinds(name: str, kinds: tuple, inputs) -> None:
     for k, (kind, t) in enumerate(zip(kinds, inputs)):
         if kind is None or (t.dtype == kind[0] and (t.device.type == kind[1] or shape_only([t]))):
             continue
-        raise UsageError(
-            f"{name} was built for {torch_name(kind[0])} on {kind[1]} at its input {k}, and got "
-            f"{torch_name(t.dtype)} on {t.device.type}: an optimized module runs in the dtypes and on the device "
-            "it was traced in. Call it outside torch.autocast (graphopt.optimize(..., precision='bf16') "
-            "gives autocast's mixed precision), and optimize the model again after changing its dtype or "
-            "device (model.half(), model.to(...)).")
+        raise traced_kinds_refused(f"{name} was built for {torch_name(kind[0])} on {kind[1]} at its input {k}, "
+                                   f"and got {torch_name(t.dtype)} on {t.device.type}")
 
 
 def mode_of(tensors, device: torch.device) -> str:

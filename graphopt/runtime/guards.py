@@ -23,7 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..analysis.planning_device import seen_as
-from ..errors import GraphoptError, ModeError, SizeError, UsageError
+from ..errors import GraphoptError, ModeError, SizeError, UsageError, traced_kinds_refused
 from ..frontend.batch import batch_rows
 from ..frontend.call_signature import signature
 from ..frontend.export_batch import guards_failure
@@ -368,11 +368,34 @@ def refuse_pickling(module: torch.nn.Module) -> None:
     type(module).__reduce__ = refuse
 
 
+# how aten._assert_tensor_metadata, export's check of a value's dtype or device before a .to(), fails
+_KIND_MISMATCH = ("Tensor dtype mismatch", "Tensor device mismatch", "Tensor layout mismatch")
+
+
+def install_kinds_translation(gm: torch.fx.GraphModule) -> None:
+    """Turn a failure of export's dtype and device checks inside the graph (a value of another
+    dtype than traced: a call under torch.autocast, a model cast after optimize) into the
+    UsageError that says what to do, where torch raises a bare RuntimeError."""
+    plain = type(gm).forward
+
+    @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
+    def forward(self, *call_args, **call_kwargs):
+        try:
+            return plain(self, *call_args, **call_kwargs)
+        except RuntimeError as e:
+            if not str(e).startswith(_KIND_MISMATCH):
+                raise
+            raise traced_kinds_refused(f"a value of this call is not as traced ({e})") from None
+
+    type(gm).forward = forward
+
+
 def install_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, given: tuple[tuple, dict],
                    example: tuple[tuple, dict], batch: tuple[tuple, dict], microbatches: int | None,
                    specialized: str | None, call_checks: list, writes, loss=None) -> str:
     """Every check a call of optimize()'s result passes first, in order: its mode, its arguments'
-    kinds (given: the call as the user wrote it), writes into aliased inputs, pickling refused,
+    kinds (given: the call as the user wrote it), export's dtype checks' failures said as a
+    UsageError, writes into aliased inputs, pickling refused,
     the shapes it runs at (example: what the passes planned for, one microbatch where stages run
     the batch as microbatches), then the passes' own call checks, whose reasons come after the
     shapes'. loss: the graph's scalar loss (analysis/batch_wide.LossReduction), by whose reduction
@@ -380,6 +403,8 @@ def install_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, given: tupl
     inputs the result takes, for the report."""
     install_mode_guard(gm, model.training)
     install_call_guard(gm, model, *given)
+    if gm.meta.get("graphopt_frontend") == "export":
+        install_kinds_translation(gm)
     if writes.written:
         gm.register_forward_pre_hook(writes, with_kwargs=True)
     refuse_pickling(gm)
