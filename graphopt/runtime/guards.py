@@ -238,18 +238,30 @@ def install_sizes_guard(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, siz
     # (a budget's estimate at the call's sizes); where a torch keeps it elsewhere, its failure
     # is the user's call.
     gm.register_forward_pre_hook(related, with_kwargs=True)
-    plain = type(gm).forward
+    translate_failures(gm, AssertionError, ("Guard failed",), lambda a, k, e: refuse(a, k, f"{e}"))
 
-    @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
-    def forward(self, *call_args, **call_kwargs):
-        try:
-            return plain(self, *call_args, **call_kwargs)
-        except AssertionError as e:
-            if not str(e).startswith("Guard failed"):
+
+def translate_failures(gm: torch.fx.GraphModule, caught: type, says: tuple[str, ...], refusal) -> None:
+    """Raise refusal(call_args, call_kwargs, error) where gm's graph raises a `caught` whose message
+    starts with one of `says`: torch's bare error from a check inside the graph, said as graphopt's.
+    One wrapper of gm's forward holds every translation: a call pays one frame, and nothing more
+    unless it fails."""
+    cls = type(gm)  # fx makes a class per GraphModule: the wrapper touches no other module
+    if "_graphopt_translations" not in cls.__dict__:
+        plain = cls.forward
+
+        @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
+        def forward(self, *call_args, **call_kwargs):
+            try:
+                return plain(self, *call_args, **call_kwargs)
+            except Exception as e:
+                for kind, starts, make in cls._graphopt_translations:
+                    if isinstance(e, kind) and str(e).startswith(starts):
+                        raise make(call_args, call_kwargs, e) from None
                 raise
-            raise refuse(call_args, call_kwargs, f"{e}") from None
 
-    type(gm).forward = forward
+        cls.forward, cls._graphopt_translations = forward, ()
+    cls._graphopt_translations += ((caught, says, refusal),)
 
 
 def _kind(leaf, value: bool):
@@ -376,18 +388,8 @@ def install_kinds_translation(gm: torch.fx.GraphModule) -> None:
     """Turn a failure of export's dtype and device checks inside the graph (a value of another
     dtype than traced: a call under torch.autocast, a model cast after optimize) into the
     UsageError that says what to do, where torch raises a bare RuntimeError."""
-    plain = type(gm).forward
-
-    @functools.wraps(plain)  # the signature stays the graph's: placeholder_values binds calls by it
-    def forward(self, *call_args, **call_kwargs):
-        try:
-            return plain(self, *call_args, **call_kwargs)
-        except RuntimeError as e:
-            if not str(e).startswith(_KIND_MISMATCH):
-                raise
-            raise traced_kinds_refused(f"a value of this call is not as traced ({e})") from None
-
-    type(gm).forward = forward
+    translate_failures(gm, RuntimeError, _KIND_MISMATCH,
+                       lambda a, k, e: traced_kinds_refused(f"a value of this call is not as traced ({e})"))
 
 
 def install_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, given: tuple[tuple, dict],
