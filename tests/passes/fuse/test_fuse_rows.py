@@ -595,6 +595,13 @@ def test_a_groups_values_that_only_dtype_checks_read_are_not_stored_and_it_check
     assert len(group["outputs"]) == 1 and set(call.target.kinds) == {(torch.float32, "cpu")}
     assert len(group["checks_settled"]) == 2  # the sum's, before its cast to float32, and the norm's
     assert not any(v is call or call in v.all_input_nodes for v in _checked(opt))
-    assert_same_step(model, opt, (x,), {}, exact=False)
+    assert_same_step(model, opt, (torch.randn(2, 5, 48, requires_grad=True),), {}, exact=False)  # not the example
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(graphopt.UsageError, match="torch.autocast"):
         opt(torch.randn(2, 5, 48))
+    model.eval()
+    served = graphopt.optimize(model, (x,), passes="fuse", frontend="export", train=False)
+    (group,) = served.graphopt_report.passes[-1].stats["groups"]
+    assert len(group["outputs"]) == 1 and len(group["checks_settled"]) == 2
+    with torch.no_grad():
+        other = torch.randn(2, 5, 48)
+        torch.testing.assert_close(served(other), model(other))
